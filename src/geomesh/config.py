@@ -1,0 +1,335 @@
+"""Typed scenario configuration: dataclasses loaded from YAML and validated at load.
+
+A *scenario* is everything a run needs: the regions (workers) and their GPUs, the WAN between them, the
+*timing model* that sets modeled time, the *proxy model* that really trains, the data, and the training
+settings. Every loading error is a :class:`ConfigError` whose message names the field (a dotted path),
+the value, and what is allowed. Presets ship in ``geomesh/scenarios/*.yaml``; a scenario argument is a
+preset name or a path to a YAML file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import types
+import typing
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from .hardware import GPU_CATALOG, TimingModel, gpu_spec
+from .network import AZURE_REGIONS, WanModel, azure_rtt_ms
+
+
+class ConfigError(ValueError):
+    """A scenario or option a user wrote is invalid; the message says which field and why."""
+
+
+@dataclass
+class RegionConfig:
+    name: str
+    gpu: str
+    count: int = 1
+    azure_region: str | None = None  # where to look up RTTs when wan.rtt is "azure"
+    slowdown: float = 1.0  # multiplies this worker's compute time (CPU heterogeneity, what-if studies)
+
+
+@dataclass
+class WanConfig:
+    rtt: Any = "azure"  # "azure" (published P95 RTTs between regions' azure_region) or an NxN matrix in ms
+    bandwidth_gbps: Any = 1.0  # one figure for every link, or an NxN matrix (Gbit/s)
+
+
+@dataclass
+class TimingConfig:
+    n_layers: int = 24
+    hidden: int = 1024
+    seq_len: int = 1024
+    vocab: int = 32000
+    mfu: float | None = None
+    step_overhead_s: float = 0.02
+
+
+@dataclass
+class ProxyConfig:
+    preset: str = "micro"
+    seq_len: int = 128
+
+
+@dataclass
+class DataConfig:
+    paths: list[str] | None = None  # None: the default corpus
+    vocab_size: int = 4096
+    val_fraction: float = 0.05
+    text_field: str = "text"
+
+
+@dataclass
+class TrainingConfig:
+    tokens: int = 1_000_000  # proxy-model token budget, summed over workers
+    batch: int = 16  # sequences per inner step (DiLoCo's uniform b; the planner's reference)
+    inner_steps: int = 20  # DiLoCo's H; the planner's reference
+    inner_lr: float = 3e-3
+    min_lr_frac: float = 0.1  # cosine decays to this fraction of inner_lr
+    warmup_frac: float = 0.05  # fraction of the token budget spent warming up
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    seed: int = 0
+    eval_sequences: int = 64
+    eval_every_rounds: int = 1
+    target_val_loss: float | None = None
+
+
+@dataclass
+class GeoMeshConfig:
+    round_sequences_factor: float = 1.0  # sequences per round relative to DiLoCo's N·b·H
+    min_batch: int = 4
+    max_batch: int = 512
+    min_inner_steps: int = 4
+    max_inner_steps: int = 400
+    chunk_size: int = 4096
+    scale: str = "l2"
+    error_feedback: bool = True
+
+
+@dataclass
+class ScenarioConfig:
+    name: str
+    regions: list[RegionConfig]
+    wan: WanConfig = field(default_factory=WanConfig)
+    timing_model: TimingConfig = field(default_factory=TimingConfig)
+    proxy: ProxyConfig = field(default_factory=ProxyConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    geomesh: GeoMeshConfig = field(default_factory=GeoMeshConfig)
+    description: str = ""
+
+    # ---- derived facts -------------------------------------------------------------------------
+    def timing(self) -> TimingModel:
+        t = self.timing_model
+        return TimingModel(
+            n_layers=t.n_layers, hidden=t.hidden, seq_len=t.seq_len, vocab=t.vocab, mfu=t.mfu,
+            step_overhead_s=t.step_overhead_s,
+        )  # fmt: skip
+
+    def wan_model(self) -> WanModel:
+        n = len(self.regions)
+        if self.wan.rtt == "azure":
+            rtt = [[azure_rtt_ms(a.azure_region, b.azure_region) for b in self.regions] for a in self.regions]
+        else:
+            rtt = self.wan.rtt
+        bw = self.wan.bandwidth_gbps
+        bw = [[bw] * n for _ in range(n)] if isinstance(bw, (int, float)) else bw
+        return WanModel(
+            rtt_s=tuple(tuple(float(x) / 1000 for x in row) for row in rtt),
+            bandwidth_Bps=tuple(tuple(float(x) * 1e9 / 8 for x in row) for row in bw),
+        )
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+# ---- generic typed loading ---------------------------------------------------------------------
+
+
+def _type_name(tp: Any) -> str:
+    if tp is Any:
+        return "any value"
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in typing.get_args(tp))
+    if origin is list:
+        return f"a list of {_type_name(typing.get_args(tp)[0])}"
+    if tp is type(None):
+        return "null"
+    if dataclasses.is_dataclass(tp):
+        return "a mapping"
+    return {int: "an integer", float: "a number", str: "a string", bool: "true/false"}.get(tp, str(tp))
+
+
+def _coerce(value: Any, tp: Any, where: str) -> Any:
+    """Check ``value`` against the annotation ``tp``; return it converted (int → float, dicts → dataclasses)."""
+    if tp is Any:
+        return value
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        for arg in typing.get_args(tp):
+            if arg is type(None) and value is None:
+                return None
+        for arg in typing.get_args(tp):
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(value, arg, where)
+            except ConfigError:
+                pass
+        raise ConfigError(f"{where}: {value!r} is not allowed; expected {_type_name(tp)}")
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"{where}: {value!r} is not allowed; expected {_type_name(tp)}")
+        (item,) = typing.get_args(tp)
+        return [_coerce(v, item, f"{where}[{i}]") for i, v in enumerate(value)]
+    if dataclasses.is_dataclass(tp):
+        return _build(tp, value, where)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer() and abs(value) < 2**62:
+            return int(value)  # YAML reads 1e6 as a float
+    elif tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            if not math.isfinite(float(value)):
+                raise ConfigError(f"{where}: {value!r} is not allowed; expected a finite number")
+            return float(value)
+    elif tp is str:
+        if isinstance(value, str):
+            return value
+    raise ConfigError(f"{where}: {value!r} is not allowed; expected {_type_name(tp)}")
+
+
+def _build(cls: type, data: Any, where: str) -> Any:
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where}: {data!r} is not allowed; expected a mapping with fields of {cls.__name__}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = [k for k in data if k not in fields]
+    if unknown:
+        raise ConfigError(f"{where}.{unknown[0]}: unknown field; allowed: {', '.join(fields)}")
+    kwargs = {}
+    for name, f in fields.items():
+        if name in data:
+            kwargs[name] = _coerce(data[name], hints[name], f"{where}.{name}")
+        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            raise ConfigError(f"{where}.{name}: missing; expected {_type_name(hints[name])}")
+    return cls(**kwargs)
+
+
+def _require(ok: bool, where: str, value: Any, allowed: str) -> None:
+    if not ok:
+        raise ConfigError(f"{where}: {value!r} is not allowed; {allowed}")
+
+
+def _check_matrix(value: Any, n: int, where: str, *, diagonal_zero_ok: bool) -> None:
+    shape_ok = isinstance(value, list) and len(value) == n and all(isinstance(r, list) and len(r) == n for r in value)
+    _require(shape_ok, where, value, f"expected a {n}x{n} matrix (one row and column per region)")
+    for i, row in enumerate(value):
+        for j, x in enumerate(row):
+            ok = isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+            ok = ok and (x > 0 or (i == j and diagonal_zero_ok and x >= 0))
+            _require(ok, f"{where}[{i}][{j}]", x, "expected a positive finite number")
+
+
+def validate(cfg: ScenarioConfig) -> ScenarioConfig:
+    """Check the values (types were checked at load); raise ConfigError naming the field."""
+    n = len(cfg.regions)
+    _require(n >= 1, "regions", cfg.regions, "expected at least one region")
+    names = set()
+    for i, r in enumerate(cfg.regions):
+        w = f"regions[{i}]"
+        _require(bool(r.name) and r.name not in names, f"{w}.name", r.name, "expected a unique, non-empty name")
+        names.add(r.name)
+        _require(r.gpu.lower() in {g.lower() for g in GPU_CATALOG}, f"{w}.gpu", r.gpu,
+                 f"expected one of {', '.join(GPU_CATALOG)}")  # fmt: skip
+        r.gpu = gpu_spec(r.gpu).name
+        _require(1 <= r.count <= 4096, f"{w}.count", r.count, "expected 1..4096 GPUs")
+        _require(0 < r.slowdown <= 1000, f"{w}.slowdown", r.slowdown, "expected a factor in (0, 1000]")
+        if cfg.wan.rtt == "azure":
+            known = {a.lower() for a in AZURE_REGIONS}
+            _require(r.azure_region is not None and r.azure_region.lower() in known, f"{w}.azure_region",
+                     r.azure_region, f"wan.rtt is 'azure', so expected one of {', '.join(AZURE_REGIONS)}")  # fmt: skip
+    if cfg.wan.rtt != "azure":
+        _check_matrix(cfg.wan.rtt, n, "wan.rtt", diagonal_zero_ok=True)
+    bw = cfg.wan.bandwidth_gbps
+    if isinstance(bw, (int, float)) and not isinstance(bw, bool):
+        _require(math.isfinite(bw) and 0 < bw <= 1e5, "wan.bandwidth_gbps", bw, "expected Gbit/s in (0, 1e5]")
+    else:
+        _check_matrix(bw, n, "wan.bandwidth_gbps", diagonal_zero_ok=False)
+    t = cfg.timing_model
+    for name in ("n_layers", "hidden", "seq_len", "vocab"):
+        _require(getattr(t, name) > 0, f"timing_model.{name}", getattr(t, name), "expected a positive integer")
+    _require(t.mfu is None or 0 < t.mfu <= 1, "timing_model.mfu", t.mfu, "expected null or a fraction in (0, 1]")
+    _require(t.step_overhead_s >= 0, "timing_model.step_overhead_s", t.step_overhead_s, "expected >= 0")
+    _require(cfg.proxy.seq_len >= 8, "proxy.seq_len", cfg.proxy.seq_len, "expected >= 8")
+    from .model import MODEL_PRESETS  # local import: the proxy model pulls in torch
+
+    _require(cfg.proxy.preset in MODEL_PRESETS, "proxy.preset", cfg.proxy.preset,
+             f"expected one of {', '.join(MODEL_PRESETS)}")  # fmt: skip
+    d = cfg.data
+    _require(256 <= d.vocab_size <= 65536, "data.vocab_size", d.vocab_size, "expected 256..65536")
+    _require(0 < d.val_fraction < 0.5, "data.val_fraction", d.val_fraction, "expected a fraction in (0, 0.5)")
+    tr = cfg.training
+    _require(tr.tokens > 0, "training.tokens", tr.tokens, "expected a positive token budget")
+    _require(tr.batch >= 1, "training.batch", tr.batch, "expected >= 1 sequence per step")
+    _require(tr.inner_steps >= 1, "training.inner_steps", tr.inner_steps, "expected >= 1")
+    _require(0 < tr.inner_lr < 1, "training.inner_lr", tr.inner_lr, "expected a learning rate in (0, 1)")
+    _require(0 <= tr.min_lr_frac <= 1, "training.min_lr_frac", tr.min_lr_frac, "expected a fraction in [0, 1]")
+    _require(0 <= tr.warmup_frac < 1, "training.warmup_frac", tr.warmup_frac, "expected a fraction in [0, 1)")
+    _require(tr.weight_decay >= 0, "training.weight_decay", tr.weight_decay, "expected >= 0")
+    _require(tr.grad_clip >= 0, "training.grad_clip", tr.grad_clip, "expected >= 0 (0 disables clipping)")
+    _require(0 < tr.outer_lr <= 10, "training.outer_lr", tr.outer_lr, "expected a learning rate in (0, 10]")
+    _require(0 <= tr.outer_momentum < 1, "training.outer_momentum", tr.outer_momentum, "expected [0, 1)")
+    _require(tr.seed >= 0, "training.seed", tr.seed, "expected a non-negative integer")
+    _require(tr.eval_sequences >= 1, "training.eval_sequences", tr.eval_sequences, "expected >= 1")
+    _require(tr.eval_every_rounds >= 1, "training.eval_every_rounds", tr.eval_every_rounds, "expected >= 1")
+    g = cfg.geomesh
+    _require(g.round_sequences_factor > 0, "geomesh.round_sequences_factor", g.round_sequences_factor, "expected > 0")
+    _require(1 <= g.min_batch <= g.max_batch, "geomesh.min_batch", g.min_batch, "expected 1 <= min_batch <= max_batch")
+    _require(1 <= g.min_inner_steps <= g.max_inner_steps, "geomesh.min_inner_steps", g.min_inner_steps,
+             "expected 1 <= min_inner_steps <= max_inner_steps")  # fmt: skip
+    _require(g.chunk_size >= 8, "geomesh.chunk_size", g.chunk_size, "expected >= 8")
+    _require(g.scale in ("l1", "l2"), "geomesh.scale", g.scale, "expected 'l1' or 'l2'")
+    return cfg
+
+
+PRESETS_PACKAGE = "geomesh.scenarios"
+
+
+def preset_names() -> list[str]:
+    return sorted(p.name[:-5] for p in resources.files(PRESETS_PACKAGE).iterdir() if p.name.endswith(".yaml"))
+
+
+def load_scenario(name_or_path: str | Path, overrides: dict[str, Any] | None = None) -> ScenarioConfig:
+    """Load a preset (by name) or a YAML file, apply dotted ``overrides`` (e.g. ``{"training.seed": 3}``),
+    and validate. Raises ConfigError with one clear message."""
+    text, origin = _read_scenario_text(str(name_or_path))
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{origin}: not valid YAML ({str(exc).splitlines()[0]})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{origin}: expected a mapping at the top level, got {type(data).__name__}")
+    data.setdefault("name", Path(str(name_or_path)).stem)
+    for key, value in (overrides or {}).items():
+        _set_dotted(data, key, value)
+    return validate(_build(ScenarioConfig, data, "scenario"))
+
+
+def _read_scenario_text(arg: str) -> tuple[str, str]:
+    path = Path(arg)
+    if path.suffix in (".yaml", ".yml") or path.exists():
+        try:
+            return path.read_text(), str(path)
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"cannot read scenario file {path}: {exc}") from None
+    names = preset_names()
+    if arg not in names:
+        raise ConfigError(f"scenario {arg!r}: no such preset or file; presets: {', '.join(names)}")
+    return (resources.files(PRESETS_PACKAGE) / f"{arg}.yaml").read_text(), f"preset {arg}"
+
+
+def _set_dotted(data: dict, key: str, value: Any) -> None:
+    node = data
+    parts = key.split(".")
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"override {key}: {part} is not a mapping")
+    node[parts[-1]] = value

@@ -1,0 +1,102 @@
+"""The wide-area network model: latency matrix, link bandwidths, and the time of a collective.
+
+Time of a ring collective over the workers in ring order 0 → 1 → … → N−1 → 0: every ring step moves one
+chunk across every link at once, so a step costs the slowest link's one-way latency (RTT/2) plus
+chunk / bandwidth on that link.
+
+- ring all-reduce of M bytes: 2(N−1) steps of M/N bytes each (reduce-scatter + all-gather);
+- all-gather of one p-byte payload per worker: N−1 steps of p bytes each.
+
+So a 1-bit all-gather moves (N−1)·d/8 bytes per worker against 2(N−1)/N·4d for an fp32 all-reduce: 64/N
+times less. Latencies are the published P95 inter-region round-trip times of Azure (30 days ending
+2026-07-30); Azure publishes no bandwidth, so links default to 1 Gbit/s as in Streaming DiLoCo's tables
+(papers in this field use 0.1-1 Gbit/s between regions).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# P95 round-trip latency (ms) between Azure regions; rows are sources, columns destinations.
+AZURE_REGIONS = (
+    "East US", "West US 2", "North Europe", "West Europe", "UK South", "Japan East", "Southeast Asia",
+    "Central India",
+)  # fmt: skip
+AZURE_RTT_MS = (
+    (0, 75, 74, 89, 80, 165, 229, 214),
+    (76, 0, 135, 147, 144, 102, 165, 218),
+    (76, 136, 0, 19, 15, 232, 236, 160),
+    (91, 153, 20, 0, 13, 240, 182, 153),
+    (80, 145, 14, 12, 0, 235, 183, 151),
+    (165, 103, 232, 242, 237, 0, 74, 129),
+    (229, 165, 236, 181, 183, 74, 0, 58),
+    (218, 218, 159, 153, 150, 129, 59, 0),
+)
+
+
+def azure_rtt_ms(src: str, dst: str) -> float:
+    """Published P95 RTT between two Azure regions (KeyError lists the known regions)."""
+    names = {n.lower(): i for i, n in enumerate(AZURE_REGIONS)}
+    try:
+        return float(AZURE_RTT_MS[names[src.lower()]][names[dst.lower()]])
+    except KeyError:
+        raise KeyError(f"unknown Azure region in ({src!r}, {dst!r}); known: {', '.join(AZURE_REGIONS)}") from None
+
+
+@dataclass(frozen=True)
+class WanModel:
+    """Link latency (RTT, seconds) and bandwidth (bytes/second) between every pair of workers."""
+
+    rtt_s: tuple[tuple[float, ...], ...]
+    bandwidth_Bps: tuple[tuple[float, ...], ...]
+
+    @property
+    def n(self) -> int:
+        return len(self.rtt_s)
+
+    def _ring_links(self) -> list[tuple[int, int]]:
+        n = self.n
+        return [(i, (i + 1) % n) for i in range(n)] if n > 1 else []
+
+    def ring_step_s(self, chunk_bytes: float) -> float:
+        """One ring step: every link carries one chunk at the same time; the slowest link sets the pace."""
+        return max(
+            (self.rtt_s[i][j] / 2 + chunk_bytes / self.bandwidth_Bps[i][j] for i, j in self._ring_links()),
+            default=0.0,
+        )
+
+    def allreduce_s(self, nbytes: float) -> float:
+        """Ring all-reduce of an ``nbytes`` buffer held by every worker."""
+        n = self.n
+        return 0.0 if n < 2 else 2 * (n - 1) * self.ring_step_s(nbytes / n)
+
+    def allgather_s(self, payload_bytes: float) -> float:
+        """Ring all-gather of one ``payload_bytes`` payload from every worker."""
+        n = self.n
+        return 0.0 if n < 2 else (n - 1) * self.ring_step_s(payload_bytes)
+
+    @staticmethod
+    def allreduce_bytes_per_worker(nbytes: float, n: int) -> float:
+        """Bytes each worker sends in a ring all-reduce."""
+        return 0.0 if n < 2 else 2 * (n - 1) / n * nbytes
+
+    @staticmethod
+    def allgather_bytes_per_worker(payload_bytes: float, n: int) -> float:
+        """Bytes each worker sends in a ring all-gather (its own payload plus forwarded ones)."""
+        return 0.0 if n < 2 else (n - 1) * payload_bytes
+
+    def subset(self, indices: list[int]) -> "WanModel":
+        """The WAN between a subset of the workers (ring order kept), e.g. the survivors of a fault."""
+        return WanModel(
+            rtt_s=tuple(tuple(self.rtt_s[i][j] for j in indices) for i in indices),
+            bandwidth_Bps=tuple(tuple(self.bandwidth_Bps[i][j] for j in indices) for i in indices),
+        )
+
+    def scaled_bandwidth(self, i: int, factor: float) -> "WanModel":
+        """A copy where every link touching worker ``i`` has its bandwidth multiplied by ``factor``."""
+        bw = [list(r) for r in self.bandwidth_Bps]
+        for j in range(self.n):
+            if j != i:
+                bw[i][j] *= factor
+                bw[j][i] *= factor
+        return WanModel(self.rtt_s, tuple(tuple(r) for r in bw))
