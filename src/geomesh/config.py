@@ -88,9 +88,9 @@ class TrainingConfig:
 @dataclass
 class GeoMeshConfig:
     round_sequences_factor: float = 1.0  # sequences per round relative to DiLoCo's N·b·H
-    min_batch: int = 4
+    min_batch: int = 2
     max_batch: int = 512
-    min_inner_steps: int = 4
+    min_inner_steps: int = 2
     max_inner_steps: int = 400
     chunk_size: int = 4096
     scale: str = "l2"

@@ -1,0 +1,117 @@
+"""Benchmark the sign codec against a plain fp32 tensor copy, side by side in one process.
+
+Usage:  PYTHONPATH=src python bench/codec.py [--sizes 1e6,1e7,1e8] [--device cpu|cuda]
+        [--payloads 4] [--repeats 5] [--tensors 8]
+
+For each size it builds a pseudo-gradient of ``params`` float32 elements split into ``--tensors``
+tensors of uneven sizes (so partial chunks and unaligned bit offsets are exercised), then times,
+best of ``--repeats``:
+
+* ``encode``: ``SignCodec.encode`` of the whole dict (sign test, magnitudes, packing, crc32);
+* ``combine``: ``SignCodec.combine`` of ``--payloads`` payloads (validation, crc32, unpacking,
+  token-weighted accumulation), reported per payload;
+* ``copy``: ``dst.copy_(src)`` of one fp32 buffer of the same size.
+
+Throughputs are GB/s of fp32 input processed (4·params bytes / seconds). One JSON object per line
+per size: params, wire_bytes, fp32_bytes, wire_ratio, encode_gbps, combine_gbps, copy_gbps,
+encode_vs_copy, combine_vs_copy, device, threads, plus the raw seconds.
+
+Targets: wire_ratio >= 31 at 10M parameters; encode and combine each >= 1/3 of copy_gbps.
+Results on the 2-core CPU dev box (torch 2.13, 2 threads): see RESULTS below.
+
+RESULTS
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+from geomesh.codec import Manifest, SignCodec
+
+
+def _sizes(text: str) -> list[int]:
+    return [int(float(s)) for s in text.split(",") if s.strip()]
+
+
+def _split_sizes(params: int, n: int) -> list[int]:
+    """Uneven split of ``params`` into ``n`` tensor sizes (weights ~ 1..n, odd remainders)."""
+    n = max(1, min(n, params))
+    weights = list(range(1, n + 1))
+    total = sum(weights)
+    sizes = [max(1, params * w // total) for w in weights]
+    sizes[-1] += params - sum(sizes)
+    return sizes
+
+
+def _best(fn, repeats: int, sync) -> float:
+    fn()
+    sync()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def bench_size(params: int, device: torch.device, n_payloads: int, repeats: int, n_tensors: int) -> dict:
+    gen = torch.Generator().manual_seed(params)
+    sizes = _split_sizes(params, n_tensors)
+    tensors = {
+        f"t{i}": (torch.randn(s, generator=gen) * 1e-3).to(device) for i, s in enumerate(sizes)
+    }
+    codec = SignCodec(Manifest.from_tensors(tensors))
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+    payloads = [codec.encode(tensors, tokens=1000 * (i + 1)) for i in range(n_payloads)]
+    t_encode = _best(lambda: codec.encode(tensors, tokens=1000), repeats, sync)
+    t_combine = _best(lambda: codec.combine(payloads, device=device), repeats, sync) / n_payloads
+
+    src = torch.randn(params, generator=gen).to(device)
+    dst = torch.empty_like(src)
+    t_copy = _best(lambda: dst.copy_(src), repeats, sync)
+
+    fp32 = codec.fp32_nbytes()
+    gbps = lambda t: fp32 / t / 1e9  # noqa: E731
+    return {
+        "params": params,
+        "tensors": len(sizes),
+        "wire_bytes": codec.payload_nbytes(),
+        "fp32_bytes": fp32,
+        "wire_ratio": round(fp32 / codec.payload_nbytes(), 3),
+        "encode_gbps": round(gbps(t_encode), 3),
+        "combine_gbps": round(gbps(t_combine), 3),
+        "copy_gbps": round(gbps(t_copy), 3),
+        "encode_vs_copy": round(t_copy / t_encode, 3),
+        "combine_vs_copy": round(t_copy / t_combine, 3),
+        "encode_s": t_encode,
+        "combine_s_per_payload": t_combine,
+        "copy_s": t_copy,
+        "payloads": n_payloads,
+        "device": str(device),
+        "threads": torch.get_num_threads(),
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--sizes", type=_sizes, default=_sizes("1e6,1e7,1e8"))
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    ap.add_argument("--payloads", type=int, default=4)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--tensors", type=int, default=8)
+    args = ap.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA device available")
+    device = torch.device(args.device)
+    for params in args.sizes:
+        print(json.dumps(bench_size(params, device, args.payloads, args.repeats, args.tensors)), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,79 @@
+"""Emulated-runtime overhead: real CPU training throughput of the runtime beside a bare PyTorch loop.
+
+Both train the same proxy model on the same corpus, same batch size and same number of tokens, in this one
+process, alternating repeats so that machine noise hits both alike. The runtime's extra work (replicas,
+pseudo-gradients, encoding, outer steps, telemetry, evaluation) shows up as the ratio
+``runtime_tokens_per_s / bare_tokens_per_s`` (target: at least 0.9).
+
+    python bench/engine.py [--scenario default] [--method diloco] [--tokens 200000] [--repeats 2]
+
+Prints one JSON object per method.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+from geomesh.config import load_scenario
+from geomesh.data import BatchStream, Corpus, CorpusSpec
+from geomesh.methods.base import get_method
+from geomesh.model import build_model, model_config
+from geomesh.runtime.emulated import EmulatedRun, RunOptions
+from geomesh.worker import inner_lr, make_inner_optimizer
+
+
+def bare_loop(scenario, tokens: int) -> float:
+    """Plain AdamW on one model: the fastest this machine trains the proxy. Returns tokens per second."""
+    d, tr, seq = scenario.data, scenario.training, scenario.proxy.seq_len
+    corpus = Corpus.load(CorpusSpec(paths=d.paths, vocab_size=d.vocab_size, val_fraction=d.val_fraction))
+    model = build_model(model_config(scenario.proxy.preset, vocab_size=corpus.vocab_size, seq_len=seq), tr.seed)
+    opt = make_inner_optimizer(model, tr)
+    stream = BatchStream(corpus.train_tokens, seq, seed=tr.seed)
+    steps = tokens // (tr.batch * seq)
+    t0 = time.perf_counter()
+    for step in range(steps):
+        x, y = stream.next_batch(tr.batch)
+        for g in opt.param_groups:
+            g["lr"] = inner_lr(step * tr.batch * seq, tokens, tr)
+        opt.zero_grad(set_to_none=True)
+        _, loss = model(x, y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), tr.grad_clip)
+        opt.step()
+    return steps * tr.batch * seq / (time.perf_counter() - t0)
+
+
+def runtime_loop(scenario, method: str, tokens: int) -> float:
+    """The emulated runtime's real (not modeled) training throughput, with the corpus cache warm."""
+    run = EmulatedRun(scenario, get_method(method), RunOptions(tokens=tokens, progress=False))
+    Corpus.load(CorpusSpec(paths=scenario.data.paths, vocab_size=scenario.data.vocab_size))  # warm the cache
+    t0 = time.perf_counter()
+    summary = run.run()
+    return summary["tokens"] / (time.perf_counter() - t0)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--scenario", default="default")
+    ap.add_argument("--methods", default="diloco,geomesh")
+    ap.add_argument("--tokens", type=int, default=200_000)
+    ap.add_argument("--repeats", type=int, default=2)
+    args = ap.parse_args()
+    scenario = load_scenario(args.scenario)
+    for method in args.methods.split(","):
+        bare, emulated = [], []
+        for _ in range(args.repeats):
+            bare.append(bare_loop(scenario, args.tokens))
+            emulated.append(runtime_loop(scenario, method, args.tokens))
+        b, e = max(bare), max(emulated)
+        print(json.dumps({"scenario": args.scenario, "method": method, "tokens": args.tokens,
+                          "bare_tokens_per_s": round(b), "runtime_tokens_per_s": round(e),
+                          "ratio": round(e / b, 3), "threads": torch.get_num_threads()}))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,183 @@
+"""The ``geomesh`` command line: train, demo, bench, plan, profile, scenarios, config.
+
+Every error a user can cause (bad scenario, unknown method, missing corpus, impossible plan, unwritable
+run folder) ends with one ``error: ...`` line on stderr and exit status 2; never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+DEMO_METHODS = ["ddp", "diloco", "geomesh"]
+
+
+def _overrides(pairs: list[str] | None) -> dict[str, Any]:
+    from .config import ConfigError
+
+    out = {}
+    for pair in pairs or []:
+        key, sep, value = pair.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"--set {pair!r}: expected FIELD=VALUE, e.g. training.seed=3")
+        try:
+            out[key.strip()] = yaml.safe_load(value)
+        except yaml.YAMLError:
+            raise ConfigError(f"--set {pair!r}: the value is not valid YAML") from None
+    return out
+
+
+def _scenario(args: argparse.Namespace):
+    from .config import load_scenario
+
+    return load_scenario(args.scenario, _overrides(getattr(args, "set", None)))
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from .methods.base import get_method
+    from .runtime.emulated import EmulatedRun, RunOptions
+
+    scenario = _scenario(args)
+    method = get_method(args.method)
+    opts = RunOptions(out_dir=Path(args.out), tokens=args.tokens, seed=args.seed, target_val_loss=args.target_loss,
+                      progress=not args.quiet)  # fmt: skip
+    summary = EmulatedRun(scenario, method, opts).run()
+    keys = ("method", "scenario", "tokens", "rounds", "modeled_time_s", "final_val_loss", "time_to_target_s",
+            "straggler_idle_frac", "wan_idle_frac", "utilization", "bytes_sent")  # fmt: skip
+    for k in keys:
+        v = summary[k]
+        print(f"{k:>20}: {v:.4g}" if isinstance(v, float) else f"{k:>20}: {v}")
+    print(f"{'run folder':>20}: {args.out}")
+    return 0
+
+
+def _compare(args: argparse.Namespace, methods: list[str]) -> dict[str, Any]:
+    from .compare import run_comparison
+
+    scenario = _scenario(args)
+    log = (lambda *a: print(*a, file=sys.stderr)) if getattr(args, "json", False) else print
+    return run_comparison(scenario, methods, Path(args.out), tokens=args.tokens, seed=args.seed,
+                          target_val_loss=getattr(args, "target_loss", None), progress=not args.quiet, log=log)  # fmt: skip
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from .methods.base import method_names
+
+    args.scenario = "default"
+    methods = [m for m in DEMO_METHODS if m in method_names()]
+    results = _compare(args, methods)
+    print(f"\nScenario: default — target loss = DiLoCo's final loss ({results['target_val_loss']:.4f})")
+    print(results["table"])
+    print(f"\nPlots and per-method runs in {args.out}/ (loss_vs_time.png, idle.png, timeline_*.png)")
+    print("Modeled: compute time (timing model on each GPU), WAN time and bytes; real: the proxy model's training.")
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from .methods.base import method_names
+
+    methods = [m.strip() for m in args.methods.split(",")] if args.methods else method_names()
+    results = _compare(args, methods)
+    if args.json:
+        out = {k: v for k, v in results.items() if k != "table"}
+        print(json.dumps(out, default=str))
+    else:
+        print(f"\nScenario: {results['scenario']} — target loss {results['target_val_loss']}")
+        print(results["table"])
+        print(f"\nResults in {args.out}/results.json; plots in {args.out}/")
+    return 0
+
+
+def cmd_scenarios(args: argparse.Namespace) -> int:
+    from .config import load_scenario, preset_names
+
+    for name in preset_names():
+        s = load_scenario(name)
+        gpus = ", ".join(f"{r.count}x{r.gpu}" for r in s.regions)
+        print(f"{name:<14} {len(s.regions)} regions: {gpus}")
+    return 0
+
+
+def cmd_config_show(args: argparse.Namespace) -> int:
+    scenario = _scenario(args)
+    print(yaml.safe_dump(scenario.to_dict(), sort_keys=False), end="")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="geomesh", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="command", required=True)
+
+    def common(sp: argparse.ArgumentParser, scenario: bool = True) -> None:
+        if scenario:
+            sp.add_argument("scenario", help="a preset name (see `geomesh scenarios`) or a YAML file")
+        sp.add_argument("--seed", type=int, default=None, help="overrides training.seed")
+        sp.add_argument("--tokens", type=int, default=None, help="token budget (overrides training.tokens)")
+        sp.add_argument("--set", action="append", metavar="FIELD=VALUE", help="override a scenario field")
+        sp.add_argument("--quiet", action="store_true", help="no progress bar")
+
+    t = sub.add_parser("train", help="train one method on a scenario (emulated runtime)")
+    common(t)
+    t.add_argument("--method", required=True, help="ddp, diloco, geomesh, ... (see `geomesh bench --help`)")
+    t.add_argument("--out", required=True, help="run folder: summary.json, events.jsonl")
+    t.add_argument("--target-loss", type=float, default=None, help="validation loss for time-to-target")
+    t.set_defaults(func=cmd_train)
+
+    d = sub.add_parser("demo", help="the default scenario with every method, side by side, with plots")
+    common(d, scenario=False)
+    d.add_argument("--out", default="runs/demo")
+    d.set_defaults(func=cmd_demo)
+
+    b = sub.add_parser("bench", help="all methods and ablations on one scenario; table, plots, results.json")
+    common(b)
+    b.add_argument("--out", default="runs/bench")
+    b.add_argument("--methods", default=None, help="comma-separated method names (default: all)")
+    b.add_argument("--target-loss", type=float, default=None, help="default: DiLoCo's final validation loss")
+    b.add_argument("--json", action="store_true", help="print results as one JSON object on stdout")
+    b.set_defaults(func=cmd_bench)
+
+    s = sub.add_parser("scenarios", help="list the shipped scenario presets")
+    s.set_defaults(func=cmd_scenarios)
+
+    c = sub.add_parser("config", help="inspect configuration")
+    csub = c.add_subparsers(dest="config_command", required=True)
+    cs = csub.add_parser("show", help="print the effective, validated scenario")
+    cs.add_argument("scenario")
+    cs.add_argument("--set", action="append", metavar="FIELD=VALUE")
+    cs.set_defaults(func=cmd_config_show)
+
+    _register_optional(sub)
+    return p
+
+
+def _register_optional(sub) -> None:
+    """Subcommands that live in their own modules (planner, profiler)."""
+    from . import cli_plan
+
+    cli_plan.register(sub)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from .errors import USER_ERRORS
+
+    warnings.simplefilter("default")
+    warnings.formatwarning = lambda msg, cat, *a, **k: f"warning: {msg}\n"
+    try:
+        return args.func(args)
+    except USER_ERRORS as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("error: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,125 @@
+"""``geomesh plan`` and ``geomesh profile``: the planner's faces.
+
+``geomesh plan SCENARIO`` prints GeoMesh's per-worker plan beside DiLoCo's uniform one on the same cluster
+(``--json``: one JSON object on stdout, nothing else). ``geomesh profile`` measures this machine's device
+with the scenario's model and writes a profile that ``plan`` (``--profile REGION=FILE``) and the runtimes
+accept in place of the cost model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from .report import human_bytes
+
+
+def register(sub) -> None:
+    p = sub.add_parser("plan", help="per-worker batch size and inner steps: GeoMesh beside uniform DiLoCo")
+    p.add_argument("scenario")
+    p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    p.add_argument("--profile", action="append", metavar="REGION=FILE", help="a measured profile for a region")
+    p.add_argument("--allow-drop", action="store_true", help="leave out workers that cannot train, with a warning")
+    p.add_argument("--set", action="append", metavar="FIELD=VALUE", help="override a scenario field")
+    p.set_defaults(func=cmd_plan)
+
+    q = sub.add_parser("profile", help="measure this device's step time and memory cap with the scenario's model")
+    q.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    q.add_argument("--out", required=True, help="profile JSON to write")
+    q.add_argument("--scenario", default="default", help="whose proxy model to measure (default: default)")
+    q.add_argument("--batches", default="1,2,4,8,16", help="micro-batch sizes to time")
+    q.add_argument("--repeats", type=int, default=3)
+    q.add_argument("--name", default="local", help="the profile's worker name")
+    q.set_defaults(func=cmd_profile)
+
+
+def cluster_plans(scenario, profiles=None, allow_drop: bool = False) -> dict[str, Any]:
+    """GeoMesh's and DiLoCo's plans for a scenario (cost-model profiles unless given)."""
+    from .hardware import model_profile
+    from .methods.base import get_method
+
+    timing = scenario.timing()
+    profiles = profiles or {}
+    resolved = []
+    for region in scenario.regions:
+        prof = profiles.get(region.name) or model_profile(region.name, region.gpu, region.count, timing)
+        prof.slowdown = region.slowdown
+        resolved.append(prof)
+    wan = scenario.wan_model()
+    plans = {}
+    for name in ("geomesh", "diloco"):
+        method = get_method(name)
+        payload = method.modeled_payload_bytes(scenario)
+        exchange_s, _ = method.exchange(wan, payload)
+        plans[name] = method.plan(scenario, resolved, exchange_bytes=payload, exchange_s=exchange_s,
+                                  allow_drop=allow_drop)  # fmt: skip
+    return plans
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from .cli import _overrides
+    from .config import ConfigError, load_scenario
+    from .hardware import load_profile
+
+    scenario = load_scenario(args.scenario, _overrides(args.set))
+    profiles = {}
+    for pair in args.profile or []:
+        region, _, path = pair.partition("=")
+        if region not in {r.name for r in scenario.regions} or not path:
+            raise ConfigError(f"--profile {pair!r}: expected REGION=FILE with REGION one of "
+                              f"{', '.join(r.name for r in scenario.regions)}")  # fmt: skip
+        try:
+            profiles[region] = load_profile(path)
+        except ValueError as exc:
+            raise ConfigError(f"--profile {region}: {exc}") from None
+    plans = cluster_plans(scenario, profiles, allow_drop=args.allow_drop)
+    if args.json:
+        out = plans["geomesh"].to_json()
+        out["scenario"] = scenario.name
+        out["baseline"] = {"method": "diloco", **plans["diloco"].to_json()}
+        print(json.dumps(out))
+        return 0
+    for name, plan in plans.items():
+        print(f"\n{name} on {scenario.name}:")
+        print(format_plan(plan))
+    g, d = plans["geomesh"], plans["diloco"]
+    print(f"\nround time {g.round_s:.1f} s vs {d.round_s:.1f} s; sequences per round {g.sequences_per_round} vs "
+          f"{d.sequences_per_round}; throughput {g.sequences_per_round / g.round_s:.1f} vs "
+          f"{d.sequences_per_round / d.round_s:.1f} sequences/s")  # fmt: skip
+    return 0
+
+
+def format_plan(plan) -> str:
+    head = f"{'worker':<16}{'gpu':<10}{'micro':>6}{'accum':>6}{'batch':>6}{'H':>5}{'compute':>10}{'waits':>9}"
+    lines = [head]
+    for w in plan.workers:
+        lines.append(f"{w.name:<16}{w.gpu:<10}{w.micro_batch:>6}{w.accum:>6}{w.batch:>6}{w.inner_steps:>5}"
+                     f"{w.compute_s:>9.1f}s{w.straggler_wait_s:>8.1f}s")  # fmt: skip
+    lines.append(f"round {plan.round_s:.1f} s (exchange {plan.exchange_s:.1f} s, {human_bytes(plan.exchange_bytes)} "
+                 f"per worker); straggler idle {plan.straggler_idle_frac:.1%}; utilisation {plan.utilization:.1%}")  # fmt: skip
+    for name in plan.dropped:
+        lines.append(f"dropped: {name}")
+    return "\n".join(lines)
+
+
+def cmd_profile(args: argparse.Namespace) -> int:
+    from .config import ConfigError, load_scenario
+    from .profiler import profile_device
+
+    scenario = load_scenario(args.scenario)
+    try:
+        batches = sorted({int(x) for x in args.batches.split(",")})
+    except ValueError:
+        raise ConfigError(f"--batches {args.batches!r}: expected comma-separated positive integers") from None
+    if not batches or batches[0] < 1:
+        raise ConfigError(f"--batches {args.batches!r}: expected comma-separated positive integers")
+    profile = profile_device(scenario, args.device, batches, repeats=args.repeats, name=args.name)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(profile.to_json(), indent=2) + "\n")
+    print(f"wrote {out}: max micro-batch {profile.max_micro_batch}, "
+          + ", ".join(f"b={b}: {t * 1000:.1f} ms" for b, t in sorted(profile.table.items())), file=sys.stderr)  # fmt: skip
+    return 0

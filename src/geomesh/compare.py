@@ -1,0 +1,62 @@
+"""Run several methods side by side on one scenario, token budget and seed; tabulate and plot them.
+
+Used by ``geomesh demo`` and ``geomesh bench``. The target loss is the loss the reference method (DiLoCo)
+reaches at the end of the budget unless one is given; time-to-target is then read off every method's
+loss curve, so all methods are judged against the same target in the same run.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from .config import ScenarioConfig
+from .methods.base import get_method
+from .report import (apply_target, comparison_rows, format_table, plot_idle_bars, plot_loss_vs_time,
+                     plot_timeline)  # fmt: skip
+from .runtime.emulated import EmulatedRun, RunOptions, prepare_run_dir
+from .telemetry import write_json_atomic
+
+REFERENCE = "diloco"
+
+
+def run_comparison(
+    scenario: ScenarioConfig,
+    methods: list[str],
+    out_dir: Path,
+    *,
+    tokens: int | None = None,
+    seed: int | None = None,
+    target_val_loss: float | None = None,
+    progress: bool = True,
+    log=print,
+) -> dict[str, Any]:
+    """Train every method in ``methods``; write ``results.json``, ``table.md`` and PNG plots to ``out_dir``."""
+    for name in methods:
+        get_method(name)  # fail fast on a typo, before hours of training
+    prepare_run_dir(out_dir)
+    summaries = []
+    for name in methods:
+        log(f"[{len(summaries) + 1}/{len(methods)}] {name}")
+        opts = RunOptions(out_dir=out_dir / name, tokens=tokens, seed=seed, progress=progress)
+        summaries.append(EmulatedRun(scenario, get_method(name), opts).run())
+    target = target_val_loss if target_val_loss is not None else scenario.training.target_val_loss
+    if target is None:
+        ref = next((s for s in summaries if s["method"] == REFERENCE), None)
+        target = ref["final_val_loss"] if ref is not None else None
+    apply_target(summaries, target)
+    for s in summaries:
+        write_json_atomic(out_dir / s["method"] / "summary.json", s)
+    rows = comparison_rows(summaries, REFERENCE)
+    table = format_table(rows)
+    results = {"scenario": scenario.name, "target_val_loss": target, "reference": REFERENCE, "rows": rows,
+               "summaries": summaries}  # fmt: skip
+    write_json_atomic(out_dir / "results.json", results)
+    (out_dir / "table.md").write_text(table + "\n")
+    plot_loss_vs_time(summaries, out_dir / "loss_vs_time.png", target)
+    plot_idle_bars(summaries, out_dir / "idle.png")
+    for s in summaries:
+        plot_timeline(out_dir / s["method"] / "events.jsonl", out_dir / f"timeline_{s['method']}.png",
+                      f"{s['method']}: per-worker timeline (first rounds)")  # fmt: skip
+    results["table"] = table
+    return results

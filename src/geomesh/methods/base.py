@@ -1,0 +1,143 @@
+"""The method interface shared by both runtimes, and the registry of methods by name.
+
+A method decides *what* a round does: which plan the workers follow, what a worker sends (its payload), and
+how payloads become one update of the global parameters. A runtime decides *when* (modeled or wall-clock
+time) and *how bytes move* (in memory or over torch.distributed).
+
+Round-based methods (DiLoCo, GeoMesh and its ablations) are one class, :class:`OuterLoopMethod`, told apart
+by three switches: ``balanced`` (GeoMesh planner vs one b and H for all), ``codec`` ("sign": 1 bit per
+parameter + magnitudes + token count, exchanged with an all-gather; "dense": fp32, all-reduced) and
+``weighting`` ("tokens" or "equal").
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import Callable, Literal
+
+import torch
+
+from ..codec import DenseCodec, Manifest, SignCodec
+from ..config import ScenarioConfig
+from ..hardware import WorkerProfile
+from ..network import WanModel
+from ..outer import OuterNesterov
+from ..planner import Plan, PlanConstraints, plan_balanced, plan_uniform
+from ..worker import InnerResult, Worker
+
+Tensors = dict[str, torch.Tensor]
+Codec = SignCodec | DenseCodec
+
+
+@dataclass(frozen=True)
+class Method:
+    name: str
+    description: str
+    kind: Literal["outer", "ddp", "async"]
+
+
+@dataclass(frozen=True)
+class OuterLoopMethod(Method):
+    balanced: bool = False
+    codec: Literal["sign", "dense"] = "dense"
+    weighting: Literal["equal", "tokens"] = "equal"
+
+    @property
+    def collective(self) -> Literal["all_gather", "all_reduce"]:
+        return "all_gather" if self.codec == "sign" else "all_reduce"
+
+    def make_codec(self, manifest: Manifest, scenario: ScenarioConfig) -> Codec:
+        if self.codec == "sign":
+            g = scenario.geomesh
+            return SignCodec(manifest, chunk_size=g.chunk_size, scale=g.scale, error_feedback=g.error_feedback)
+        return DenseCodec(manifest, weighting=self.weighting)
+
+    def exchange(self, wan: WanModel, payload_bytes: int) -> tuple[float, float]:
+        """(seconds, bytes each worker sends) for one round's exchange of ``payload_bytes`` per worker."""
+        n = wan.n
+        if self.collective == "all_gather":
+            return wan.allgather_s(payload_bytes), wan.allgather_bytes_per_worker(payload_bytes, n)
+        return wan.allreduce_s(payload_bytes), wan.allreduce_bytes_per_worker(payload_bytes, n)
+
+    def modeled_payload_bytes(self, scenario: ScenarioConfig, manifest: Manifest | None = None) -> int:
+        """One worker's payload for the *timing* model: the codec's bytes per parameter, measured on the
+        proxy model's tensors (``manifest``), times the timing model's parameter count."""
+        manifest = manifest or proxy_manifest(scenario)
+        codec = self.make_codec(manifest, scenario)
+        return round(codec.payload_nbytes() / manifest.numel * scenario.timing().params)
+
+    def plan(self, scenario: ScenarioConfig, profiles: list[WorkerProfile], exchange_bytes: int = 0,
+             exchange_s: float = 0.0, allow_drop: bool = False) -> Plan:  # fmt: skip
+        tr = scenario.training
+        if not self.balanced:
+            return plan_uniform(profiles, tr.batch, tr.inner_steps, exchange_bytes=exchange_bytes,
+                                exchange_s=exchange_s, allow_drop=allow_drop)  # fmt: skip
+        g = scenario.geomesh
+        constraints = PlanConstraints(
+            target_sequences=round(len(profiles) * tr.batch * tr.inner_steps * g.round_sequences_factor),
+            min_batch=g.min_batch,
+            max_batch=g.max_batch,
+            min_inner_steps=g.min_inner_steps,
+            max_inner_steps=g.max_inner_steps,
+            allow_drop=allow_drop,
+        )
+        return plan_balanced(profiles, constraints, exchange_bytes=exchange_bytes, exchange_s=exchange_s)
+
+    # ---- the round, written once for both runtimes --------------------------------------------
+    def local_phase(self, worker: Worker, steps: int, batch: int, global_params: Tensors, codec: Codec,
+                    lr_at_step: Callable[[int], float]) -> tuple[bytes | None, InnerResult]:  # fmt: skip
+        """Inner steps from θ, then the payload (None when the worker's update is non-finite)."""
+        worker.load_global(global_params)
+        result = worker.train(steps, batch, lr_at_step)
+        if not result.finite:
+            warnings.warn(f"worker {worker.name}: non-finite loss or parameters; its update is dropped this round")
+            return None, result
+        delta = worker.pseudo_gradient(global_params)
+        try:
+            return codec.encode(delta, result.tokens), result
+        except ValueError as exc:  # NaN/inf in the pseudo-gradient
+            warnings.warn(f"worker {worker.name}: {exc}; its update is dropped this round")
+            return None, result
+
+    @staticmethod
+    def apply(payloads: list[bytes], codec: Codec, outer: OuterNesterov) -> bool:
+        """Combine the payloads that arrived into one update and take the outer step (False: none arrived)."""
+        if not payloads:
+            return False
+        outer.step(codec.combine(payloads))
+        return True
+
+
+def proxy_manifest(scenario: ScenarioConfig) -> Manifest:
+    """Names, shapes and dtypes of the proxy model's parameters (what a payload carries)."""
+    from ..model import GPT, model_config
+
+    cfg = model_config(scenario.proxy.preset, vocab_size=scenario.data.vocab_size, seq_len=scenario.proxy.seq_len)
+    with torch.device("meta"):
+        model = GPT(cfg)
+    return Manifest.from_tensors(dict(model.named_parameters()))
+
+
+METHODS: dict[str, Method] = {}
+
+
+def register(method: Method) -> Method:
+    METHODS[method.name] = method
+    return method
+
+
+def get_method(name: str) -> Method:
+    from . import ddp, diloco, async_local_sgd, geomesh  # noqa: F401, I001  (register the methods)
+
+    if name not in METHODS:
+        from ..errors import UnknownMethodError
+
+        raise UnknownMethodError(f"unknown method {name!r}; available: {', '.join(METHODS)}")
+    return METHODS[name]
+
+
+def method_names() -> list[str]:
+    from . import ddp, diloco, async_local_sgd, geomesh  # noqa: F401, I001
+
+    return list(METHODS)

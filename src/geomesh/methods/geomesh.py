@@ -1,0 +1,43 @@
+"""GeoMesh (Shin et al. 2026) and its two halves as ablations.
+
+GeoMesh = the workload planner (each worker its own batch size b_i and inner steps H_i so that compute
+times match) + 1-bit sign pseudo-gradients with a lightweight magnitude and a token count, combined
+weighted by tokens: Δ = Σ_i (n_i / Σ_j n_j) · s_i ⊙ sign(Δ_i), then outer Nesterov. The ablations switch
+one half off: ``geomesh-balance-only`` sends fp32 (token-weighted), ``geomesh-sign-only`` keeps DiLoCo's
+uniform plan.
+"""
+
+from __future__ import annotations
+
+from .base import OuterLoopMethod, register
+
+GEOMESH = register(
+    OuterLoopMethod(
+        name="geomesh",
+        description="planned b_i and H_i per worker, 1-bit payloads with magnitude and token count",
+        kind="outer",
+        balanced=True,
+        codec="sign",
+        weighting="tokens",
+    )
+)
+GEOMESH_BALANCE_ONLY = register(
+    OuterLoopMethod(
+        name="geomesh-balance-only",
+        description="ablation: planned b_i and H_i, fp32 token-weighted pseudo-gradients",
+        kind="outer",
+        balanced=True,
+        codec="dense",
+        weighting="tokens",
+    )
+)
+GEOMESH_SIGN_ONLY = register(
+    OuterLoopMethod(
+        name="geomesh-sign-only",
+        description="ablation: uniform b and H, 1-bit payloads with magnitude and token count",
+        kind="outer",
+        balanced=False,
+        codec="sign",
+        weighting="tokens",
+    )
+)

@@ -1,0 +1,87 @@
+"""Outer optimizers: what every worker applies to the global parameters θ once per round.
+
+Pure tensor code (no I/O, no clock); the same objects run in the emulated and the distributed runtime.
+
+- :class:`OuterNesterov`: SGD with Nesterov momentum on the outer gradient Δ (DiLoCo, GeoMesh), exactly
+  ``torch.optim.SGD(nesterov=True)``: m ← μ·m + Δ; θ ← θ − lr·(Δ + μ·m).
+- :class:`DelayedNesterov`: the asynchronous variant of Liu et al. 2024 (arXiv 2401.09135): pseudo-gradients
+  g arrive one at a time; they accumulate in a buffer and the momentum is refreshed only every N arrivals:
+  on the N-th: m ← β·m + buffer/N, θ ← θ − ε·((1 − cN + c)·β·m + g/N), buffer reset; otherwise
+  θ ← θ − ε·(c·β·m + g/N). c ∈ [0, 1/N], default 0.
+"""
+
+from __future__ import annotations
+
+import torch
+
+Tensors = dict[str, torch.Tensor]
+
+
+class OuterNesterov:
+    """Nesterov SGD on a dict of global parameters, updated in place."""
+
+    def __init__(self, params: Tensors, lr: float, momentum: float):
+        self.params = params
+        self.lr = lr
+        self.momentum = momentum
+        self.buf: Tensors = {}
+
+    @torch.no_grad()
+    def step(self, outer_grad: Tensors) -> None:
+        for name, p in self.params.items():
+            g = outer_grad[name].to(p.dtype)
+            if self.momentum > 0:
+                if name not in self.buf:
+                    self.buf[name] = g.clone()
+                else:
+                    self.buf[name].mul_(self.momentum).add_(g)
+                g = g.add(self.buf[name], alpha=self.momentum)
+            p.sub_(g, alpha=self.lr)
+
+    def state_dict(self) -> dict:
+        return {"lr": self.lr, "momentum": self.momentum, "buf": {k: v.clone() for k, v in self.buf.items()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.lr, self.momentum = state["lr"], state["momentum"]
+        self.buf = {k: v.clone() for k, v in state["buf"].items()}
+
+
+class DelayedNesterov:
+    """Delayed Nesterov outer optimizer for asynchronous pseudo-gradients (one arrival at a time)."""
+
+    def __init__(self, params: Tensors, lr: float, momentum: float, n_workers: int, c: float = 0.0):
+        if not 0 <= c <= 1 / n_workers:
+            raise ValueError(f"c must lie in [0, 1/N] = [0, {1 / n_workers}], got {c}")
+        self.params = params
+        self.lr, self.beta, self.n, self.c = lr, momentum, n_workers, c
+        self.m: Tensors = {k: torch.zeros_like(v) for k, v in params.items()}
+        self.buffer: Tensors = {k: torch.zeros_like(v) for k, v in params.items()}
+        self.arrivals = 0
+
+    @torch.no_grad()
+    def step(self, g: Tensors) -> None:
+        self.arrivals += 1
+        n, beta, c = self.n, self.beta, self.c
+        refresh = self.arrivals % n == 0
+        for name, p in self.params.items():
+            gi = g[name].to(p.dtype)
+            self.buffer[name].add_(gi)
+            if refresh:
+                self.m[name].mul_(beta).add_(self.buffer[name], alpha=1 / n)
+                p.sub_(self.m[name], alpha=self.lr * (1 - c * n + c) * beta)
+                self.buffer[name].zero_()
+            elif c > 0:
+                p.sub_(self.m[name], alpha=self.lr * c * beta)
+            p.sub_(gi, alpha=self.lr / n)
+
+    def state_dict(self) -> dict:
+        return {
+            "m": {k: v.clone() for k, v in self.m.items()},
+            "buffer": {k: v.clone() for k, v in self.buffer.items()},
+            "arrivals": self.arrivals,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.m = {k: v.clone() for k, v in state["m"].items()}
+        self.buffer = {k: v.clone() for k, v in state["buffer"].items()}
+        self.arrivals = state["arrivals"]

@@ -1,0 +1,64 @@
+"""Shared fixtures: a session-wide data cache and a tiny, fast scenario on a slice of the default corpus."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import yaml
+
+
+@pytest.fixture(scope="session", autouse=True)
+def one_thread():
+    """Tiny models run fastest on one thread, and one thread does not slow down when the machine is busy."""
+    import torch
+
+    torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def geomesh_cache(tmp_path_factory) -> Path:
+    cache = tmp_path_factory.mktemp("geomesh-cache")
+    os.environ["GEOMESH_CACHE"] = str(cache)
+    return cache
+
+
+@pytest.fixture(scope="session")
+def small_corpus(tmp_path_factory) -> list[str]:
+    """Two plays from the default corpus: enough text for a real (small) tokenizer and shards."""
+    from geomesh.data import default_corpus_files
+
+    files = [f for f in default_corpus_files() if f.name.startswith(("hamlet", "macbeth"))]
+    assert len(files) == 2
+    return [str(f) for f in files]
+
+
+def tiny_scenario_dict(paths: list[str], gpus=("H100", "A100", "T4"), **training) -> dict:
+    regions = [{"name": f"r{i}-{g.lower()}", "gpu": g, "count": 1} for i, g in enumerate(gpus)]
+    n = len(regions)
+    return {
+        "name": "tiny",
+        "regions": regions,
+        "wan": {"rtt": [[0 if i == j else 80 for j in range(n)] for i in range(n)], "bandwidth_gbps": 10.0},
+        "timing_model": {"n_layers": 12, "hidden": 768, "seq_len": 1024, "vocab": 32000},
+        "proxy": {"preset": "nano", "seq_len": 32},
+        "data": {"paths": paths, "vocab_size": 512, "val_fraction": 0.05},
+        "training": {"tokens": 24000, "batch": 4, "inner_steps": 5, "inner_lr": 0.003, "eval_sequences": 16,
+                     **training},
+        "geomesh": {"min_batch": 1, "min_inner_steps": 1, "chunk_size": 256},
+    }
+
+
+@pytest.fixture
+def tiny_scenario(tmp_path, small_corpus):
+    """Write a tiny scenario YAML and return a function that loads it (with optional overrides)."""
+
+    def make(gpus=("H100", "A100", "T4"), **training):
+        from geomesh.config import load_scenario
+
+        path = tmp_path / "tiny.yaml"
+        path.write_text(yaml.safe_dump(tiny_scenario_dict(small_corpus, gpus, **training)))
+        return load_scenario(path)
+
+    return make
