@@ -45,6 +45,7 @@ def tiny_scenario_dict(paths: list[str], gpus=("H100", "A100", "T4"), **training
         "proxy": {"preset": "nano", "seq_len": 32},
         "data": {"paths": paths, "vocab_size": 512, "val_fraction": 0.05},
         "training": {"tokens": 24000, "batch": 4, "inner_steps": 5, "inner_lr": 0.003, "eval_sequences": 16,
+                     "zero_shot_items": 40,
                      **training},
         "geomesh": {"min_batch": 1, "min_inner_steps": 1, "chunk_size": 256},
     }

@@ -83,6 +83,7 @@ class TrainingConfig:
     eval_sequences: int = 64
     eval_every_rounds: int = 1
     target_val_loss: float | None = None
+    zero_shot_items: int = 400  # multiple-choice items from held-out text, scored at the end (0: skip)
 
 
 @dataclass
@@ -95,6 +96,24 @@ class GeoMeshConfig:
     chunk_size: int = 4096
     scale: str = "l2"
     error_feedback: bool = True
+    replan: bool = True  # online re-planning from measured compute times (beyond the paper)
+    replan_threshold: float = 0.1  # re-plan when a worker's smoothed speed drifts this far (relative)
+    replan_smoothing: float = 0.5  # exponential smoothing of measured/predicted compute time
+
+
+FAULT_KINDS = ("slowdown", "leave", "join", "bandwidth")
+
+
+@dataclass
+class FaultConfig:
+    """An injected event at the start of round ``at_round`` (0-based): a worker's compute slows by
+    ``factor`` (``slowdown``), it dies (``leave``) or comes back (``join``), or the bandwidth of every link
+    touching it is multiplied by ``factor`` (``bandwidth``)."""
+
+    at_round: int
+    region: str
+    kind: str
+    factor: float = 1.0
 
 
 @dataclass
@@ -107,6 +126,7 @@ class ScenarioConfig:
     data: DataConfig = field(default_factory=DataConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
     geomesh: GeoMeshConfig = field(default_factory=GeoMeshConfig)
+    faults: list[FaultConfig] = field(default_factory=list)
     description: str = ""
 
     # ---- derived facts -------------------------------------------------------------------------
@@ -278,6 +298,7 @@ def validate(cfg: ScenarioConfig) -> ScenarioConfig:
     _require(0 <= tr.outer_momentum < 1, "training.outer_momentum", tr.outer_momentum, "expected [0, 1)")
     _require(tr.seed >= 0, "training.seed", tr.seed, "expected a non-negative integer")
     _require(tr.eval_sequences >= 1, "training.eval_sequences", tr.eval_sequences, "expected >= 1")
+    _require(tr.zero_shot_items >= 0, "training.zero_shot_items", tr.zero_shot_items, "expected >= 0")
     _require(tr.eval_every_rounds >= 1, "training.eval_every_rounds", tr.eval_every_rounds, "expected >= 1")
     g = cfg.geomesh
     _require(g.round_sequences_factor > 0, "geomesh.round_sequences_factor", g.round_sequences_factor, "expected > 0")
@@ -286,6 +307,22 @@ def validate(cfg: ScenarioConfig) -> ScenarioConfig:
              "expected 1 <= min_inner_steps <= max_inner_steps")  # fmt: skip
     _require(g.chunk_size >= 8, "geomesh.chunk_size", g.chunk_size, "expected >= 8")
     _require(g.scale in ("l1", "l2"), "geomesh.scale", g.scale, "expected 'l1' or 'l2'")
+    _require(0 < g.replan_threshold < 10, "geomesh.replan_threshold", g.replan_threshold, "expected (0, 10)")
+    _require(0 <= g.replan_smoothing < 1, "geomesh.replan_smoothing", g.replan_smoothing, "expected [0, 1)")
+    alive = {r.name: True for r in cfg.regions}
+    for i, f in enumerate(sorted(cfg.faults, key=lambda f: f.at_round)):
+        w = f"faults[{cfg.faults.index(f)}]"
+        _require(f.region in alive, f"{w}.region", f.region, f"expected one of {', '.join(alive)}")
+        _require(f.kind in FAULT_KINDS, f"{w}.kind", f.kind, f"expected one of {', '.join(FAULT_KINDS)}")
+        _require(f.at_round >= 0, f"{w}.at_round", f.at_round, "expected a round index >= 0")
+        _require(0 < f.factor <= 1000, f"{w}.factor", f.factor, "expected a factor in (0, 1000]")
+        if f.kind == "leave":
+            _require(alive[f.region], f"{w}.kind", f.kind, f"region {f.region} has already left")
+            alive[f.region] = False
+            _require(any(alive.values()), f"{w}.kind", f.kind, "at least one region must stay")
+        elif f.kind == "join":
+            _require(not alive[f.region], f"{w}.kind", f.kind, f"region {f.region} has not left")
+            alive[f.region] = True
     return cfg
 
 

@@ -73,16 +73,21 @@ class OuterLoopMethod(Method):
         if not self.balanced:
             return plan_uniform(profiles, tr.batch, tr.inner_steps, exchange_bytes=exchange_bytes,
                                 exchange_s=exchange_s, allow_drop=allow_drop)  # fmt: skip
-        g = scenario.geomesh
-        constraints = PlanConstraints(
-            target_sequences=round(len(profiles) * tr.batch * tr.inner_steps * g.round_sequences_factor),
+        return plan_balanced(profiles, self.constraints(scenario, len(profiles), allow_drop),
+                             exchange_bytes=exchange_bytes, exchange_s=exchange_s)  # fmt: skip
+
+    @staticmethod
+    def constraints(scenario: ScenarioConfig, n_workers: int, allow_drop: bool = False) -> PlanConstraints:
+        """The planner's constraints: sequences per round = round_sequences_factor × DiLoCo's N·b·H."""
+        tr, g = scenario.training, scenario.geomesh
+        return PlanConstraints(
+            target_sequences=round(n_workers * tr.batch * tr.inner_steps * g.round_sequences_factor),
             min_batch=g.min_batch,
             max_batch=g.max_batch,
             min_inner_steps=g.min_inner_steps,
             max_inner_steps=g.max_inner_steps,
             allow_drop=allow_drop,
         )
-        return plan_balanced(profiles, constraints, exchange_bytes=exchange_bytes, exchange_s=exchange_s)
 
     # ---- the round, written once for both runtimes --------------------------------------------
     def local_phase(self, worker: Worker, steps: int, batch: int, global_params: Tensors, codec: Codec,

@@ -21,12 +21,12 @@ import torch
 from ..codec import Manifest
 from ..config import ScenarioConfig
 from ..data import BatchStream, Corpus, CorpusSpec
-from ..evaluation import evaluate
+from ..evaluation import build_choice_task, evaluate, zero_shot
 from ..hardware import WorkerProfile, model_profile
 from ..methods.base import Method, OuterLoopMethod
 from ..model import GPT, build_model, model_config
 from ..outer import OuterNesterov
-from ..planner import Plan, plan_uniform
+from ..planner import OnlinePlanner, Plan, plan_uniform
 from ..telemetry import Telemetry, write_json_atomic
 from ..worker import Worker, inner_lr
 
@@ -94,6 +94,32 @@ def build_cluster(scenario: ScenarioConfig, seed: int, budget: int, cache_dir: P
     return Cluster(scenario, corpus, global_model, workers, profiles, val_x, val_y, seed, budget)
 
 
+class ClusterState:
+    """Which workers are alive, how much slower than their profiles they really are, and the WAN now."""
+
+    def __init__(self, scenario: ScenarioConfig):
+        n = len(scenario.regions)
+        self.alive = [True] * n
+        self.speed = [1.0] * n  # true compute time / the profile's prediction
+        self._wan = scenario.wan_model()
+
+    def live(self) -> list[int]:
+        return [i for i, a in enumerate(self.alive) if a]
+
+    def wan(self, live: list[int]):
+        return self._wan.subset(live)
+
+    def apply(self, i: int, kind: str, factor: float) -> None:
+        if kind == "slowdown":
+            self.speed[i] *= factor
+        elif kind == "leave":
+            self.alive[i] = False
+        elif kind == "join":
+            self.alive[i] = True
+        elif kind == "bandwidth":
+            self._wan = self._wan.scaled_bandwidth(i, factor)
+
+
 class EmulatedRun:
     """One method on one scenario, with a modeled clock."""
 
@@ -115,6 +141,7 @@ class EmulatedRun:
         self.bytes_sent = 0.0
         self.proxy_bytes_sent = 0
         self.plans: list[Plan] = []
+        self.faults: list[dict[str, Any]] = []
         self._bar = None
         self.cluster: Cluster | None = None
 
@@ -127,13 +154,23 @@ class EmulatedRun:
         self.telemetry.evaluation(self.clock, self.tokens_done, self.rounds, loss)
         return loss
 
-    def _barrier_spans(self, compute: list[float], exchange_s: float) -> float:
-        """Spans of one synchronous round starting at ``self.clock``; returns the round's length."""
-        slowest = max(compute)
-        for name, c in zip(self._names(), compute):
+    def _barrier_spans(self, compute: dict[int, float] | list[float], exchange_s: float) -> float:
+        """Spans of one synchronous round starting at ``self.clock``; returns the round's length.
+
+        ``compute`` maps worker index -> compute seconds for the workers in the round; the others are down
+        and their time in the round is ``other``."""
+        if not isinstance(compute, dict):
+            compute = dict(enumerate(compute))
+        slowest = max(compute.values())
+        end = self.clock + slowest + exchange_s
+        for i, name in enumerate(self._names()):
+            if i not in compute:
+                self.telemetry.span(name, "other", self.clock, end, self.rounds)
+                continue
+            c = compute[i]
             self.telemetry.span(name, "compute", self.clock, self.clock + c, self.rounds)
             self.telemetry.span(name, "straggler_wait", self.clock + c, self.clock + slowest, self.rounds)
-            self.telemetry.span(name, "comm_wait", self.clock + slowest, self.clock + slowest + exchange_s, self.rounds)
+            self.telemetry.span(name, "comm_wait", self.clock + slowest, end, self.rounds)
         return slowest + exchange_s
 
     def _progress(self, loss: float | None) -> None:
@@ -170,11 +207,22 @@ class EmulatedRun:
         finally:
             if self._bar is not None:
                 self._bar.close()
+        extra["zero_shot"] = self._zero_shot(cluster)
         summary = self._summary(cluster, extra, time.perf_counter() - started)
         self.telemetry.close()
         if self.out_dir is not None:
             write_json_atomic(self.out_dir / "summary.json", summary)
         return summary
+
+    def _zero_shot(self, cluster: Cluster) -> dict[str, float] | None:
+        items = self.scenario.training.zero_shot_items
+        if items == 0:
+            return None
+        seq = self.scenario.proxy.seq_len
+        continuation = min(16, seq // 4)  # the model sees context + continuation − 1 tokens
+        task = build_choice_task(cluster.corpus.val_tokens, cluster.corpus.tokenizer.decode, items=items,
+                                 context_len=min(48, seq + 1 - continuation), continuation_len=continuation)  # fmt: skip
+        return zero_shot(cluster.global_model, task)
 
     def _run_other(self, cluster: Cluster) -> dict[str, Any]:
         if self.method.kind == "async":
@@ -256,53 +304,100 @@ class EmulatedRun:
 
     def _run_outer(self, cluster: Cluster) -> dict[str, Any]:
         method: OuterLoopMethod = self.method  # type: ignore[assignment]
-        tr = self.scenario.training
+        tr, g = self.scenario.training, self.scenario.geomesh
         params = cluster.global_params
         manifest = Manifest.from_tensors(params)
         codecs = [method.make_codec(manifest, self.scenario) for _ in cluster.workers]
         combiner = method.make_codec(manifest, self.scenario)
         outer = OuterNesterov(params, lr=tr.outer_lr, momentum=tr.outer_momentum)
-        wan = self.scenario.wan_model()
         proxy_payload = combiner.payload_nbytes()
         modeled_payload = method.modeled_payload_bytes(self.scenario, manifest)
-        exchange_s, sent_per_worker = method.exchange(wan, modeled_payload)
-        plan = method.plan(self.scenario, cluster.profiles, exchange_bytes=modeled_payload, exchange_s=exchange_s)
-        self._record_plan(plan)
+        names = self._names()
+        cluster_state = ClusterState(self.scenario)
+        online: OnlinePlanner | None = None
         seq = self.scenario.proxy.seq_len
+
+        def new_plan() -> tuple[Plan, float, float]:
+            """Plan the live workers over the WAN that links them now (after joins, leaves, link faults)."""
+            nonlocal online
+            live = cluster_state.live()
+            profiles = [cluster.profiles[i] for i in live]
+            exchange_s, sent = method.exchange(cluster_state.wan(live), modeled_payload)
+            if method.balanced and g.replan:
+                known = online.factors if online is not None else {}
+                online = OnlinePlanner(profiles, method.constraints(self.scenario, len(live)),
+                                       smoothing=g.replan_smoothing, threshold=g.replan_threshold)  # fmt: skip
+                online.factors.update({k: v for k, v in known.items() if k in online.factors})
+                plan = online.plan(modeled_payload, exchange_s)
+            else:
+                plan = method.plan(self.scenario, profiles, exchange_bytes=modeled_payload, exchange_s=exchange_s)
+            self._record_plan(plan)
+            return plan, exchange_s, sent
+
+        plan, exchange_s, sent_per_worker = new_plan()
         last_loss = self._evaluate(cluster)
         while self.tokens_done < self.budget:
-            steps = [w.inner_steps for w in plan.workers]
-            round_tokens = sum(w.batch * h for w, h in zip(plan.workers, steps)) * seq
+            if self._apply_faults(cluster_state):
+                plan, exchange_s, sent_per_worker = new_plan()
+            live = cluster_state.live()
+            entries = [plan.worker(names[i]) for i in live]
+            steps = [w.inner_steps for w in entries]
+            round_tokens = sum(w.batch * h for w, h in zip(entries, steps)) * seq
             remaining = self.budget - self.tokens_done
             if round_tokens > remaining:  # the last round is shortened so every method sees the same budget
                 steps = [max(1, round(h * remaining / round_tokens)) for h in steps]
-                round_tokens = sum(w.batch * h for w, h in zip(plan.workers, steps)) * seq
-            payloads, compute = [], []
-            for worker, wp, h, codec, profile in zip(cluster.workers, plan.workers, steps, codecs, cluster.profiles):
+                round_tokens = sum(w.batch * h for w, h in zip(entries, steps)) * seq
+            payloads, compute = [], {}
+            for i, wp, h in zip(live, entries, steps):
                 start = self.tokens_done
 
                 def lr_at(k: int, h: int = h, start: int = start) -> float:
                     return inner_lr(start + k / h * round_tokens, self.budget, tr)
 
-                payload, _ = method.local_phase(worker, h, wp.batch, params, codec, lr_at)
+                payload, _ = method.local_phase(cluster.workers[i], h, wp.batch, params, codecs[i], lr_at)
                 if payload is not None:
                     payloads.append(payload)
                     self.proxy_bytes_sent += len(payload)
                 else:
                     self.telemetry.count("dropped_updates")
-                compute.append(h * profile.step_s(wp.micro_batch, wp.accum))
+                # the truth (profile × injected slowdown); the planner only learns it by observing
+                compute[i] = h * cluster.profiles[i].step_s(wp.micro_batch, wp.accum) * cluster_state.speed[i]
             method.apply(payloads, combiner, outer)
             self.clock += self._barrier_spans(compute, exchange_s)
-            self.bytes_sent += sent_per_worker * len(cluster.workers)
+            self.bytes_sent += sent_per_worker * len(live)
             self.tokens_done += round_tokens
             self.rounds += 1
             self.telemetry.emit({"type": "round", "round": self.rounds, "time": self.clock, "tokens": self.tokens_done,
-                                 "compute_s": compute, "exchange_s": exchange_s})  # fmt: skip
+                                 "compute_s": {names[i]: c for i, c in compute.items()}, "exchange_s": exchange_s})  # fmt: skip
+            if online is not None:
+                for i, h, wp in zip(live, steps, entries):
+                    if h == wp.inner_steps:  # a shortened last round says nothing new about speed
+                        online.observe(names[i], compute[i], plan)
+                replanned = online.maybe_replan(modeled_payload, exchange_s)
+                if replanned is not None:
+                    plan = replanned
+                    self._record_plan(plan)
+                    self.telemetry.count("replans")
             if self.rounds % tr.eval_every_rounds == 0 or self.tokens_done >= self.budget:
                 last_loss = self._evaluate(cluster)
             self._progress(last_loss)
         return {"payload_bytes_per_worker": modeled_payload, "proxy_payload_bytes": proxy_payload,
-                "exchange_s_per_round": exchange_s, "collective": method.collective}  # fmt: skip
+                "exchange_s_per_round": exchange_s, "collective": method.collective,
+                "replans": int(self.telemetry.counters.get("replans", 0)), "faults": self.faults}  # fmt: skip
+
+    def _apply_faults(self, state: "ClusterState") -> bool:
+        """Apply the faults scheduled for this round; True when the plan must be remade."""
+        remake = False
+        for f in self.scenario.faults:
+            if f.at_round != self.rounds:
+                continue
+            i = self._names().index(f.region)
+            state.apply(i, f.kind, f.factor)
+            remake |= f.kind in ("leave", "join", "bandwidth")
+            record = {"round": self.rounds, "time": self.clock, "region": f.region, "kind": f.kind, "factor": f.factor}
+            self.faults.append(record)
+            self.telemetry.emit({"type": "fault", **record})
+        return remake
 
     def _run_ddp(self, cluster: Cluster) -> dict[str, Any]:
         """All replicas stay identical under DDP, so one replica takes every worker's batch in turn: the
