@@ -1,4 +1,4 @@
-"""The ``geomesh`` command line: train, demo, bench, plan, profile, scenarios, config.
+"""The geomesh command line: train, demo, bench, plan, profile, launch, scenarios, config.
 
 Every error a user can cause (bad scenario, unknown method, missing corpus, impossible plan, unwritable
 run folder) ends with one ``error: ...`` line on stderr and exit status 2; never a traceback.
@@ -157,10 +157,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _register_optional(sub) -> None:
-    """Subcommands that live in their own modules (planner, profiler)."""
-    from . import cli_plan
+    """Subcommands that live in their own modules (planner and profiler; local launch of real ranks)."""
+    from . import cli_launch, cli_plan
 
     cli_plan.register(sub)
+    cli_launch.register(sub)
 
 
 def main(argv: list[str] | None = None) -> int:

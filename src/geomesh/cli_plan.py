@@ -46,6 +46,7 @@ def cluster_plans(scenario, profiles=None, allow_drop: bool = False) -> dict[str
     resolved = []
     for region in scenario.regions:
         prof = profiles.get(region.name) or model_profile(region.name, region.gpu, region.count, timing)
+        prof.name = region.name  # a measured profile keeps the name it was measured under
         prof.slowdown = region.slowdown
         resolved.append(prof)
     wan = scenario.wan_model()

@@ -71,12 +71,15 @@ class WanShaper:
     def _latency_only(self, ring_steps: int) -> float:
         return max(0, ring_steps) * self.wan.ring_step_s(0.0)
 
-    @staticmethod
-    def hold(seconds: float, since: float) -> float:
-        """Sleep until ``seconds`` have passed since ``since`` (a ``perf_counter`` time); returns the sleep.
+    def hold(self, seconds: float, since: float) -> float:
+        """Hold an exchange that started at ``since`` (a ``perf_counter`` time); returns the sleep.
 
-        The transfer on this machine is part of the emulated transfer: an exchange takes
-        max(measured, modeled), never measured + modeled."""
+        ``shaper``: the transfer on this machine is part of the emulated transfer, so the exchange takes
+        max(measured, modeled), never measured + modeled. ``latency``: the bytes really crossed a
+        rate-limited link, so the latency is added to it."""
+        if self.mode == "latency":
+            time.sleep(seconds)
+            return seconds
         left = since + seconds - time.perf_counter()
         if left > 0:
             time.sleep(left)
@@ -127,7 +130,8 @@ class Transport:
             mine = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
         mine = mine.to(self.device)
         out = torch.empty(size * nbytes, dtype=torch.uint8, device=self.device)
-        dist.all_gather_into_tensor(out, mine, group=group)
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        gather(out, mine, group=group)
         self.wan_bytes += nbytes
         return out.cpu()
 
@@ -193,14 +197,14 @@ class NetnsError(RuntimeError):
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    proc = subprocess.run(["ip", *args], capture_output=True, text=True)
+    proc = subprocess.run(["ip", *args], capture_output=True, text=True, check=False)
     if check and proc.returncode != 0:
         raise NetnsError(f"`ip {' '.join(args)}` failed: {proc.stderr.strip() or proc.returncode}")
     return proc
 
 
 def _tc(ns: str, *args: str, check: bool = True) -> subprocess.CompletedProcess:
-    proc = subprocess.run(["ip", "netns", "exec", ns, "tc", *args], capture_output=True, text=True)
+    proc = subprocess.run(["ip", "netns", "exec", ns, "tc", *args], capture_output=True, text=True, check=False)
     if check and proc.returncode != 0:
         raise NetnsError(f"`tc {' '.join(args)}` in {ns} failed: {proc.stderr.strip() or proc.returncode}")
     return proc
@@ -268,7 +272,7 @@ class NetnsWan:
     def address(rank: int) -> str:
         return f"10.213.0.{rank + 1}"
 
-    def __enter__(self) -> "NetnsWan":
+    def __enter__(self) -> NetnsWan:
         try:
             self.setup()
         except BaseException:
@@ -276,7 +280,7 @@ class NetnsWan:
             raise
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     def setup(self) -> None:

@@ -1,0 +1,346 @@
+"""``geomesh launch``: the distributed runtime on one machine.
+
+``geomesh launch SCENARIO --nproc N --method NAME --out DIR [--wan shaper|netns|none]`` checks the arguments,
+starts N ranks of ``python -m geomesh.run`` (Gloo over loopback, a free rendezvous port, ``RANK``,
+``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR=127.0.0.1``), forwards their output (prefixed ``[rank k]``,
+also kept in ``DIR/logs/rank<k>.log``), and prints the summary that rank 0 wrote to ``DIR/summary.json``.
+
+WAN emulation (``--wan``):
+
+- ``shaper`` (default): every exchange is held until the scenario's WAN model says it is done (latency +
+  bytes / bandwidth of the ring collective, for the bytes this run really sends);
+- ``netns``: each rank in its own Linux network namespace (root and iproute2 needed), joined by veth pairs
+  and a bridge, with per-link ``htb`` rate limits and ``netem`` delays from the WAN model; on kernels
+  without ``sch_netem`` the rate limit stays in the kernel and the ranks' shaper adds the latency;
+- ``none``: plain loopback.
+
+When a rank dies, the others stop within ``--timeout`` with an error; the launcher then names the rank that
+died first (its exit code or signal) and exits 1. Bad arguments: one ``error: ...`` line, exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+WAN_MODES = ("shaper", "netns", "none")
+
+
+def register(sub) -> None:
+    from .run import add_run_arguments
+
+    p = sub.add_parser("launch", help="run the distributed runtime with N local ranks (Gloo over loopback)")
+    add_run_arguments(p, launcher=True)
+    p.add_argument("--nproc", type=int, required=True, help="ranks to start on this machine")
+    p.set_defaults(func=cmd_launch)
+
+
+@dataclass
+class RankExit:
+    rank: int
+    code: int | None = None  # None: still running
+    at: float | None = None  # seconds after the start
+    killed: bool = False  # by the launcher, after the others had stopped
+    tail: deque = field(default_factory=lambda: deque(maxlen=30))
+
+    def describe(self) -> str:
+        if self.killed:
+            return "did not stop; killed by the launcher"
+        if self.code is None:
+            return "still running"
+        if self.code < 0:
+            try:
+                name = signal.Signals(-self.code).name
+            except ValueError:
+                name = f"signal {-self.code}"
+            return f"killed by {name}"
+        return f"exit code {self.code}"
+
+    def error_line(self) -> str | None:
+        for line in reversed(self.tail):
+            if "error:" in line:
+                return line[line.index("error:") :]
+        return None
+
+
+@dataclass
+class LaunchResult:
+    code: int
+    summary: dict[str, Any] | None
+    ranks: list[RankExit]
+    message: str = ""
+    netns: dict[str, Any] | None = None
+
+
+def _check(args: argparse.Namespace):
+    """Every user error before any process starts (ConfigError & co: one line, exit 2)."""
+    from .cli import _overrides
+    from .config import ConfigError, load_scenario
+    from .methods.base import OuterLoopMethod, get_method
+    from .run import resolve_backend
+    from .runtime.distributed import parse_ranks_per_region, rank_layout
+    from .runtime.emulated import RunError, prepare_run_dir
+
+    if args.nproc is None or args.nproc < 1 or args.nproc > 256:
+        raise ConfigError(f"--nproc {args.nproc}: expected 1..256 ranks")
+    if args.wan not in WAN_MODES:
+        raise ConfigError(f"--wan {args.wan!r}: expected one of {', '.join(WAN_MODES)}")
+    if not args.timeout > 0:
+        raise ConfigError(f"--timeout {args.timeout}: expected a positive number of seconds")
+    if args.tokens is not None and args.tokens <= 0:
+        raise ConfigError(f"--tokens {args.tokens}: expected a positive token budget")
+    scenario = load_scenario(args.scenario, _overrides(args.set))
+    method = get_method(args.method)
+    if not isinstance(method, OuterLoopMethod):
+        raise ConfigError(f"--method {args.method}: the distributed runtime runs round-based methods "
+                          "(diloco, geomesh, geomesh-balance-only, geomesh-sign-only)")  # fmt: skip
+    counts = parse_ranks_per_region(args.ranks_per_region, len(scenario.regions))
+    layout = rank_layout(scenario, args.nproc, counts)
+    backend = resolve_backend(args.backend)
+    if backend == "nccl":
+        import torch
+
+        if torch.cuda.device_count() < args.nproc:
+            raise ConfigError(f"--backend nccl: {args.nproc} ranks need {args.nproc} GPUs, this machine has "
+                              f"{torch.cuda.device_count()}")  # fmt: skip
+    for pair in args.profile or []:
+        region, _, path = pair.partition("=")
+        if region not in layout.names or not path:
+            raise ConfigError(f"--profile {pair!r}: expected REGION=FILE with REGION one of {', '.join(layout.names)}")
+    if args.wan == "netns":
+        from .runtime.transport import netns_unavailable_reason
+
+        reason = netns_unavailable_reason()
+        if reason:
+            raise RunError(f"--wan netns: {reason}; use --wan shaper")
+    prepare_run_dir(Path(args.out))
+    return scenario, layout, backend
+
+
+def _rank_argv(args: argparse.Namespace, wan_mode: str) -> list[str]:
+    argv = [sys.executable, "-m", "geomesh.run", str(args.scenario), "--method", args.method, "--out", str(args.out),
+            "--wan", wan_mode, "--timeout", str(args.timeout), "--backend", args.backend]  # fmt: skip
+    for flag, value in (("--tokens", args.tokens), ("--seed", args.seed), ("--target-loss", args.target_loss),
+                        ("--ranks-per-region", args.ranks_per_region)):  # fmt: skip
+        if value is not None:
+            argv += [flag, str(value)]
+    for pair in args.set or []:
+        argv += ["--set", pair]
+    for pair in args.profile or []:
+        argv += ["--profile", pair]
+    if args.save_params:
+        argv.append("--save-params")
+    if args.quiet:
+        argv.append("--quiet")
+    return argv
+
+
+def launch(args: argparse.Namespace, extra_env: dict[str, str] | None = None) -> LaunchResult:
+    """Check, start the ranks, wait, and report. Raises the USER_ERRORS of :func:`_check`.
+
+    SIGTERM is turned into KeyboardInterrupt meanwhile, so the ranks and namespaces are always cleaned up."""
+    scenario, layout, backend = _check(args)
+    previous = None
+    if threading.current_thread() is threading.main_thread():
+        previous = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        return _launch(args, extra_env, scenario, layout, backend)
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
+def _launch(args, extra_env, scenario, layout, backend) -> LaunchResult:
+    out = Path(args.out)
+    (out / "logs").mkdir(parents=True, exist_ok=True)
+    for stale in ("summary.json", "final_params.pt"):
+        (out / stale).unlink(missing_ok=True)
+    src = str(Path(__file__).resolve().parents[1])
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([src, *[p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]])
+    env.update({"WORLD_SIZE": str(args.nproc), "LOCAL_WORLD_SIZE": str(args.nproc), "GROUP_RANK": "0",
+                "GEOMESH_LAUNCHER": "1", "PYTHONUNBUFFERED": "1"})  # fmt: skip
+    if backend == "gloo":
+        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // args.nproc)))
+    env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # c10d's warnings (e.g. no hostname inside a namespace)
+    env.update(extra_env or {})
+    if args.wan != "netns":
+        from .runtime.transport import free_port
+
+        env.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())})
+        return _spawn_and_wait(args, env, _rank_argv(args, "shaper" if args.wan == "shaper" else "none"), None, layout)
+    from .runtime.emulated import RunError
+    from .runtime.transport import NetnsError, NetnsWan
+
+    net = NetnsWan(scenario.wan_model(), [layout.region_of(r) for r in range(args.nproc)])
+    try:
+        try:
+            net.setup()
+        except NetnsError as exc:
+            raise RunError(f"--wan netns: {exc}") from None
+        env.update({"MASTER_ADDR": net.address(0), "MASTER_PORT": "29500", "GLOO_SOCKET_IFNAME": net.iface,
+                    "GEOMESH_WIRE_IFACE": net.iface})  # fmt: skip
+        mode = "none" if net.delay_in_kernel else "latency"
+        result = _spawn_and_wait(args, env, _rank_argv(args, mode), net, layout)
+        result.netns = {"namespaces": args.nproc, "delay": "netem" if net.delay_in_kernel else "shaper (no sch_netem)",
+                        "rate": "htb"}  # fmt: skip
+        return result
+    finally:
+        net.close()
+
+
+def _spawn_and_wait(args: argparse.Namespace, env: dict[str, str], argv: list[str], net, layout) -> LaunchResult:
+    out = Path(args.out)
+    ranks = [RankExit(r) for r in range(args.nproc)]
+    procs: list[subprocess.Popen] = []
+    threads = []
+    echo = not args.quiet
+    lock = threading.Lock()
+
+    def pump(k: int, proc: subprocess.Popen) -> None:
+        with open(out / "logs" / f"rank{k}.log", "w") as log:
+            for line in proc.stdout:  # type: ignore[union-attr]
+                log.write(line)
+                log.flush()
+                ranks[k].tail.append(line.rstrip("\n"))
+                if echo:
+                    with lock:
+                        print(f"[rank {k}] {line}", end="", file=sys.stderr, flush=True)
+
+    started = time.perf_counter()
+    try:
+        for k in range(args.nproc):
+            rank_env = dict(env, RANK=str(k), LOCAL_RANK=str(k))
+            cmd = net.command(k, argv) if net is not None else argv
+            proc = subprocess.Popen(cmd, env=rank_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                    start_new_session=True)  # fmt: skip
+            procs.append(proc)
+            t = threading.Thread(target=pump, args=(k, proc), daemon=True)
+            t.start()
+            threads.append(t)
+        deadline = None
+        while any(r.code is None for r in ranks):
+            for k, proc in enumerate(procs):
+                if ranks[k].code is None and proc.poll() is not None:
+                    ranks[k].code, ranks[k].at = proc.returncode, time.perf_counter() - started
+                    if proc.returncode != 0 and deadline is None:
+                        deadline = time.perf_counter() + args.timeout + 15
+            stopped = [r for r in ranks if r.code is not None]
+            if deadline is not None and any(r.code == 1 for r in stopped) and all(r.code != 0 for r in stopped):
+                # the failure was seen and reported by a peer: ranks still running get a short grace, not the timeout
+                deadline = min(deadline, time.perf_counter() + 10)
+            if deadline is not None and time.perf_counter() > deadline:
+                for k, proc in enumerate(procs):
+                    if ranks[k].code is None:
+                        _kill(proc)
+                        ranks[k].code, ranks[k].killed = proc.returncode, True
+            time.sleep(0.05)
+    except KeyboardInterrupt:
+        for proc in procs:
+            _kill(proc)
+        return LaunchResult(130, None, ranks, "interrupted")
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                _kill(proc)
+        for t in threads:
+            t.join(timeout=5)
+    return _report(args, ranks, [layout.names[layout.region_of(r)] for r in range(args.nproc)])
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    """End one rank we started (its own process group: ``ip netns exec`` and the Python under it)."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        pass
+
+
+def _report(args: argparse.Namespace, ranks: list[RankExit], regions: list[str]) -> LaunchResult:
+    out = Path(args.out)
+    if all(r.code == 0 for r in ranks):
+        try:
+            summary = json.loads((out / "summary.json").read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            return LaunchResult(1, None, ranks, f"all ranks finished but {out / 'summary.json'} is unreadable: {exc}")
+        return LaunchResult(0, summary, ranks)
+    failed = [r for r in ranks if r.code != 0]
+    if all(r.code == 2 for r in failed):  # a user error, seen by the ranks themselves
+        line = next((r.error_line() for r in failed if r.error_line()), "error: a rank refused the job")
+        return LaunchResult(2, None, ranks, line.removeprefix("error: "))
+    # the root cause: the first rank that died on its own (a signal or an unexpected code), else a rank that
+    # hung (the launcher killed it after the others had stopped), else the first failure
+    own = [r for r in failed if not r.killed and r.code not in (1, 2)]
+    hung = [r for r in failed if r.killed]
+    first = min(own or hung or failed, key=lambda r: (r.at or 1e18, r.rank))
+    others = [r for r in ranks if r is not first]
+    why = first.error_line()
+    verb = "died" if own else "hung" if hung else "failed"
+    msg = f"rank {first.rank} (region {regions[first.rank]}) {verb} ({first.describe()}" + (
+        f" at {first.at:.1f}s)" if first.at is not None and not first.killed else ")"
+    )
+    if why:
+        msg += f": {why.removeprefix('error: ')}"
+    stopped = ", ".join(f"rank {r.rank}: {r.describe()}" for r in others)
+    if stopped:
+        msg += f"; the others stopped: {stopped}"
+    msg += f" (logs in {out / 'logs'})"
+    return LaunchResult(1, None, ranks, msg)
+
+
+def cmd_launch(args: argparse.Namespace) -> int:
+    result = launch(args)
+    if result.code == 2:
+        from .config import ConfigError
+
+        raise ConfigError(result.message)
+    if result.code != 0:
+        print(f"error: {result.message}", file=sys.stderr)
+        return result.code
+    from .run import print_summary
+
+    print_summary(result.summary, args.out)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="geomesh")
+    register(p.add_subparsers(dest="command", required=True))
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``geomesh launch ...`` on its own (``argv`` starts with ``launch``), with the CLI's error handling."""
+    args = build_parser().parse_args(argv)
+    from .errors import USER_ERRORS
+
+    try:
+        return args.func(args)
+    except USER_ERRORS as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("error: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

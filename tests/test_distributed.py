@@ -1,0 +1,278 @@
+"""The distributed runtime: real rank processes over Gloo on loopback, against the emulated runtime.
+
+Every launch here starts real processes (``geomesh launch`` machinery), so the file runs a handful of them:
+3 ranks of GeoMesh (identical parameters on every rank, equal to the emulated runtime, the documented
+summary), 2 regions x 2 ranks with DDP inside each region, a rank that dies, and network namespaces with
+kernel rate limits (skipped where namespaces cannot be made).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from conftest import tiny_scenario_dict
+
+from geomesh import cli_launch
+from geomesh.config import ConfigError, load_scenario
+from geomesh.methods.base import get_method
+from geomesh.network import WanModel
+from geomesh.runtime.distributed import params_checksum, parse_ranks_per_region, rank_layout
+from geomesh.runtime.emulated import EmulatedRun, RunOptions
+from geomesh.runtime.transport import ABSENT, WanShaper, netns_unavailable_reason, split_gathered
+from geomesh.telemetry import read_events
+
+SUMMARY_FIELDS = ("method", "scenario", "runtime", "seed", "tokens", "rounds", "modeled_time_s", "final_val_loss",
+                  "target_val_loss", "time_to_target_s", "straggler_idle_frac", "wan_idle_frac", "utilization",
+                  "bytes_sent", "bytes_per_round", "proxy_bytes_sent", "dropped_updates", "proxy_params",
+                  "timing_params", "plan", "per_worker", "curve", "modeled", "wall_clock_s",
+                  "payload_bytes_per_worker", "exchange_s_per_round", "collective", "world_size",
+                  "ranks_per_region", "param_checksums")  # fmt: skip
+# one thread per rank, as the emulated runtime in this process (conftest): the same float results
+RANK_ENV = {"OMP_NUM_THREADS": "1"}
+TOKENS = 6000
+
+
+def write_scenario(folder: Path, paths: list[str], gpus, counts=None, geomesh=None, **training) -> Path:
+    data = tiny_scenario_dict(paths, gpus, **training)
+    for region, count in zip(data["regions"], counts or [1] * len(gpus)):
+        region["count"] = count
+    data["geomesh"].update(geomesh or {})
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "scenario.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def launch(argv: list[str], env: dict[str, str] | None = None) -> cli_launch.LaunchResult:
+    args = cli_launch.build_parser().parse_args(["launch", *argv])
+    return cli_launch.launch(args, extra_env={**RANK_ENV, **(env or {})})
+
+
+def emulated_params(scenario_path: Path, method: str, tokens: int) -> dict[str, torch.Tensor]:
+    run = EmulatedRun(load_scenario(scenario_path), get_method(method), RunOptions(tokens=tokens, progress=False))
+    run.run()
+    return run.cluster.global_model.state_dict()
+
+
+def assert_same_params(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], **tol) -> None:
+    assert a.keys() == b.keys()
+    for name, value in a.items():
+        torch.testing.assert_close(value, b[name], **tol, msg=lambda m, name=name: f"{name}: {m}")
+
+
+# ---- pieces that need no processes ------------------------------------------------------------------
+
+
+def test_ranks_fill_regions_in_order(tiny_scenario):
+    s = tiny_scenario(gpus=("H100", "A100", "T4"))
+    assert rank_layout(s, 3).counts == (1, 1, 1)
+    layout = rank_layout(s, 5, [2, 1, 2])
+    assert [layout.region_of(r) for r in range(5)] == [0, 0, 1, 2, 2]
+    assert layout.leaders == [0, 2, 3]
+    assert parse_ranks_per_region("2", 3) == [2, 2, 2]
+    for bad in ("0", "1,x", "1,2"):
+        with pytest.raises(ConfigError, match="ranks-per-region"):
+            parse_ranks_per_region(bad, 3)
+    with pytest.raises(ConfigError, match="does not fit"):
+        rank_layout(s, 4)
+    with pytest.raises(ConfigError, match="add up to"):
+        rank_layout(s, 4, [1, 1, 1])
+
+
+def test_gathered_payloads_keep_rank_order_and_absent_slots():
+    slots = [b"GMSH" + bytes([i]) * 4 for i in range(3)]
+    slots[1] = ABSENT + bytes(4)
+    gathered = torch.frombuffer(bytearray(b"".join(slots)), dtype=torch.uint8)
+    assert split_gathered(gathered, 8) == [slots[0], None, slots[2]]
+
+
+def test_shaper_holds_to_the_wan_model():
+    wan = WanModel(rtt_s=((0, 0.1), (0.1, 0)), bandwidth_Bps=((1e9, 1e6), (1e6, 1e9)))
+    assert WanShaper(wan, "shaper").allgather_s(10**6) == pytest.approx(0.05 + 1.0)
+    assert WanShaper(wan, "latency").allgather_s(10**6) == pytest.approx(0.05)
+    assert WanShaper(wan, "none").allreduce_s(10**6) == 0.0
+    assert WanShaper(wan, "shaper").allreduce_s(10**6) == pytest.approx(2 * (0.05 + 0.5))
+
+
+def test_checksum_sees_any_sampled_change():
+    params = {"a": torch.arange(10_000, dtype=torch.float32), "b": torch.ones(3)}
+    before = params_checksum(params)
+    assert params_checksum({k: v.clone() for k, v in params.items()}) == before
+    params["a"][0] += 1e-6
+    assert params_checksum(params) != before
+
+
+# ---- 3 ranks of GeoMesh ------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def geomesh_run(tmp_path_factory, small_corpus):
+    """3 ranks, one per region (H100, A100, T4), planned b_i and H_i all different, over the shaper."""
+    folder = tmp_path_factory.mktemp("dist-geomesh")
+    scenario = write_scenario(folder, small_corpus, ("H100", "A100", "T4"), geomesh={"max_batch": 16})
+    out = folder / "run"
+    result = launch([str(scenario), "--nproc", "3", "--method", "geomesh", "--out", str(out), "--tokens",
+                     str(TOKENS), "--save-params", "--quiet", "--timeout", "60"])  # fmt: skip
+    assert result.code == 0, result.message
+    return scenario, out, result.summary
+
+
+def test_three_ranks_with_different_plans_end_identical(geomesh_run):
+    summary = geomesh_run[2]
+    plan = [(w["batch"], w["inner_steps"]) for w in summary["plan"]["workers"]]
+    assert len({b for b, _ in plan}) == 3 and len({h for _, h in plan}) == 3, plan
+    assert summary["rounds"] >= 2
+    checksums = summary["param_checksums"]  # every rank's θ at the end (and checked after every round)
+    assert len(checksums) == 3 and len(set(checksums)) == 1
+
+
+def test_distributed_equals_emulated(geomesh_run):
+    scenario, out, summary = geomesh_run
+    expected = emulated_params(scenario, "geomesh", TOKENS)
+    assert_same_params(torch.load(out / "final_params.pt"), expected, rtol=1e-5, atol=1e-6)
+    emulated = EmulatedRun(load_scenario(scenario), get_method("geomesh"), RunOptions(tokens=TOKENS, progress=False))
+    s = emulated.run()
+    assert summary["tokens"] == s["tokens"] and summary["rounds"] == s["rounds"]
+    assert summary["final_val_loss"] == pytest.approx(s["final_val_loss"], rel=1e-5)
+    assert summary["plan"] == s["plan"]
+
+
+def test_summary_and_events_follow_the_formats(geomesh_run):
+    _, out, summary = geomesh_run
+    on_disk = json.loads((out / "summary.json").read_text())
+    assert on_disk == summary
+    for field in SUMMARY_FIELDS:
+        assert field in summary, field
+    assert summary["runtime"] == "distributed" and summary["wan"] == "shaper" and summary["world_size"] == 3
+    # bytes handed to the all-gather: one payload per leader per round
+    payload = summary["proxy_payload_bytes"]
+    assert summary["collective"] == "all_gather"
+    assert summary["bytes_sent"] == summary["rounds"] * 3 * payload
+    assert summary["proxy_bytes_sent"] == summary["bytes_sent"]
+    events = read_events(out / "events.jsonl")
+    assert events[0]["type"] == "run" and events[0]["runtime"] == "distributed"
+    assert sum(e["type"] == "round" for e in events) == summary["rounds"]
+    spans = [e for e in events if e["type"] == "span"]
+    assert {e["kind"] for e in spans} >= {"compute", "straggler_wait", "comm_wait"}
+    for worker, totals in summary["per_worker"].items():
+        mine = sorted((e for e in spans if e["worker"] == worker), key=lambda e: e["start"])
+        assert mine[0]["start"] == 0.0
+        for a, b in itertools.pairwise(mine):  # the spans tile the worker's timeline
+            assert b["start"] == pytest.approx(a["end"], abs=1e-9)
+        parts = totals["compute"] + totals["straggler_wait"] + totals["comm_wait"] + totals["other"]
+        assert parts == pytest.approx(totals["wall"])
+        # the shaper holds every exchange at least as long as the WAN model says
+        assert totals["comm_wait"] >= summary["rounds"] * summary["shaper_s_per_round"] * 0.999
+
+
+# ---- DDP inside regions -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("method", ["diloco", "geomesh"])
+def test_two_regions_of_two_ranks_train_with_ddp(method, tmp_path, small_corpus, capsys, monkeypatch):
+    """`geomesh launch` end to end: 4 ranks, regions of 2 ranks each, DDP inside, the summary printed."""
+    scenario = write_scenario(tmp_path, small_corpus, ("A100", "T4"), counts=[2, 2])
+    out = tmp_path / "run"
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    code = cli_launch.main(["launch", str(scenario), "--nproc", "4", "--method", method, "--out", str(out),
+                            "--tokens", "5000", "--save-params", "--quiet", "--wan", "none", "--timeout", "60"])  # fmt: skip
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    assert "runtime: distributed" in captured.out and "world_size: 4" in captured.out
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["ranks_per_region"] == {"r0-a100": 2, "r1-t4": 2}
+    assert len(set(summary["param_checksums"])) == 1
+    assert summary["intra_region_bytes"] > 0  # the leaders broadcast the reduced update inside their region
+    # the region's ranks split its batch, so the region computes the emulated worker's gradient (up to float
+    # summation order; with 1-bit payloads that can flip the sign of a few near-zero elements of Δ)
+    tol = {"rtol": 1e-4, "atol": 1e-5} if method == "diloco" else {"rtol": 0.0, "atol": 1e-2}
+    assert_same_params(torch.load(out / "final_params.pt"), emulated_params(scenario, method, 5000), **tol)
+
+
+# ---- failures -------------------------------------------------------------------------------------------
+
+
+def test_a_dead_rank_stops_the_others_with_a_clear_error(tmp_path, small_corpus):
+    scenario = write_scenario(tmp_path, small_corpus, ("H100", "A100", "T4"))
+    timeout = 30
+    result = launch([str(scenario), "--nproc", "3", "--method", "geomesh", "--out", str(tmp_path / "run"),
+                     "--tokens", "20000", "--quiet", "--timeout", str(timeout)],
+                    env={"GEOMESH_TEST_EXIT_AFTER_ROUND": "1:1"})  # fmt: skip
+    assert result.code == 1
+    assert result.message.startswith("rank 1 (region r1-a100) died (exit code 17")
+    dead = result.ranks[1]
+    for k in (0, 2):
+        rank = result.ranks[k]
+        assert rank.code == 1 and not rank.killed
+        assert rank.at - dead.at < timeout  # stopped by the error, not by the launcher
+        assert f"error: rank {k} (region" in rank.error_line() and "a rank died or hung" in rank.error_line()
+    assert not (tmp_path / "run" / "summary.json").exists()
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--nproc", "0"], "--nproc 0"),
+        (["--nproc", "4"], "does not fit"),
+        (["--nproc", "3", "--wan", "carrier-pigeon"], "--wan 'carrier-pigeon'"),
+        (["--nproc", "3", "--method", "ddp"], "round-based methods"),
+        (["--nproc", "3", "--method", "sgd9000"], "unknown method 'sgd9000'"),
+        (["--nproc", "3", "--ranks-per-region", "1,x"], "--ranks-per-region"),
+        (["--nproc", "3", "--set", "training.tokens=-1"], "training.tokens"),
+        (["--nproc", "3", "--backend", "mpi"], "--backend 'mpi'"),
+    ],
+)
+def test_bad_arguments_are_one_line_and_exit_2(argv, message, tmp_path, small_corpus, capsys):
+    scenario = write_scenario(tmp_path, small_corpus, ("H100", "A100", "T4"))
+    method = [] if "--method" in argv else ["--method", "geomesh"]
+    full = ["launch", str(scenario), "--out", str(tmp_path / "run"), *method, *argv]
+    assert cli_launch.main(full) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err and err.count("\n") == 1, err
+    assert not (tmp_path / "run" / "logs").exists()  # nothing started
+
+
+def test_a_rank_outside_a_launch_says_how_to_start(monkeypatch, capsys, tmp_path, small_corpus):
+    from geomesh import run
+
+    scenario = write_scenario(tmp_path, small_corpus, ("H100",))
+    for name in ("RANK", "WORLD_SIZE", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    args = run.build_parser().parse_args([str(scenario), "--method", "geomesh", "--out", str(tmp_path / "r")])
+    assert run._main(args) == 2
+    err = capsys.readouterr().err
+    assert "$RANK is not set" in err and err.count("\n") == 1
+
+
+# ---- network namespaces ---------------------------------------------------------------------------------
+
+
+def test_netns_wan_puts_real_bytes_on_a_slow_link(tmp_path, small_corpus):
+    reason = netns_unavailable_reason()
+    if reason:
+        pytest.skip(f"network namespaces cannot be made here: {reason}")
+    rate_gbps, rtt_ms = 0.01, 60  # 10 Mbit/s, 30 ms each way
+    scenario = write_scenario(tmp_path, small_corpus, ("H100", "A100", "T4"))
+    data = yaml.safe_load(scenario.read_text())
+    data["wan"] = {"rtt": [[0 if i == j else rtt_ms for j in range(3)] for i in range(3)], "bandwidth_gbps": rate_gbps}
+    scenario.write_text(yaml.safe_dump(data))
+    result = launch([str(scenario), "--nproc", "3", "--method", "geomesh", "--out", str(tmp_path / "run"),
+                     "--tokens", "4000", "--quiet", "--wan", "netns", "--timeout", "60"])  # fmt: skip
+    assert result.code == 0, result.message
+    s = result.summary
+    payload = s["proxy_payload_bytes"]
+    rounds = [e for e in read_events(tmp_path / "run" / "events.jsonl") if e["type"] == "round"]
+    assert len(rounds) == s["rounds"] >= 2
+    for r in rounds:
+        # every leader puts its payload on the wire to each of the 2 others (ring or direct), plus TCP/IP headers
+        assert r["wire_bytes"] >= 3 * 2 * payload
+        # the exchange took at least the ring's latency (2 steps of 30 ms) plus one payload at 10 Mbit/s
+        assert r["exchange_s"] >= 2 * rtt_ms / 2 / 1000 + payload * 8 / (rate_gbps * 1e9)
+    assert s["wire_bytes_sent"] == sum(r["wire_bytes"] for r in rounds)
+    assert s["wire_bytes_sent"] < 4 * s["rounds"] * 3 * 2 * payload  # headers, barrier and acks: not much more
+    assert result.netns["rate"] == "htb"
