@@ -40,21 +40,57 @@ def _scenario(args: argparse.Namespace):
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    from .config import ConfigError
     from .methods.base import get_method
     from .runtime.emulated import EmulatedRun, RunOptions
 
+    resume = getattr(args, "resume", None)
+    if args.out is None and resume is None:
+        raise ConfigError("train: give --out DIR (a new run folder) or --resume DIR (an interrupted run's folder)")
+    if resume is not None and args.out is not None and Path(args.out).resolve() != Path(resume).resolve():
+        raise ConfigError(f"--resume {resume} continues that run folder; leave out --out or give the same folder")
+    out = resume if resume is not None else args.out
     scenario = _scenario(args)
     method = get_method(args.method)
-    opts = RunOptions(out_dir=Path(args.out), tokens=args.tokens, seed=args.seed, target_val_loss=args.target_loss,
-                      progress=not args.quiet)  # fmt: skip
-    summary = EmulatedRun(scenario, method, opts).run()
+    opts = RunOptions(out_dir=Path(out), tokens=args.tokens, seed=args.seed, target_val_loss=args.target_loss,
+                      progress=not args.quiet, checkpoint_every=getattr(args, "checkpoint_every", None),
+                      keep_checkpoints=getattr(args, "keep", None), resume=resume is not None)  # fmt: skip
+    run = EmulatedRun(scenario, method, opts)
+    if run.resumed_from is not None:
+        print(f"resuming {out} from its checkpoint at round {run.resumed_from}", file=sys.stderr)
+    summary = run.run()
     keys = ("method", "scenario", "tokens", "rounds", "modeled_time_s", "final_val_loss", "time_to_target_s",
             "straggler_idle_frac", "wan_idle_frac", "utilization", "bytes_sent")  # fmt: skip
     for k in keys:
         v = summary[k]
         print(f"{k:>20}: {v:.4g}" if isinstance(v, float) else f"{k:>20}: {v}")
-    print(f"{'run folder':>20}: {args.out}")
+    for k in ("dropped_updates", "rejected_payloads"):
+        if summary.get(k):
+            print(f"{k:>20}: {summary[k]}")
+    for line in fault_lines(summary.get("faults") or []):
+        print(line)
+    print(f"{'run folder':>20}: {out}")
     return 0
+
+
+def fault_lines(faults: list[dict[str, Any]]) -> list[str]:
+    """One line per injected fault and what it cost (summary ``faults``), for ``geomesh train``."""
+
+    def secs(v: Any) -> str:
+        return "-" if v is None else f"{v:,.1f}s"
+
+    lines = []
+    for f in faults:
+        what = f"{f['kind']} x{f['factor']:g}" if f["kind"] in ("slowdown", "bandwidth") else f["kind"]
+        head = f"{'fault':>20}: round {f['round']} {f['region']} {what}"
+        if f.get("ignored"):
+            lines.append(f"{head}: ignored ({f['ignored']})")
+            continue
+        cost = f"round {secs(f.get('round_s_before'))} -> {secs(f.get('round_s_after'))}"
+        if f.get("round_s_replanned") is not None:
+            cost += f" (next {secs(f['round_s_replanned'])})"
+        lines.append(f"{head}: {cost}, {f.get('tokens_lost', 0):,} tokens lost")
+    return lines
 
 
 def _compare(args: argparse.Namespace, methods: list[str]) -> dict[str, Any]:
@@ -125,8 +161,14 @@ def build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser("train", help="train one method on a scenario (emulated runtime)")
     common(t)
     t.add_argument("--method", required=True, help="ddp, diloco, geomesh, ... (see `geomesh bench --help`)")
-    t.add_argument("--out", required=True, help="run folder: summary.json, events.jsonl")
+    t.add_argument("--out", default=None, help="run folder: summary.json, events.jsonl (and checkpoints/)")
     t.add_argument("--target-loss", type=float, default=None, help="validation loss for time-to-target")
+    t.add_argument("--checkpoint-every", type=int, default=None, metavar="N",
+                   help="write a checkpoint every N rounds (overrides reliability.checkpoint_every_rounds)")
+    t.add_argument("--keep", type=int, default=None, metavar="K",
+                   help="keep the newest K checkpoints (overrides reliability.keep_checkpoints)")
+    t.add_argument("--resume", default=None, metavar="DIR",
+                   help="continue the interrupted run in DIR from its newest checkpoint (same scenario and options)")
     t.set_defaults(func=cmd_train)
 
     d = sub.add_parser("demo", help="the default scenario with every method, side by side, with plots")
@@ -157,11 +199,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _register_optional(sub) -> None:
-    """Subcommands that live in their own modules (planner and profiler; local launch of real ranks)."""
+    """Subcommands that live in their own modules (planner and profiler; local launch of real ranks;
+    lm-evaluation-harness tasks)."""
     from . import cli_launch, cli_plan
+    from .integrations import lm_eval_adapter
 
     cli_plan.register(sub)
     cli_launch.register(sub)
+    lm_eval_adapter.register(sub)
 
 
 def main(argv: list[str] | None = None) -> int:

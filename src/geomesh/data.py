@@ -431,3 +431,33 @@ class BatchStream:
             raise ValueError(f"BatchStream state position = {state['position']}: must be in [0, {self.n_windows})")
         self.epoch = int(state["epoch"])
         self.position = int(state["position"])
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Other token sources (pre-tokenised binary shards, HF datasets): docs/ecosystem.md
+
+
+def load_corpus(data, cache_dir: str | Path | None = None):
+    """The corpus a scenario's ``data`` section (a :class:`~geomesh.config.DataConfig`) names.
+
+    ``text`` (the default): :meth:`Corpus.load` on ``data.paths``; ``tokens`` and ``hf``: a memory-mapped
+    :class:`~geomesh.integrations.token_data.TokenCorpus` with the same interface (see that module)."""
+    source = data.source() if hasattr(data, "source") else "text"
+    if source == "text":
+        spec = CorpusSpec(paths=data.paths, vocab_size=data.vocab_size, val_fraction=data.val_fraction,
+                          text_field=data.text_field)  # fmt: skip
+        return Corpus.load(spec, cache_dir=cache_dir)
+    from .integrations import token_data
+
+    if source == "tokens":
+        return token_data.load_token_corpus(data, cache_dir)
+    return token_data.load_hf_corpus(data, cache_dir)
+
+
+def worker_stream(corpus, worker: int, n_workers: int, seq_len: int, seed: int):
+    """Worker ``worker``'s batch stream over its shard: a :class:`BatchStream`, or the corpus's own
+    (memory-mapped) stream when it has one."""
+    own = getattr(corpus, "batch_stream", None)
+    if own is not None:
+        return own(worker, n_workers, seq_len, seed)
+    return BatchStream(corpus.shard(worker, n_workers), seq_len, seed=seed)

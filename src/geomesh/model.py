@@ -222,3 +222,14 @@ def build_model(cfg: ModelConfig, seed: int) -> GPT:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return GPT(cfg)
+
+
+def build_proxy_model(proxy, vocab_size: int, seed: int) -> nn.Module:
+    """The scenario's proxy model (``proxy``: a :class:`~geomesh.config.ProxyConfig`): the built-in
+    :class:`GPT` of ``proxy.preset``, or a ``transformers`` causal LM when ``proxy.hf_config`` or
+    ``proxy.hf_pretrained`` is set (:mod:`geomesh.integrations.hf`; same interface, extra ``hf``)."""
+    if getattr(proxy, "hf_config", None) is not None or getattr(proxy, "hf_pretrained", None):
+        from .integrations.hf import build_hf_model
+
+        return build_hf_model(proxy, vocab_size, seed)
+    return build_model(model_config(proxy.preset, vocab_size=vocab_size, seq_len=proxy.seq_len), seed)

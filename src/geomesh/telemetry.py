@@ -10,6 +10,10 @@ Every worker's time is a sequence of spans of four kinds (the same in both runti
 Per run: straggler idle = Σ straggler_wait / Σ wall, WAN idle = Σ comm_wait / Σ wall, utilisation =
 Σ compute / Σ wall, summed over workers. ``events.jsonl`` holds one JSON object per line with a ``type``
 (``run``, ``plan``, ``span``, ``round``, ``eval``, ``fault``, ``warning``); see docs/formats.md.
+
+Sinks: ``Telemetry(path, sinks=[...])`` (or ``add_sink``) hands every emitted record to each sink's
+``write(record)`` as well, e.g. the TensorBoard and W&B sinks of :mod:`geomesh.integrations.loggers`
+(docs/ecosystem.md); ``close`` closes them. The JSONL file needs no sink and no extra package.
 """
 
 from __future__ import annotations
@@ -17,28 +21,51 @@ from __future__ import annotations
 import json
 import math
 import os
+import warnings
 from collections import defaultdict
+from collections.abc import Iterable
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, Protocol
 
 SPAN_KINDS = ("compute", "straggler_wait", "comm_wait", "other")
 
 
-class Telemetry:
-    """Collects spans and evaluations for one run and streams them to ``events.jsonl``."""
+class Sink(Protocol):
+    """Receives every record that :meth:`Telemetry.emit` writes (TensorBoard, W&B, a test's list, ...)."""
 
-    def __init__(self, path: Path | None = None, *, append: bool = False):
+    def write(self, record: dict[str, Any]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class Telemetry:
+    """Collects spans and evaluations for one run and streams them to ``events.jsonl`` and to any sinks.
+
+    ``sinks`` (or :meth:`add_sink` later) receive every emitted record, after the JSONL line is written;
+    a sink that raises is dropped with a warning, so a logger never stops a run. ``close`` closes them."""
+
+    def __init__(self, path: Path | None = None, *, append: bool = False, sinks: Iterable[Sink] = ()):
         self.path = path
         self._file: IO[str] | None = None
         if path is not None:
             self._file = open(path, "a" if append else "w", buffering=1)
+        self.sinks: list[Sink] = list(sinks)
         self.totals: dict[str, dict[str, float]] = defaultdict(lambda: dict.fromkeys(SPAN_KINDS, 0.0))
         self.evals: list[dict[str, Any]] = []
         self.counters: dict[str, float] = defaultdict(float)
 
+    def add_sink(self, sink: Sink) -> None:
+        self.sinks.append(sink)
+
     def emit(self, record: dict[str, Any]) -> None:
         if self._file is not None:
             self._file.write(json.dumps(record, allow_nan=False, default=_jsonable) + "\n")
+        for sink in list(self.sinks):
+            try:
+                sink.write(record)
+            except Exception as exc:  # a logger must never stop a run
+                self.sinks.remove(sink)
+                warnings.warn(f"telemetry sink {type(sink).__name__} failed and is switched off: {exc}")
 
     def span(self, worker: str, kind: str, start: float, end: float, round_index: int) -> None:
         if kind not in SPAN_KINDS:
@@ -62,6 +89,12 @@ class Telemetry:
         if self._file is not None:
             self._file.close()
             self._file = None
+        sinks, self.sinks = self.sinks, []
+        for sink in sinks:
+            try:
+                sink.close()
+            except Exception as exc:
+                warnings.warn(f"telemetry sink {type(sink).__name__} failed to close: {exc}")
 
     # ---- summaries -----------------------------------------------------------------------------
     def idle_fractions(self) -> dict[str, float]:
