@@ -9,8 +9,11 @@ best of ``--repeats``:
 
 * ``encode``: ``SignCodec.encode`` of the whole dict (sign test, magnitudes, packing, crc32);
 * ``combine``: ``SignCodec.combine`` of ``--payloads`` payloads (validation, crc32, unpacking,
-  token-weighted accumulation), reported per payload;
-* ``copy``: ``dst.copy_(src)`` of one fp32 buffer of the same size.
+  token-weighted accumulation), reported per payload, accumulating into a reused ``out=`` buffer
+  (like the copy's preallocated ``dst``); ``combine_fresh`` is the same without ``out=``, so it
+  also pays for first-touching a freshly allocated result (page faults: ~3 µs per 4 KiB page on
+  the dev VM, i.e. ~0.3 s for a 400 MB result), amortised over the payloads;
+* ``copy``: ``dst.copy_(src)`` of one fp32 buffer of the same size into a preallocated ``dst``.
 
 Throughputs are GB/s of fp32 input processed (4·params bytes / seconds). One JSON object per line
 per size: params, wire_bytes, fp32_bytes, wire_ratio, encode_gbps, combine_gbps, copy_gbps,
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 
 import torch
@@ -70,7 +74,9 @@ def bench_size(params: int, device: torch.device, n_payloads: int, repeats: int,
 
     payloads = [codec.encode(tensors, tokens=1000 * (i + 1)) for i in range(n_payloads)]
     t_encode = _best(lambda: codec.encode(tensors, tokens=1000), repeats, sync)
-    t_combine = _best(lambda: codec.combine(payloads, device=device), repeats, sync) / n_payloads
+    acc = torch.empty(params, device=device)
+    t_combine = _best(lambda: codec.combine(payloads, device=device, out=acc), repeats, sync) / n_payloads
+    t_fresh = _best(lambda: codec.combine(payloads, device=device), max(1, repeats // 2), sync) / n_payloads
 
     src = torch.randn(params, generator=gen).to(device)
     dst = torch.empty_like(src)
@@ -86,6 +92,7 @@ def bench_size(params: int, device: torch.device, n_payloads: int, repeats: int,
         "wire_ratio": round(fp32 / codec.payload_nbytes(), 3),
         "encode_gbps": round(gbps(t_encode), 3),
         "combine_gbps": round(gbps(t_combine), 3),
+        "combine_fresh_gbps": round(gbps(t_fresh), 3),
         "copy_gbps": round(gbps(t_copy), 3),
         "encode_vs_copy": round(t_copy / t_encode, 3),
         "combine_vs_copy": round(t_copy / t_combine, 3),
@@ -95,6 +102,7 @@ def bench_size(params: int, device: torch.device, n_payloads: int, repeats: int,
         "payloads": n_payloads,
         "device": str(device),
         "threads": torch.get_num_threads(),
+        "loadavg_1m": round(os.getloadavg()[0], 2),
     }
 
 
@@ -103,12 +111,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--sizes", type=_sizes, default=_sizes("1e6,1e7,1e8"))
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     ap.add_argument("--payloads", type=int, default=4)
-    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     ap.add_argument("--tensors", type=int, default=8)
     args = ap.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no CUDA device available")
     device = torch.device(args.device)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     for params in args.sizes:
         print(json.dumps(bench_size(params, device, args.payloads, args.repeats, args.tensors)), flush=True)
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import yaml
 
-DEMO_METHODS = ["ddp", "diloco", "geomesh"]
+DEMO_METHODS = ["ddp", "diloco", "async-local-sgd", "geomesh"]
 
 
 def _overrides(pairs: list[str] | None) -> dict[str, Any]:
@@ -77,7 +77,7 @@ def fault_lines(faults: list[dict[str, Any]]) -> list[str]:
     """One line per injected fault and what it cost (summary ``faults``), for ``geomesh train``."""
 
     def secs(v: Any) -> str:
-        return "-" if v is None else f"{v:,.1f}s"
+        return "-" if v is None else f"{v:.4g}s"
 
     lines = []
     for f in faults:

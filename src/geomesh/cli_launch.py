@@ -329,17 +329,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """``geomesh launch ...`` on its own (``argv`` starts with ``launch``), with the CLI's error handling."""
-    args = build_parser().parse_args(argv)
-    from .errors import USER_ERRORS
+    from .cli import main as cli_main
 
-    try:
-        return args.func(args)
-    except USER_ERRORS as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("error: interrupted", file=sys.stderr)
-        return 130
+    return cli_main(argv)
 
 
 if __name__ == "__main__":

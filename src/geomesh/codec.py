@@ -19,7 +19,7 @@ combine_rule="weighted", key=None)``
 ``DenseCodec(manifest, *, weighting="equal", dtype=torch.float32, key=None)``
     the fp32 baseline (DiLoCo) with the same API; ``combine`` is exactly an average.
 Both: ``encode(tensors, tokens) -> bytes``, ``decode(payload, device="cpu") -> DecodedPayload``,
-``combine(payloads, device="cpu") -> dict``, ``combine_with_tokens(...) -> (dict, total_tokens)``,
+``combine(payloads, device="cpu", out=None) -> dict``, ``combine_with_tokens(...) -> (dict, Σ n_i)``,
 ``tokens_of(payload)``, ``total_tokens(payloads)``, ``payload_nbytes()``, ``fp32_nbytes()``.
 Any malformed payload raises ``PayloadError`` (a ``ValueError``) whose message names the problem.
 
@@ -32,10 +32,10 @@ offset bytes  field           meaning
 4      2      version (u16)   wire-format version, currently 1; others are refused
 6      1      kind (u8)       1 = sign codec, 2 = dense codec
 7      1      flags (u8)      bit 0: error feedback was on (sign); bit 1: scale is l1
-                              (else l2) (sign); bits 3-4: dense wire dtype (0 = float32,
-                              1 = bfloat16, 2 = float16); bit 2: an HMAC tag follows the
-                              body; bits 5-7: reserved, zero. A payload's flags must equal
-                              the receiving codec's flags (all workers run one config).
+                              (else l2) (sign); bit 2: an HMAC tag follows the body;
+                              bits 3-4: dense wire dtype (0 = float32, 1 = bfloat16,
+                              2 = float16); bits 5-7: reserved, zero. A payload's flags
+                              must equal the receiving codec's (all workers run one config).
 8      4      chunk (u32)     elements per magnitude; 0 = one magnitude per tensor (dense: 0)
 12     16     layout digest   first 16 bytes of sha256 over the kind, chunk, dense dtype and
                               the manifest (ordered names, shapes, dtypes)
@@ -91,8 +91,8 @@ Nesterov SGD (momentum 0.9) at outer lr 0.4/0.7/1.0, chunk 4096; eval loss, mean
 
 At each scale's best outer lr the two are within noise (0.773 l2 vs 0.782 l1; 0.639 l1 vs 0.653
 l2). The deciding difference: l2's best outer lr is dense fp32's best outer lr in both models (0.7
-and 0.4), while l1's is not (1.0 vs 0.7), because l1 silently rescales the step by ‖x‖₁/(√d‖x‖₂)
-(0.8 for Gaussian, less for heavy tails). With l2 the outer lr tuned for fp32 DiLoCo carries over
+and 0.4), while l1's is not in the small model (1.0 vs 0.7), because l1 silently rescales the step
+by ‖x‖₁/(√d‖x‖₂) (0.8 for Gaussian x, less for heavy tails). With l2 the outer lr tuned for fp32 DiLoCo carries over
 and GeoMesh-vs-DiLoCo runs at the same outer lr are a fair comparison, so l2 is the default. Error
 feedback never clearly helped and cost 0.07-0.15 with l1 (its residual compounds with outer
 momentum), so it is opt-in.
@@ -127,10 +127,16 @@ let a checkpoint save it. A failed ``encode`` (e.g. NaN input) leaves the residu
 Devices and speed
 -----------------
 ``encode`` works on the tensors' own device (CUDA included); ``decode``/``combine`` put results on
-``device`` (default cpu). Everything is vectorised torch (numpy on CPU for the sign test and bit
-packing, which is ~2x faster there than torch's bool kernels); the Python loops run over tensors or
-runs of equal-width chunks, never over elements. ``combine`` returns views into one contiguous
-float32 buffer. Codecs are not thread-safe (they cache scratch buffers).
+``device`` (default cpu). Everything is vectorised; Python loops run over tensors, runs of
+equal-width chunks or cache-sized blocks, never over elements. On CPU the sign test and bit
+packing use numpy (its comparison and ``packbits`` kernels are ~2x faster than torch's bool ones)
+in blocks of 2**20 elements spread over ``torch.get_num_threads()`` threads; chunk norms and the
+combine accumulation use torch (one fused op per run), and ``combine`` unpacks each payload's bits
+block by block (``numpy.unpackbits`` on CPU, a 256-row lookup table elsewhere) into a small 0/1
+scratch, accumulating Σ b·2ws and correcting by Σ ws per chunk once at the end, instead of
+materialising d floats per payload. ``combine`` returns views into one contiguous float32 buffer; pass ``out=`` (a float32
+buffer of d elements) to reuse one across rounds and skip first-touch page faults of a fresh
+result. Codecs are not thread-safe (they cache scratch buffers).
 """
 
 from __future__ import annotations
@@ -143,6 +149,7 @@ import json
 import math
 import struct
 import sys
+import threading
 import warnings
 import zlib
 from collections.abc import Iterable, Mapping
@@ -191,9 +198,11 @@ _F32 = torch.float32
 # Sign test: bit = x > thr[k % 2] with thr = (0, -2**-126): zeros get the parity of their index.
 _ROW = 4096  # row width over which the periodic threshold is broadcast (even)
 # combine unpacks sign bits block by block: a cache-resident scratch on CPU, few launches on GPUs
-_BLOCK_CPU = 1 << 20
+_BLOCK_CPU = 1 << 22
 _BLOCK_ACCEL = 1 << 24
 _SIGN_BLOCK = 1 << 20  # encode: elements per sign-test block on CPU (bool scratch fits in L2)
+_NORM_PIECE = 1 << 18  # encode: elements per chunk-norm task on CPU
+_NP_NORM_MAX_WIDTH = 1 << 16  # wider chunks get torch's cascade-summed norm (numpy sums linearly)
 _ZERO_THRESHOLD = -(2.0**-126)
 _THR_NP = np.tile(np.array([0.0, _ZERO_THRESHOLD], dtype=np.float32), _ROW // 2 + 1)
 
@@ -393,22 +402,29 @@ def _pack_bits_torch(bits: torch.Tensor) -> torch.Tensor:
 _LUT_CACHE: dict[torch.device, torch.Tensor] = {}
 
 
-def _pm1_lut(device: torch.device) -> torch.Tensor:
-    """(256, 8) float32 table: row v, column j = +1 if bit j of v is set else -1."""
+def _bits_lut(device: torch.device) -> torch.Tensor:
+    """(256, 8) float32 table: row v, column j = bit j of v (0 or 1)."""
     lut = _LUT_CACHE.get(device)
     if lut is None:
         v = torch.arange(256).unsqueeze(1)
-        bits = (v >> torch.arange(8)) & 1
-        lut = (bits.to(_F32) * 2 - 1).contiguous().to(device)
+        lut = ((v >> torch.arange(8)) & 1).to(_F32).contiguous().to(device)
         _LUT_CACHE[device] = lut
     return lut
 
 
-def _unpack_pm1(packed: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """Unpack sign bytes into ±1 float32 (``out`` has 8·len(packed) elements)."""
-    if packed.numel():
-        idx = packed.to(torch.int32)
-        torch.index_select(_pm1_lut(packed.device), 0, idx, out=out.view(-1, 8))
+def _unpack01(packed: torch.Tensor, out: torch.Tensor, numpy_on_cpu: bool = True) -> torch.Tensor:
+    """Unpack sign bytes (little-endian bit order) into 0/1 float32 ``out`` (8 per byte).
+
+    On CPU: ``numpy.unpackbits`` then one uint8 -> float32 conversion (~2x faster than a table
+    lookup there); elsewhere a gather from the 256-row table.
+    """
+    n = packed.numel()
+    if n == 0:
+        return out
+    if packed.device.type == "cpu" and numpy_on_cpu:
+        out[: 8 * n].copy_(torch.from_numpy(np.unpackbits(packed.numpy(), bitorder="little")))
+    else:
+        torch.index_select(_bits_lut(packed.device), 0, packed.to(torch.int32), out=out[: 8 * n].view(n, 8))
     return out
 
 
@@ -424,12 +440,18 @@ def _sign_test_np(xn: np.ndarray, parity: int, out: np.ndarray) -> None:
         np.greater(xn[cut:], thr[: n - cut], out=out[cut:n])
 
 
+_THR_CACHE: dict[tuple[torch.device, int], torch.Tensor] = {}
+
+
 def _sign_test_torch(x: torch.Tensor, parity: int, out: torch.Tensor) -> None:
     """Same as :func:`_sign_test_np` with torch ops on any device (``out`` a bool view)."""
     n = x.numel()
     rows = n // _ROW
     cut = rows * _ROW
-    thr = torch.from_numpy(_THR_NP[parity : parity + _ROW]).to(x.device)
+    key = (x.device, parity)
+    thr = _THR_CACHE.get(key)
+    if thr is None:
+        thr = _THR_CACHE[key] = torch.from_numpy(_THR_NP[parity : parity + _ROW].copy()).to(x.device)
     if rows:
         torch.gt(x[:cut].view(rows, _ROW), thr, out=out[:cut].view(rows, _ROW))
     if n > cut:
@@ -438,51 +460,90 @@ def _sign_test_torch(x: torch.Tensor, parity: int, out: torch.Tensor) -> None:
 
 _POOL: ThreadPoolExecutor | None = None
 _POOL_SIZE = 0
+_TLS = threading.local()
 
 
-def _map_threads(fn, count: int) -> None:
-    """Run fn(0..count-1) on a small shared thread pool (numpy releases the GIL in its loops)."""
+def _run_tasks(fn, ntasks: int, workers: int) -> None:
+    """Run fn(0..ntasks-1) on a small shared thread pool, tasks handed out dynamically (numpy
+    releases the GIL in its loops; dynamic hand-out keeps a descheduled thread from stalling
+    the rest on a shared machine)."""
     global _POOL, _POOL_SIZE
-    if count <= 1:
-        for t in range(count):
+    if workers <= 1 or ntasks <= 1:
+        for t in range(ntasks):
             fn(t)
         return
-    if _POOL is None or _POOL_SIZE < count:
-        _POOL = ThreadPoolExecutor(max_workers=count, thread_name_prefix="geomesh-codec")
-        _POOL_SIZE = count
-    for _ in _POOL.map(fn, range(count)):
+    if _POOL is None or _POOL_SIZE < workers:
+        _POOL = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="geomesh-codec")
+        _POOL_SIZE = workers
+    for _ in _POOL.map(fn, range(ntasks)):
         pass
 
 
-def _signs_packed_cpu(sources: list[tuple[torch.Tensor, int]], d: int) -> np.ndarray:
+def _bool_scratch(n: int) -> np.ndarray:
+    """A per-thread bool scratch of at least n elements."""
+    buf = getattr(_TLS, "bools", None)
+    if buf is None or buf.size < n:
+        buf = _TLS.bools = np.empty(n, dtype=bool)
+    return buf
+
+
+def _f32_scratch(n: int) -> np.ndarray:
+    """A per-thread float32 scratch of at least n elements."""
+    buf = getattr(_TLS, "floats", None)
+    if buf is None or buf.size < n:
+        buf = _TLS.floats = np.empty(n, dtype=np.float32)
+    return buf
+
+
+def _row_norms_np(v: np.ndarray, ord_: int, out: np.ndarray) -> None:
+    """out[r] = ‖v[r]‖_ord for a (rows, width) float32 array (ord 1 or 2)."""
+    if ord_ == 2:
+        np.einsum("ij,ij->i", v, v, out=out)
+        np.sqrt(out, out=out)
+    else:
+        a = np.abs(v, out=_f32_scratch(v.size)[: v.size].reshape(v.shape))
+        np.add.reduce(a, axis=1, out=out)
+
+
+def _signs_packed_cpu(
+    sources: list[tuple[torch.Tensor, int]], d: int, extra: list | None = None
+) -> np.ndarray:
     """Sign bits of CPU float32 ``sources`` ((flat tensor, global offset), in order), packed.
 
     Works in blocks of ``_SIGN_BLOCK`` elements (a multiple of 8) so the bool scratch stays in
-    cache, spread over ``torch.get_num_threads()`` threads.
+    cache, handed out to ``torch.get_num_threads()`` threads together with the ``extra``
+    callables (the chunk-norm tasks), so one pool round does all of an encode's passes.
     """
+    extra = extra or []
     packed = np.empty((d + 7) // 8, dtype=np.uint8)
     arrays = [(x.numpy(), off) for x, off in sources if x.numel()]
+    workers = min(torch.get_num_threads(), 8)
     if not arrays:
+        _run_tasks(lambda i: extra[i](), len(extra), workers)
         return packed
     starts = [off for _, off in arrays]
-    nblocks = -(-d // _SIGN_BLOCK)
-    workers = max(1, min(torch.get_num_threads(), nblocks, 8))
+    # at least one block per worker for mid-sized inputs; blocks are multiples of 8 elements
+    block = min(_SIGN_BLOCK, max(1 << 16, -(-d // (8 * workers)) * 8))
+    nblocks = -(-d // block)
 
-    def work(t: int) -> None:
-        scratch = np.empty(min(_SIGN_BLOCK, d), dtype=bool)
-        for blk in range(t, nblocks, workers):
-            a = blk * _SIGN_BLOCK
-            b = min(a + _SIGN_BLOCK, d)
-            i = max(0, bisect.bisect_right(starts, a) - 1)
-            while i < len(arrays) and arrays[i][1] < b:
-                xn, off = arrays[i]
-                lo, hi = max(a, off), min(b, off + xn.size)
-                if hi > lo:
-                    _sign_test_np(xn[lo - off : hi - off], lo & 1, scratch[lo - a : hi - a])
-                i += 1
-            packed[a // 8 : (b + 7) // 8] = np.packbits(scratch[: b - a], bitorder="little")
+    def work(task: int) -> None:
+        if task < len(extra):
+            extra[task]()
+            return
+        blk = task - len(extra)
+        scratch = _bool_scratch(min(block, d))
+        a = blk * block
+        b = min(a + block, d)
+        i = max(0, bisect.bisect_right(starts, a) - 1)
+        while i < len(arrays) and arrays[i][1] < b:
+            xn, off = arrays[i]
+            lo, hi = max(a, off), min(b, off + xn.size)
+            if hi > lo:
+                _sign_test_np(xn[lo - off : hi - off], lo & 1, scratch[lo - a : hi - a])
+            i += 1
+        packed[a // 8 : (b + 7) // 8] = np.packbits(scratch[: b - a], bitorder="little")
 
-    _map_threads(work, workers)
+    _run_tasks(work, len(extra) + nblocks, workers)
     return packed
 
 
@@ -897,7 +958,6 @@ class SignCodec(_Codec):
         tokens = _check_tokens_arg(tokens)
         xs, device = self._inputs(tensors)
         d = self._numel
-        mags = torch.empty(self._n_mags, dtype=_F32, device=device)
         offsets = self.manifest.offsets
 
         if self.error_feedback:
@@ -917,29 +977,47 @@ class SignCodec(_Codec):
             sources = list(zip(data, self._tensor_runs))
             sign_sources = list(zip(data, offsets))
 
-        # Magnitudes: one fused norm per run of equal-width chunks, then one scaling multiply.
-        for src, runs in sources:
-            for start, rows, width, m0 in runs:
-                torch.linalg.vector_norm(
-                    src[start : start + rows * width].view(rows, width), self._ord, dim=1,
-                    out=mags[m0 : m0 + rows],
-                )
+        if device.type == "cpu" and self._numpy_on_cpu:
+            # One pool round: chunk norms (numpy, for chunks up to _NP_NORM_MAX_WIDTH wide) and
+            # sign bits with the zero rule, packed 8 per byte.
+            mags_np = np.empty(self._n_mags, dtype=np.float32)
+            mags = torch.from_numpy(mags_np)
+            arrays = [src.numpy() for src, _ in sources]
+            tasks, wide = [], []
+            for i, (src, runs) in enumerate(sources):
+                for start, rows, width, m0 in runs:
+                    if width > _NP_NORM_MAX_WIDTH:
+                        wide.append((src, start, rows, width, m0))
+                        continue
+                    per = max(1, _NORM_PIECE // width)
+                    for r0 in range(0, rows, per):
+                        nr = min(per, rows - r0)
+                        a0 = start + r0 * width
+                        v = arrays[i][a0 : a0 + nr * width].reshape(nr, width)
+                        out = mags_np[m0 + r0 : m0 + r0 + nr]
+                        tasks.append(lambda v=v, out=out: _row_norms_np(v, self._ord, out))
+            packed = _signs_packed_cpu(sign_sources, d, tasks)
+            packed_t = torch.from_numpy(packed)
+        else:
+            wide = [(src, start, rows, width, m0) for src, runs in sources for start, rows, width, m0 in runs]
+            mags = torch.empty(self._n_mags, dtype=_F32, device=device)
+            packed_t = _signs_packed_torch(sign_sources, d, self._bits_buffer(device))
+            packed = _to_numpy_bytes(packed_t)
+        # torch norms (cascade summation) for the remaining runs, e.g. whole large tensors
+        for src, start, rows, width, m0 in wide:
+            torch.linalg.vector_norm(
+                src[start : start + rows * width].view(rows, width), self._ord, dim=1, out=mags[m0 : m0 + rows]
+            )
         mags.mul_(self._inv_len(device))
         if self._n_mags and not bool(torch.isfinite(mags).all()):
             self._repair_magnitudes(mags, xs, data)
 
-        # Sign bits (zero rule: parity of the global index), packed 8 per byte.
-        if device.type == "cpu" and self._numpy_on_cpu:
-            packed = _signs_packed_cpu(sign_sources, d)
-            packed_t = torch.from_numpy(packed)
-        else:
-            packed_t = _signs_packed_torch(sign_sources, d, self._bits_buffer(device))
-            packed = _to_numpy_bytes(packed_t)
-
         if self.error_feedback:
             # e <- p - C(p), in place in p (with the signs exactly as sent); committed only now
             # that nothing can fail any more.
-            pm1 = _unpack_pm1(packed_t, torch.empty(self._n_sign_bytes * 8, dtype=_F32, device=device))
+            bits = _unpack01(packed_t, torch.empty(self._n_sign_bytes * 8, dtype=_F32, device=device),
+                             self._numpy_on_cpu)
+            pm1 = bits.mul_(2).sub_(1)
             for start, rows, width, m0 in self._runs:
                 sl = slice(start, start + rows * width)
                 p[sl].view(rows, width).addcmul_(
@@ -992,7 +1070,7 @@ class SignCodec(_Codec):
             raise PayloadError("nonzero padding bits in the last sign byte")
         return mags, packed
 
-    def _scratch_pm1(self, device: torch.device) -> torch.Tensor:
+    def _new_bits_f32(self, device: torch.device) -> torch.Tensor:
         return torch.empty(self._n_sign_bytes * 8, dtype=_F32, device=device)
 
     def decode(self, payload: bytes, *, device: torch.device | str = "cpu") -> DecodedPayload:
@@ -1001,9 +1079,9 @@ class SignCodec(_Codec):
         mags, packed = self._body(body)
         device = torch.device(device)
         mags = mags.to(device)
-        out = _unpack_pm1(packed.to(device), self._scratch_pm1(device))
+        out = _unpack01(packed.to(device), self._new_bits_f32(device), self._numpy_on_cpu)
         for start, rows, width, m0 in self._runs:
-            out[start : start + rows * width].view(rows, width).mul_(mags[m0 : m0 + rows].unsqueeze(1))
+            out[start : start + rows * width].view(rows, width).mul_(2).sub_(1).mul_(mags[m0 : m0 + rows].unsqueeze(1))
         return DecodedPayload(tokens, self._split(out[: self._numel]))
 
     def _blocks(self, block: int) -> list[tuple[int, int, list[_Run]]]:
@@ -1061,20 +1139,23 @@ class SignCodec(_Codec):
         """Combine payloads (see ``combine_rule``); returns (update, Σ tokens).
 
         Streams: each payload is checked, then its bits are unpacked block by block into a small
-        scratch and accumulated, so memory is the float32 accumulator plus O(block). ``out``: an
-        optional float32 buffer of ``manifest.numel`` elements on ``device`` to accumulate into
-        (overwritten; the returned tensors are views of it), which saves allocating a fresh one.
+        scratch and accumulated, so memory is the float32 accumulator plus an O(block) scratch,
+        whatever the number of payloads. ``out``: an optional float32 buffer of
+        ``manifest.numel`` elements on ``device`` to accumulate into (overwritten; the returned
+        tensors are views of it), which saves allocating and first-touching a fresh one.
         """
         device = torch.device(device)
         acc = self._accumulator(out, device)
         block = _BLOCK_CPU if device.type == "cpu" else _BLOCK_ACCEL
         blocks = self._blocks(block)
         max_bytes = max((nb for _, nb, _ in blocks), default=0)
-        idx = torch.empty(max_bytes, dtype=torch.int32, device=device)
         scratch = torch.empty(max_bytes * 8, dtype=_F32, device=device)
-        lut = _pm1_lut(device)
         majority = self.combine_rule == "majority"
-        magsum = torch.zeros(self._n_mags, dtype=_F32, device=device) if majority else None
+        # weighted: acc accumulates Σ_i b_i·2w_i·s_i with b the 0/1 bits, and corr Σ_i w_i·s_i per
+        # chunk, so that at the end Σ_i w_i·s_i·(2b_i − 1) = acc − corr.
+        # majority: acc accumulates the vote Σ_i n_i·b_i (exact for integer sums < 2**24), and
+        # corr the magnitudes Σ_i w_i·s_i; sign(Σ n_i (2b_i − 1)) = sign(acc − N/2).
+        corr = torch.zeros(self._n_mags, dtype=_F32, device=device)
         total, count, first = 0, 0, 0
         for payload in payloads:
             tokens, body = self._parse(payload)
@@ -1085,38 +1166,41 @@ class SignCodec(_Codec):
             w = tokens / first
             mags = mags.to(device)
             packed = packed.to(device)
-            if majority:
-                magsum.add_(mags, alpha=w)
-                mw = None
-            else:
-                mw = mags * w
+            corr.add_(mags, alpha=w)
+            mw2 = None if majority else mags * (2 * w)
             for b0, nb, pieces in blocks:
-                torch.index_select(lut, 0, idx[:nb].copy_(packed[b0 : b0 + nb]), out=scratch[: nb * 8].view(nb, 8))
+                _unpack01(packed[b0 : b0 + nb], scratch, self._numpy_on_cpu)
                 base = b0 * 8
                 for start, rows, width, m0 in pieces:
                     n = rows * width
                     dst = acc[start : start + n].view(rows, width)
                     src = scratch[start - base : start - base + n].view(rows, width)
-                    if majority:  # the vote, exact for integer sums < 2**24
+                    if majority:
                         if count == 0:
                             torch.mul(src, float(tokens), out=dst)
                         else:
                             dst.add_(src, alpha=float(tokens))
                     elif count == 0:
-                        torch.mul(src, mw[m0 : m0 + rows].unsqueeze(1), out=dst)
+                        torch.mul(src, mw2[m0 : m0 + rows].unsqueeze(1), out=dst)
                     else:
-                        dst.addcmul_(src, mw[m0 : m0 + rows].unsqueeze(1))
+                        dst.addcmul_(src, mw2[m0 : m0 + rows].unsqueeze(1))
             count += 1
         if count == 0:
             raise ValueError("combine needs at least one payload")
+        # every partial sum is bounded by 2·corr, so this one check on M numbers rules out overflow
+        if self._n_mags and not bool(torch.isfinite(corr * 2).all()):
+            raise PayloadError("magnitudes too large: the combined update would overflow float32")
         scale = first / total
-        if not majority:
-            acc.mul_(scale)
-        else:
-            acc.sign_()
-            magsum.mul_(scale)
-            for start, rows, width, m0 in self._runs:
-                acc[start : start + rows * width].view(rows, width).mul_(magsum[m0 : m0 + rows].unsqueeze(1))
+        corr.mul_(scale)
+        if majority:
+            acc.sub_(total / 2).sign_()
+        for start, rows, width, m0 in self._runs:
+            v = acc[start : start + rows * width].view(rows, width)
+            c = corr[m0 : m0 + rows].unsqueeze(1)
+            if majority:
+                v.mul_(c)
+            else:
+                torch.add(-c, v, alpha=scale, out=v)  # (acc − corr)·n_1/N in one pass
         return self._split(acc), total
 
 
@@ -1173,8 +1257,13 @@ class DenseCodec(_Codec):
     def encode(self, tensors: Mapping[str, torch.Tensor], tokens: int) -> bytes:
         """Serialise ``tensors`` in the wire dtype; refuses NaN/Inf (and values the dtype cannot hold)."""
         tokens = _check_tokens_arg(tokens)
-        xs, device = self._inputs(tensors)
-        flat = torch.empty(self._numel, dtype=self.dtype, device=device)
+        xs, _ = self._inputs(tensors)
+        # the values are written straight into the payload buffer (one host copy, no temporaries)
+        buf = bytearray(self.payload_nbytes())
+        flat = (
+            torch.frombuffer(buf, dtype=self.dtype, count=self._numel, offset=HEADER_NBYTES)
+            if self._numel else torch.empty(0, dtype=self.dtype)
+        )
         for spec, off, x in zip(self.manifest, self.manifest.offsets, xs):
             flat[off : off + spec.numel].copy_(x)
         if self._numel and not bool(torch.isfinite(flat).all()):
@@ -1186,7 +1275,9 @@ class DenseCodec(_Codec):
                 f"tensor {self._tensor_of_element(bad)!r} has values out of range for the "
                 f"{_dtype_name(self.dtype)} wire dtype"
             )
-        return self._assemble(tokens, [_to_numpy_bytes(flat)])
+        del flat  # release the export of buf before it is read
+        self._write_header(buf, tokens)
+        return bytes(buf)
 
     def _values(self, body: memoryview) -> torch.Tensor:
         if self.dtype == _F32:

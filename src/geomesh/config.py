@@ -57,6 +57,13 @@ class TimingConfig:
 class ProxyConfig:
     preset: str = "micro"
     seq_len: int = 128
+    # A ``transformers`` causal LM instead of the built-in model (needs the ``hf`` extra; docs/ecosystem.md):
+    hf_config: Any = None  # a config as a mapping with model_type, e.g. {model_type: llama, hidden_size: 64}
+    hf_pretrained: str | None = None  # a save_pretrained folder (or, online, a hub id)
+
+    @property
+    def is_hf(self) -> bool:
+        return self.hf_config is not None or self.hf_pretrained is not None
 
 
 @dataclass
@@ -65,6 +72,26 @@ class DataConfig:
     vocab_size: int = 4096
     val_fraction: float = 0.05
     text_field: str = "text"
+    # Other sources (docs/ecosystem.md): "text" = paths above with a locally trained BPE; "tokens" = pre-tokenised
+    # binary shards, memory-mapped; "hf" = a HF `datasets` source, streamed and tokenised once into a cache.
+    format: str = "auto"  # auto: "tokens" when tokens_file is set, "hf" when hf_dataset is set, else "text"
+    tokens_file: str | None = None  # a .bin file of token ids, a folder of them, or a glob (tokens format)
+    val_tokens_file: str | None = None  # held-out tokens; default: the last val_fraction of tokens_file
+    token_dtype: str = "uint16"  # uint16 or uint32 (the token files' element type)
+    hf_dataset: str | None = None  # a builder for local files (json, text, parquet, csv) or, online, a hub name
+    hf_name: str | None = None  # the dataset's configuration name
+    split: str = "train"
+    streaming: bool = True  # iterate documents instead of loading the dataset into memory
+    tokenizer: str | None = None  # tokenizer.json or a folder holding one (hf/tokens); default: train a BPE
+    max_tokens: int | None = None  # stop tokenising an hf dataset after this many tokens
+
+    def source(self) -> str:
+        """The resolved format: ``text``, ``tokens`` or ``hf``."""
+        if self.format != "auto":
+            return self.format
+        if self.tokens_file is not None:
+            return "tokens"
+        return "hf" if self.hf_dataset is not None else "text"
 
 
 @dataclass
@@ -95,25 +122,56 @@ class GeoMeshConfig:
     max_inner_steps: int = 400
     chunk_size: int = 4096
     scale: str = "l2"
-    error_feedback: bool = True
+    error_feedback: bool = False  # measured: the residual compounds with outer momentum (docs/benchmarks.md)
     replan: bool = True  # online re-planning from measured compute times (beyond the paper)
     replan_threshold: float = 0.1  # re-plan when a worker's smoothed speed drifts this far (relative)
     replan_smoothing: float = 0.5  # exponential smoothing of measured/predicted compute time
 
 
-FAULT_KINDS = ("slowdown", "leave", "join", "bandwidth")
+FAULT_KINDS = ("slowdown", "leave", "join", "bandwidth", "nan", "corrupt")
 
 
 @dataclass
 class FaultConfig:
     """An injected event at the start of round ``at_round`` (0-based): a worker's compute slows by
     ``factor`` (``slowdown``), it dies (``leave``) or comes back (``join``), or the bandwidth of every link
-    touching it is multiplied by ``factor`` (``bandwidth``)."""
+    touching it is multiplied by ``factor`` (``bandwidth``). Two kinds last one round only: ``nan`` (the
+    worker's loss and gradients turn NaN, so its update must be dropped) and ``corrupt`` (its payload is
+    damaged on the wire, so the receivers must reject it); see docs/reliability.md."""
 
     at_round: int
     region: str
     kind: str
     factor: float = 1.0
+
+
+@dataclass
+class ReliabilityConfig:
+    """Checkpoints, failure limits and payload authentication (docs/reliability.md). The defaults write no
+    checkpoints and sign no payloads."""
+
+    checkpoint_every_rounds: int = 0  # 0: no checkpoints; else one at every N-th round boundary
+    keep_checkpoints: int = 2  # the newest K checkpoints are kept
+    max_consecutive_failures: int = 3  # stop when a worker's update is dropped N rounds in a row (0: never)
+    hmac_key_env: str | None = None  # sign payloads with HMAC-SHA256, key from this environment variable
+    hmac_key_file: str | None = None  # ... or from this file (its bytes, surrounding whitespace stripped)
+
+
+@dataclass
+class WandbConfig:
+    project: str = "geomesh"
+    entity: str | None = None
+    name: str | None = None  # default: the scenario and method
+    mode: str | None = None  # online, offline or disabled (default: wandb's own, WANDB_MODE)
+    dir: str | None = None  # default: the run folder
+
+
+@dataclass
+class LoggingConfig:
+    """Where records go besides ``events.jsonl`` (docs/ecosystem.md): TensorBoard, Weights & Biases."""
+
+    tensorboard: str | bool | None = None  # a folder for event files; true: <run folder>/tensorboard
+    wandb: WandbConfig | None = None  # {project: ..., mode: offline, ...}; needs the wandb package
 
 
 @dataclass
@@ -128,6 +186,8 @@ class ScenarioConfig:
     geomesh: GeoMeshConfig = field(default_factory=GeoMeshConfig)
     faults: list[FaultConfig] = field(default_factory=list)
     description: str = ""
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    reliability: ReliabilityConfig = field(default_factory=ReliabilityConfig)
 
     # ---- derived facts -------------------------------------------------------------------------
     def timing(self) -> TimingModel:
@@ -206,7 +266,7 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
             return int(value)  # YAML reads 1e6 as a float
     elif tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            if not math.isfinite(float(value)):
+            if not _finite(value):
                 raise ConfigError(f"{where}: {value!r} is not allowed; expected a finite number")
             return float(value)
     elif tp is str:
@@ -232,6 +292,14 @@ def _build(cls: type, data: Any, where: str) -> Any:
     return cls(**kwargs)
 
 
+def _finite(x: Any) -> bool:
+    """``math.isfinite``, but False (not OverflowError) for an integer too large for a float (YAML allows them)."""
+    try:
+        return math.isfinite(x)
+    except OverflowError:
+        return False
+
+
 def _require(ok: bool, where: str, value: Any, allowed: str) -> None:
     if not ok:
         raise ConfigError(f"{where}: {value!r} is not allowed; {allowed}")
@@ -242,7 +310,7 @@ def _check_matrix(value: Any, n: int, where: str, *, diagonal_zero_ok: bool) -> 
     _require(shape_ok, where, value, f"expected a {n}x{n} matrix (one row and column per region)")
     for i, row in enumerate(value):
         for j, x in enumerate(row):
-            ok = isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+            ok = isinstance(x, (int, float)) and not isinstance(x, bool) and _finite(x)
             ok = ok and (x > 0 or (i == j and diagonal_zero_ok and x >= 0))
             _require(ok, f"{where}[{i}][{j}]", x, "expected a positive finite number")
 
@@ -269,7 +337,7 @@ def validate(cfg: ScenarioConfig) -> ScenarioConfig:
         _check_matrix(cfg.wan.rtt, n, "wan.rtt", diagonal_zero_ok=True)
     bw = cfg.wan.bandwidth_gbps
     if isinstance(bw, (int, float)) and not isinstance(bw, bool):
-        _require(math.isfinite(bw) and 0 < bw <= 1e5, "wan.bandwidth_gbps", bw, "expected Gbit/s in (0, 1e5]")
+        _require(_finite(bw) and 0 < bw <= 1e5, "wan.bandwidth_gbps", bw, "expected Gbit/s in (0, 1e5]")
     else:
         _check_matrix(bw, n, "wan.bandwidth_gbps", diagonal_zero_ok=False)
     t = cfg.timing_model
@@ -282,8 +350,15 @@ def validate(cfg: ScenarioConfig) -> ScenarioConfig:
 
     _require(cfg.proxy.preset in MODEL_PRESETS, "proxy.preset", cfg.proxy.preset,
              f"expected one of {', '.join(MODEL_PRESETS)}")  # fmt: skip
+    _validate_hf_proxy(cfg.proxy)
     d = cfg.data
-    _require(256 <= d.vocab_size <= 65536, "data.vocab_size", d.vocab_size, "expected 256..65536")
+    _validate_data_source(d)
+    if d.source() == "text":
+        _require(256 <= d.vocab_size <= 65536, "data.vocab_size", d.vocab_size, "expected 256..65536")
+    else:
+        top = 65536 if d.token_dtype == "uint16" and d.source() == "tokens" else 2**24
+        why = " (uint16 token ids; data.token_dtype: uint32 allows more)" if top == 65536 else ""
+        _require(256 <= d.vocab_size <= top, "data.vocab_size", d.vocab_size, f"expected 256..{top}{why}")
     _require(0 < d.val_fraction < 0.5, "data.val_fraction", d.val_fraction, "expected a fraction in (0, 0.5)")
     tr = cfg.training
     _require(tr.tokens > 0, "training.tokens", tr.tokens, "expected a positive token budget")
@@ -323,7 +398,78 @@ def validate(cfg: ScenarioConfig) -> ScenarioConfig:
         elif f.kind == "join":
             _require(not alive[f.region], f"{w}.kind", f.kind, f"region {f.region} has not left")
             alive[f.region] = True
+    _validate_logging(cfg.logging)
+    _validate_reliability(cfg.reliability)
     return cfg
+
+
+def _validate_reliability(r: ReliabilityConfig) -> None:
+    w = "reliability"
+    _require(r.checkpoint_every_rounds >= 0, f"{w}.checkpoint_every_rounds", r.checkpoint_every_rounds,
+             "expected >= 0 (0: no checkpoints)")  # fmt: skip
+    _require(r.keep_checkpoints >= 1, f"{w}.keep_checkpoints", r.keep_checkpoints, "expected >= 1")
+    _require(r.max_consecutive_failures >= 0, f"{w}.max_consecutive_failures", r.max_consecutive_failures,
+             "expected >= 0 (0: never stop)")  # fmt: skip
+    _require(r.hmac_key_env is None or r.hmac_key_file is None, f"{w}.hmac_key_file", r.hmac_key_file,
+             "give reliability.hmac_key_env or reliability.hmac_key_file, not both")  # fmt: skip
+    _require(r.hmac_key_env is None or bool(r.hmac_key_env.strip()), f"{w}.hmac_key_env", r.hmac_key_env,
+             "expected the name of an environment variable")  # fmt: skip
+    _require(r.hmac_key_file is None or bool(r.hmac_key_file.strip()), f"{w}.hmac_key_file", r.hmac_key_file,
+             "expected a path to a file holding the key")  # fmt: skip
+
+
+DATA_FORMATS = ("auto", "text", "tokens", "hf")
+TOKEN_DTYPES = ("uint16", "uint32")
+
+
+def _validate_hf_proxy(p: ProxyConfig) -> None:
+    """The optional transformers model: a config mapping with a model_type, or a pretrained folder/id."""
+    _require(p.hf_config is None or p.hf_pretrained is None, "proxy.hf_pretrained", p.hf_pretrained,
+             "give proxy.hf_config or proxy.hf_pretrained, not both")  # fmt: skip
+    if p.hf_config is not None:
+        c = p.hf_config
+        _require(isinstance(c, dict) and all(isinstance(k, str) for k in c), "proxy.hf_config", c,
+                 "expected a mapping of transformers config fields, e.g. {model_type: llama, hidden_size: 64}")  # fmt: skip
+        _require(isinstance(c.get("model_type"), str) and bool(c.get("model_type")), "proxy.hf_config.model_type",
+                 c.get("model_type"), "expected a transformers model type such as llama, gpt2, mistral, qwen2")  # fmt: skip
+    if p.hf_pretrained is not None:
+        _require(bool(p.hf_pretrained.strip()), "proxy.hf_pretrained", p.hf_pretrained,
+                 "expected a folder written by save_pretrained (or a hub id)")  # fmt: skip
+
+
+def _validate_data_source(d: DataConfig) -> None:
+    _require(d.format in DATA_FORMATS, "data.format", d.format, f"expected one of {', '.join(DATA_FORMATS)}")
+    _require(d.token_dtype in TOKEN_DTYPES, "data.token_dtype", d.token_dtype,
+             f"expected one of {', '.join(TOKEN_DTYPES)}")  # fmt: skip
+    src = d.source()
+    if src == "tokens":
+        _require(d.tokens_file is not None, "data.tokens_file", d.tokens_file,
+                 "data.format is 'tokens', so expected a token file, a folder of .bin files or a glob")  # fmt: skip
+    else:
+        _require(d.tokens_file is None and d.val_tokens_file is None, "data.tokens_file", d.tokens_file,
+                 f"token files need data.format 'tokens' (or 'auto'), not {d.format!r}")  # fmt: skip
+    if src == "hf":
+        _require(d.hf_dataset is not None and bool(d.hf_dataset.strip()), "data.hf_dataset", d.hf_dataset,
+                 "data.format is 'hf', so expected a builder (json, text, parquet, csv) or a hub dataset name")  # fmt: skip
+    else:
+        _require(d.hf_dataset is None, "data.hf_dataset", d.hf_dataset,
+                 f"a HF dataset needs data.format 'hf' (or 'auto'), not {d.format!r}")  # fmt: skip
+    if src == "text":
+        _require(d.tokenizer is None, "data.tokenizer", d.tokenizer,
+                 "the text format trains its own tokenizer; use data.format 'hf' (e.g. hf_dataset: text) "
+                 "to tokenise local files with a given tokenizer")  # fmt: skip
+    _require(bool(d.split), "data.split", d.split, "expected a split name such as train")
+    _require(d.max_tokens is None or d.max_tokens > 0, "data.max_tokens", d.max_tokens, "expected null or > 0")
+
+
+def _validate_logging(lg: LoggingConfig) -> None:
+    if isinstance(lg.tensorboard, str):
+        _require(bool(lg.tensorboard.strip()), "logging.tensorboard", lg.tensorboard,
+                 "expected a folder, true (the run folder's tensorboard/) or null")  # fmt: skip
+    if lg.wandb is not None:
+        _require(bool(lg.wandb.project), "logging.wandb.project", lg.wandb.project, "expected a project name")
+        _require(lg.wandb.mode in (None, "online", "offline", "disabled"), "logging.wandb.mode", lg.wandb.mode,
+                 "expected online, offline, disabled or null")  # fmt: skip
 
 
 PRESETS_PACKAGE = "geomesh.scenarios"

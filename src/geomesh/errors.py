@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from .checkpoint import CheckpointError
 from .codec import PayloadError
 from .config import ConfigError
 from .data import DataError
@@ -14,5 +15,5 @@ class UnknownMethodError(ValueError):
 
 
 USER_ERRORS: tuple[type[BaseException], ...] = (
-    ConfigError, DataError, PlanError, PayloadError, RunError, UnknownMethodError,
+    ConfigError, DataError, PlanError, PayloadError, RunError, UnknownMethodError, CheckpointError,
 )  # fmt: skip

@@ -47,11 +47,14 @@ class OuterLoopMethod(Method):
     def collective(self) -> Literal["all_gather", "all_reduce"]:
         return "all_gather" if self.codec == "sign" else "all_reduce"
 
-    def make_codec(self, manifest: Manifest, scenario: ScenarioConfig) -> Codec:
+    def make_codec(self, manifest: Manifest, scenario: ScenarioConfig, key: bytes | None = None) -> Codec:
+        """The codec every worker of this method uses; with ``key`` its payloads carry an HMAC-SHA256 tag
+        (see :func:`payload_key`) and decoding refuses a payload whose tag does not match."""
         if self.codec == "sign":
             g = scenario.geomesh
-            return SignCodec(manifest, chunk_size=g.chunk_size, scale=g.scale, error_feedback=g.error_feedback)
-        return DenseCodec(manifest, weighting=self.weighting)
+            return SignCodec(manifest, chunk_size=g.chunk_size, scale=g.scale, error_feedback=g.error_feedback,
+                             key=key)  # fmt: skip
+        return DenseCodec(manifest, weighting=self.weighting, key=key)
 
     def exchange(self, wan: WanModel, payload_bytes: int) -> tuple[float, float]:
         """(seconds, bytes each worker sends) for one round's exchange of ``payload_bytes`` per worker."""
@@ -112,6 +115,42 @@ class OuterLoopMethod(Method):
             return False
         outer.step(codec.combine(payloads))
         return True
+
+
+MIN_KEY_BYTES = 16
+
+
+def payload_key(scenario: ScenarioConfig) -> bytes | None:
+    """The shared secret that signs payloads (``reliability.hmac_key_env`` or ``hmac_key_file``), or None.
+
+    Every worker must read the same secret; a missing, empty or short key is a ConfigError naming the field."""
+    from ..config import ConfigError
+
+    rel = getattr(scenario, "reliability", None)
+    if rel is None or (rel.hmac_key_env is None and rel.hmac_key_file is None):
+        return None
+    if rel.hmac_key_env is not None:
+        import os
+
+        where = f"reliability.hmac_key_env ({rel.hmac_key_env})"
+        raw = os.environb.get(rel.hmac_key_env.encode(), b"") if hasattr(os, "environb") else (
+            os.environ.get(rel.hmac_key_env, "").encode())  # fmt: skip
+        if not raw:
+            raise ConfigError(f"{where}: the environment variable is not set or empty; export the shared secret "
+                              f"on every worker")  # fmt: skip
+        key = raw.strip()
+    else:
+        from pathlib import Path
+
+        where = f"reliability.hmac_key_file ({rel.hmac_key_file})"
+        try:
+            key = Path(rel.hmac_key_file).expanduser().read_bytes().strip()
+        except OSError as exc:
+            raise ConfigError(f"{where}: cannot read the key: {exc.strerror or exc}") from None
+    if len(key) < MIN_KEY_BYTES:
+        raise ConfigError(f"{where}: the key has {len(key)} bytes; expected at least {MIN_KEY_BYTES} "
+                          f"(e.g. `openssl rand -hex 32`)")  # fmt: skip
+    return key
 
 
 def proxy_manifest(scenario: ScenarioConfig) -> Manifest:

@@ -54,7 +54,7 @@ from ..config import ConfigError, ScenarioConfig
 from ..data import BatchStream, Corpus, CorpusSpec
 from ..evaluation import evaluate
 from ..hardware import WorkerProfile, load_profile, model_profile
-from ..methods.base import Method, OuterLoopMethod
+from ..methods.base import Method, OuterLoopMethod, payload_key
 from ..model import build_model, model_config
 from ..outer import OuterNesterov
 from ..planner import Plan
@@ -427,8 +427,9 @@ class DistributedRun:
         model = self.global_model
         params = {k: p.detach() for k, p in model.named_parameters()}
         manifest = Manifest.from_tensors(params)
-        codec = method.make_codec(manifest, sc)
-        combiner = method.make_codec(manifest, sc)
+        key = payload_key(sc)  # the shared secret that signs payloads, when the scenario names one
+        codec = method.make_codec(manifest, sc, key=key)
+        combiner = method.make_codec(manifest, sc, key=key)
         outer = OuterNesterov(params, lr=tr.outer_lr, momentum=tr.outer_momentum)
         wan = sc.wan_model()
         shaper = WanShaper(wan, self.options.wan)
