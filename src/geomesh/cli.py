@@ -15,7 +15,7 @@ from typing import Any
 
 import yaml
 
-DEMO_METHODS = ["ddp", "diloco", "async-local-sgd", "geomesh"]
+DEMO_METHODS = ["ddp", "diloco", "geomesh"]  # `geomesh bench` adds async Local-SGD and the ablations
 
 
 def _overrides(pairs: list[str] | None) -> dict[str, Any]:

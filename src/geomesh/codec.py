@@ -128,15 +128,17 @@ Devices and speed
 -----------------
 ``encode`` works on the tensors' own device (CUDA included); ``decode``/``combine`` put results on
 ``device`` (default cpu). Everything is vectorised; Python loops run over tensors, runs of
-equal-width chunks or cache-sized blocks, never over elements. On CPU the sign test and bit
-packing use numpy (its comparison and ``packbits`` kernels are ~2x faster than torch's bool ones)
-in blocks of 2**20 elements spread over ``torch.get_num_threads()`` threads; chunk norms and the
-combine accumulation use torch (one fused op per run), and ``combine`` unpacks each payload's bits
-block by block (``numpy.unpackbits`` on CPU, a 256-row lookup table elsewhere) into a small 0/1
-scratch, accumulating Σ b·2ws and correcting by Σ ws per chunk once at the end, instead of
-materialising d floats per payload. ``combine`` returns views into one contiguous float32 buffer; pass ``out=`` (a float32
-buffer of d elements) to reuse one across rounds and skip first-touch page faults of a fresh
-result. Codecs are not thread-safe (they cache scratch buffers).
+equal-width chunks or cache-sized blocks, never over elements. On CPU the hot loops are numpy
+kernels on cache-sized blocks (the sign test + ``packbits``, chunk norms, and in ``combine``
+``unpackbits`` + multiply-add into the accumulator) handed out dynamically to a small pool of
+``torch.get_num_threads()`` threads: numpy's comparison and bit-packing kernels beat torch's bool
+ones ~2x, and the pool keeps going when the cores are shared, where many short OpenMP regions
+stall (measured 4-8x slower on the 2-core dev VM under load). On other devices the same steps are
+torch ops (a 256-row table gather unpacks the bits). ``combine`` accumulates Σ_i b_i·2w_i·s_i from
+the 0/1 bits and subtracts Σ_i w_i·s_i per chunk once at the end, never materialising d floats
+per payload. It returns views into one contiguous float32 buffer; pass ``out=`` (a float32 buffer
+of d elements) to reuse one across rounds and skip first-touch page faults of a fresh result.
+Codecs are not thread-safe (they cache scratch buffers).
 """
 
 from __future__ import annotations
@@ -145,8 +147,10 @@ import bisect
 import dataclasses
 import hashlib
 import hmac
+import itertools
 import json
 import math
+import os
 import struct
 import sys
 import threading
@@ -160,17 +164,17 @@ import numpy as np
 import torch
 
 __all__ = [
-    "PayloadError",
-    "TensorSpec",
-    "Manifest",
-    "DecodedPayload",
-    "SignCodec",
-    "DenseCodec",
-    "MAGIC",
     "FORMAT_VERSION",
     "HEADER_NBYTES",
-    "TAG_NBYTES",
+    "MAGIC",
     "MAX_TOKENS",
+    "TAG_NBYTES",
+    "DecodedPayload",
+    "DenseCodec",
+    "Manifest",
+    "PayloadError",
+    "SignCodec",
+    "TensorSpec",
 ]
 
 MAGIC = b"GMSH"
@@ -198,11 +202,11 @@ _F32 = torch.float32
 # Sign test: bit = x > thr[k % 2] with thr = (0, -2**-126): zeros get the parity of their index.
 _ROW = 4096  # row width over which the periodic threshold is broadcast (even)
 # combine unpacks sign bits block by block: a cache-resident scratch on CPU, few launches on GPUs
-_BLOCK_CPU = 1 << 22
+_BLOCK_CPU = 1 << 18
 _BLOCK_ACCEL = 1 << 24
 _SIGN_BLOCK = 1 << 20  # encode: elements per sign-test block on CPU (bool scratch fits in L2)
 _NORM_PIECE = 1 << 18  # encode: elements per chunk-norm task on CPU
-_NP_NORM_MAX_WIDTH = 1 << 16  # wider chunks get torch's cascade-summed norm (numpy sums linearly)
+_NP_NORM_MAX_WIDTH = 1 << 16  # wider chunks get torch's cascade-summed norm (more accurate)
 _ZERO_THRESHOLD = -(2.0**-126)
 _THR_NP = np.tile(np.array([0.0, _ZERO_THRESHOLD], dtype=np.float32), _ROW // 2 + 1)
 
@@ -259,8 +263,7 @@ class Manifest:
                 raise ValueError(f"tensor {spec.name!r}: bad shape {spec.shape!r}")
             if spec.dtype not in SUPPORTED_DTYPES:
                 raise ValueError(
-                    f"tensor {spec.name!r}: dtype {spec.dtype} is not supported "
-                    f"(allowed: float32, bfloat16, float16)"
+                    f"tensor {spec.name!r}: dtype {spec.dtype} is not supported (allowed: float32, bfloat16, float16)"
                 )
         self._specs = specs
         offsets, total = [], 0
@@ -276,9 +279,7 @@ class Manifest:
         ).encode()
 
     @classmethod
-    def from_tensors(
-        cls, tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
-    ) -> Manifest:
+    def from_tensors(cls, tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> Manifest:
         """Manifest of a name -> tensor mapping (or (name, tensor) pairs), in iteration order."""
         items = tensors.items() if isinstance(tensors, Mapping) else tensors
         specs = []
@@ -289,9 +290,7 @@ class Manifest:
         return cls(specs)
 
     @classmethod
-    def from_shapes(
-        cls, shapes: Mapping[str, Iterable[int]], dtype: torch.dtype = torch.float32
-    ) -> Manifest:
+    def from_shapes(cls, shapes: Mapping[str, Iterable[int]], dtype: torch.dtype = torch.float32) -> Manifest:
         """Manifest of a name -> shape mapping, all of one dtype."""
         return cls(TensorSpec(n, tuple(int(s) for s in shape), dtype) for n, shape in shapes.items())
 
@@ -460,23 +459,41 @@ def _sign_test_torch(x: torch.Tensor, parity: int, out: torch.Tensor) -> None:
 
 _POOL: ThreadPoolExecutor | None = None
 _POOL_SIZE = 0
+_POOL_PID = 0
 _TLS = threading.local()
 
 
 def _run_tasks(fn, ntasks: int, workers: int) -> None:
-    """Run fn(0..ntasks-1) on a small shared thread pool, tasks handed out dynamically (numpy
-    releases the GIL in its loops; dynamic hand-out keeps a descheduled thread from stalling
-    the rest on a shared machine)."""
-    global _POOL, _POOL_SIZE
-    if workers <= 1 or ntasks <= 1:
+    """Run fn(0..ntasks-1) on the calling thread plus ``workers - 1`` pool threads.
+
+    Tasks are pulled from a shared counter (dynamic hand-out: a descheduled thread does not stall
+    the others on a shared machine, and there is no per-task future overhead); numpy releases
+    the GIL inside its loops, so the threads really run in parallel.
+    """
+    global _POOL, _POOL_SIZE, _POOL_PID
+    workers = min(workers, ntasks)
+    if workers <= 1:
         for t in range(ntasks):
             fn(t)
         return
-    if _POOL is None or _POOL_SIZE < workers:
-        _POOL = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="geomesh-codec")
-        _POOL_SIZE = workers
-    for _ in _POOL.map(fn, range(ntasks)):
-        pass
+    helpers = workers - 1
+    if _POOL is None or _POOL_SIZE < helpers or _POOL_PID != os.getpid():  # a forked child needs its own
+        _POOL = ThreadPoolExecutor(max_workers=helpers, thread_name_prefix="geomesh-codec")
+        _POOL_SIZE, _POOL_PID = helpers, os.getpid()
+    counter = itertools.count()
+
+    def loop() -> None:
+        for t in iter(counter.__next__, None):
+            if t >= ntasks:
+                return
+            fn(t)
+
+    futures = [_POOL.submit(loop) for _ in range(helpers)]
+    try:
+        loop()
+    finally:
+        for f in futures:
+            f.result()
 
 
 def _bool_scratch(n: int) -> np.ndarray:
@@ -497,17 +514,16 @@ def _f32_scratch(n: int) -> np.ndarray:
 
 def _row_norms_np(v: np.ndarray, ord_: int, out: np.ndarray) -> None:
     """out[r] = ‖v[r]‖_ord for a (rows, width) float32 array (ord 1 or 2)."""
-    if ord_ == 2:
-        np.einsum("ij,ij->i", v, v, out=out)
-        np.sqrt(out, out=out)
-    else:
-        a = np.abs(v, out=_f32_scratch(v.size)[: v.size].reshape(v.shape))
-        np.add.reduce(a, axis=1, out=out)
+    with np.errstate(over="ignore", invalid="ignore"):  # overflow and NaN are handled by the caller
+        if ord_ == 2:
+            np.einsum("ij,ij->i", v, v, out=out)
+            np.sqrt(out, out=out)
+        else:
+            a = np.abs(v, out=_f32_scratch(v.size)[: v.size].reshape(v.shape))
+            np.add.reduce(a, axis=1, out=out)
 
 
-def _signs_packed_cpu(
-    sources: list[tuple[torch.Tensor, int]], d: int, extra: list | None = None
-) -> np.ndarray:
+def _signs_packed_cpu(sources: list[tuple[torch.Tensor, int]], d: int, extra: list | None = None) -> np.ndarray:
     """Sign bits of CPU float32 ``sources`` ((flat tensor, global offset), in order), packed.
 
     Works in blocks of ``_SIGN_BLOCK`` elements (a multiple of 8) so the bool scratch stays in
@@ -623,9 +639,7 @@ class _Codec:
             missing = [n for n in names if n not in tensors]
             known = set(names)
             extra = [k for k in tensors if k not in known]
-            raise ValueError(
-                f"tensors do not match the manifest: missing {missing}, unexpected {extra}"
-            )
+            raise ValueError(f"tensors do not match the manifest: missing {missing}, unexpected {extra}")
         flat: list[torch.Tensor] = []
         device: torch.device | None = None
         for spec in self.manifest:
@@ -633,19 +647,13 @@ class _Codec:
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"tensor {spec.name!r}: expected a torch.Tensor, got {type(t).__name__}")
             if tuple(t.shape) != spec.shape:
-                raise ValueError(
-                    f"tensor {spec.name!r} has shape {tuple(t.shape)}, the manifest says {spec.shape}"
-                )
+                raise ValueError(f"tensor {spec.name!r} has shape {tuple(t.shape)}, the manifest says {spec.shape}")
             if t.dtype not in SUPPORTED_DTYPES:
-                raise ValueError(
-                    f"tensor {spec.name!r} has dtype {t.dtype}; allowed: float32, bfloat16, float16"
-                )
+                raise ValueError(f"tensor {spec.name!r} has dtype {t.dtype}; allowed: float32, bfloat16, float16")
             if device is None:
                 device = t.device
             elif t.device != device:
-                raise ValueError(
-                    f"tensor {spec.name!r} is on {t.device} but earlier tensors are on {device}"
-                )
+                raise ValueError(f"tensor {spec.name!r} is on {t.device} but earlier tensors are on {device}")
             flat.append(t.detach().reshape(-1).contiguous())
         return flat, device if device is not None else torch.device("cpu")
 
@@ -665,8 +673,17 @@ class _Codec:
     def _write_header(self, buf: bytearray, tokens: int) -> None:
         flags = self._flags | (FLAG_HMAC if self.key else 0)
         _HEADER.pack_into(
-            buf, 0, MAGIC, FORMAT_VERSION, self._kind, flags, self._chunk_field, self._digest,
-            tokens, self._body_len, 0,
+            buf,
+            0,
+            MAGIC,
+            FORMAT_VERSION,
+            self._kind,
+            flags,
+            self._chunk_field,
+            self._digest,
+            tokens,
+            self._body_len,
+            0,
         )
         mv = memoryview(buf)
         end = HEADER_NBYTES + self._body_len
@@ -684,21 +701,15 @@ class _Codec:
         mv = _as_bytes_view(payload)
         n = len(mv)
         if n < HEADER_NBYTES:
-            raise PayloadError(
-                f"truncated payload: {n} bytes, shorter than the {HEADER_NBYTES}-byte header"
-            )
+            raise PayloadError(f"truncated payload: {n} bytes, shorter than the {HEADER_NBYTES}-byte header")
         magic, version, kind, flags, chunk, digest, tokens, body_len, crc = _HEADER.unpack_from(mv, 0)
         if magic != MAGIC:
             raise PayloadError(f"bad magic {bytes(magic)!r} (expected {MAGIC!r}): not a GeoMesh payload")
         if version != FORMAT_VERSION:
-            raise PayloadError(
-                f"unsupported wire-format version {version} (this codec reads version {FORMAT_VERSION})"
-            )
+            raise PayloadError(f"unsupported wire-format version {version} (this codec reads version {FORMAT_VERSION})")
         if kind != self._kind:
             got = _KIND_NAMES.get(kind, f"unknown kind {kind}")
-            raise PayloadError(
-                f"wrong codec kind: payload is {got}, this codec decodes {_KIND_NAMES[self._kind]}"
-            )
+            raise PayloadError(f"wrong codec kind: payload is {got}, this codec decodes {_KIND_NAMES[self._kind]}")
         want_flags = self._flags | (FLAG_HMAC if self.key else 0)
         if flags != want_flags:
             if (flags ^ want_flags) & FLAG_HMAC:
@@ -733,9 +744,7 @@ class _Codec:
         body = mv[HEADER_NBYTES:end]
         got_crc = zlib.crc32(body, zlib.crc32(mv[:_CRC_OFFSET]))
         if got_crc != crc:
-            raise PayloadError(
-                f"checksum mismatch: crc32 {got_crc:08x} != header {crc:08x} (corrupted payload)"
-            )
+            raise PayloadError(f"checksum mismatch: crc32 {got_crc:08x} != header {crc:08x} (corrupted payload)")
         if not 1 <= tokens <= MAX_TOKENS:
             raise PayloadError(f"bad token count {tokens}: must be in [1, 2**53]")
         return tokens, body
@@ -783,8 +792,12 @@ class _Codec:
         if out is None:
             return torch.empty(d, dtype=_F32, device=device)
         if (
-            not isinstance(out, torch.Tensor) or out.dtype != _F32 or out.device != device
-            or out.dim() != 1 or out.numel() != d or not out.is_contiguous()
+            not isinstance(out, torch.Tensor)
+            or out.dtype != _F32
+            or out.device != device
+            or out.dim() != 1
+            or out.numel() != d
+            or not out.is_contiguous()
         ):
             raise ValueError(f"out must be a contiguous 1-D float32 tensor of {d} elements on {device}")
         return out
@@ -825,9 +838,10 @@ class SignCodec(_Codec):
         key: bytes | None = None,
     ):
         super().__init__(manifest, key)
-        if chunk_size is not None:
-            if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or not 1 <= chunk_size < 2**32:
-                raise ValueError(f"chunk_size must be an int in [1, 2**32) or None, got {chunk_size!r}")
+        if chunk_size is not None and (
+            isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or not 1 <= chunk_size < 2**32
+        ):
+            raise ValueError(f"chunk_size must be an int in [1, 2**32) or None, got {chunk_size!r}")
         if scale not in ("l1", "l2"):
             raise ValueError(f"scale must be 'l1' or 'l2', got {scale!r}")
         if combine_rule not in ("weighted", "majority"):
@@ -837,9 +851,7 @@ class SignCodec(_Codec):
         self.error_feedback = bool(error_feedback)
         self.combine_rule = combine_rule
         self._chunk_field = chunk_size or 0
-        self._flags = (FLAG_ERROR_FEEDBACK if self.error_feedback else 0) | (
-            FLAG_SCALE_L1 if scale == "l1" else 0
-        )
+        self._flags = (FLAG_ERROR_FEEDBACK if self.error_feedback else 0) | (FLAG_SCALE_L1 if scale == "l1" else 0)
         self._digest = self._digest_bytes("sign")
 
         # Chunk layout: per tensor, full chunks then one partial tail chunk.
@@ -934,7 +946,7 @@ class SignCodec(_Codec):
         """Restore :meth:`state_dict` output (names and shapes must match the manifest)."""
         residual = state.get("residual", {}) if isinstance(state, Mapping) else None
         if not isinstance(residual, Mapping):
-            raise ValueError("state must be a mapping with a 'residual' mapping")
+            raise TypeError("state must be a mapping with a 'residual' mapping")
         if not residual:
             self._residual_flat = None
             return
@@ -1015,14 +1027,13 @@ class SignCodec(_Codec):
         if self.error_feedback:
             # e <- p - C(p), in place in p (with the signs exactly as sent); committed only now
             # that nothing can fail any more.
-            bits = _unpack01(packed_t, torch.empty(self._n_sign_bytes * 8, dtype=_F32, device=device),
-                             self._numpy_on_cpu)
+            bits = _unpack01(
+                packed_t, torch.empty(self._n_sign_bytes * 8, dtype=_F32, device=device), self._numpy_on_cpu
+            )
             pm1 = bits.mul_(2).sub_(1)
             for start, rows, width, m0 in self._runs:
                 sl = slice(start, start + rows * width)
-                p[sl].view(rows, width).addcmul_(
-                    pm1[sl].view(rows, width), mags[m0 : m0 + rows].unsqueeze(1), value=-1
-                )
+                p[sl].view(rows, width).addcmul_(pm1[sl].view(rows, width), mags[m0 : m0 + rows].unsqueeze(1), value=-1)
             self._residual_flat = p
 
         return self._assemble(tokens, [_to_numpy_bytes(mags), packed])
@@ -1047,8 +1058,7 @@ class SignCodec(_Codec):
                 mags[m0 : m0 + rows] = s * amax.squeeze(1)  # scale last: s·amax <= amax is finite
                 if not bool(torch.isfinite(mags[m0 : m0 + rows]).all()):
                     raise ValueError(
-                        f"tensor {spec.name!r}: values overflow float32 "
-                        f"(input plus error-feedback residual)"
+                        f"tensor {spec.name!r}: values overflow float32 (input plus error-feedback residual)"
                     )
 
     # ---- decode / combine ---------------------------------------------------------------
@@ -1129,6 +1139,85 @@ class SignCodec(_Codec):
         b0 = a // 8
         return (b0, (end + 7) // 8 - b0, pieces)
 
+    def _accumulate_torch(self, acc: torch.Tensor, blocks, majority: bool):
+        """Per-payload accumulation with torch ops on any device (few, large blocks on GPUs)."""
+        max_bytes = max((nb for _, nb, _ in blocks), default=0)
+        scratch = torch.empty(max_bytes * 8, dtype=_F32, device=acc.device)
+
+        def accumulate(packed: torch.Tensor, weight, first: bool) -> None:
+            packed = packed.to(acc.device)
+            for b0, nb, pieces in blocks:
+                _unpack01(packed[b0 : b0 + nb], scratch, False)
+                base = b0 * 8
+                for start, rows, width, m0 in pieces:
+                    n = rows * width
+                    dst = acc[start : start + n].view(rows, width)
+                    src = scratch[start - base : start - base + n].view(rows, width)
+                    wcol = weight if majority else weight[m0 : m0 + rows].unsqueeze(1)
+                    if first:
+                        torch.mul(src, wcol, out=dst)
+                    elif majority:
+                        dst.add_(src, alpha=weight)
+                    else:
+                        dst.addcmul_(src, wcol)
+
+        return accumulate
+
+    def _accumulate_cpu(self, acc: torch.Tensor, blocks, majority: bool):
+        """Per-payload accumulation on CPU: numpy kernels on cache-sized blocks handed out to a
+        small thread pool (robust when the cores are shared, unlike many short OpenMP regions)."""
+        accn = acc.numpy()
+        workers = min(torch.get_num_threads(), 8)
+        max_bytes = max((nb for _, nb, _ in blocks), default=0)
+        state: dict[str, Any] = {}
+
+        def task(i: int) -> None:
+            b0, nb, pieces = blocks[i]
+            bits = _f32_scratch(8 * max_bytes)
+            np.copyto(bits[: 8 * nb], np.unpackbits(state["packed"][b0 : b0 + nb], bitorder="little"), casting="unsafe")
+            base = b0 * 8
+            weight, first = state["weight"], state["first"]
+            for start, rows, width, m0 in pieces:
+                n = rows * width
+                src = bits[start - base : start - base + n].reshape(rows, width)
+                dst = accn[start : start + n].reshape(rows, width)
+                wcol = weight if majority else weight[m0 : m0 + rows, None]
+                if first:
+                    np.multiply(src, wcol, out=dst)
+                else:
+                    np.multiply(src, wcol, out=src)
+                    np.add(dst, src, out=dst)
+
+        def accumulate(packed: torch.Tensor, weight, first: bool) -> None:
+            state["packed"] = packed.numpy()
+            state["weight"] = weight if majority else weight.numpy()
+            state["first"] = first
+            _run_tasks(task, len(blocks), workers)
+
+        return accumulate
+
+    def _finish_cpu(
+        self, acc: torch.Tensor, blocks, corr: torch.Tensor, scale: float, majority: bool, total: int
+    ) -> None:
+        """Final pass on CPU: (acc − corr)·scale, or sign(acc − N/2)·corr, block by block."""
+        accn, corrn = acc.numpy(), corr.numpy()
+        half = np.float32(total / 2)
+        sc = np.float32(scale)
+
+        def task(i: int) -> None:
+            for start, rows, width, m0 in blocks[i][2]:
+                v = accn[start : start + rows * width].reshape(rows, width)
+                c = corrn[m0 : m0 + rows, None]
+                if majority:
+                    np.subtract(v, half, out=v)
+                    np.sign(v, out=v)
+                    np.multiply(v, c, out=v)
+                else:
+                    np.multiply(v, sc, out=v)
+                    np.subtract(v, c, out=v)
+
+        _run_tasks(task, len(blocks), min(torch.get_num_threads(), 8))
+
     def combine_with_tokens(
         self,
         payloads: Iterable[bytes],
@@ -1146,16 +1235,18 @@ class SignCodec(_Codec):
         """
         device = torch.device(device)
         acc = self._accumulator(out, device)
-        block = _BLOCK_CPU if device.type == "cpu" else _BLOCK_ACCEL
-        blocks = self._blocks(block)
-        max_bytes = max((nb for _, nb, _ in blocks), default=0)
-        scratch = torch.empty(max_bytes * 8, dtype=_F32, device=device)
         majority = self.combine_rule == "majority"
+        cpu = device.type == "cpu" and self._numpy_on_cpu
+        blocks = self._blocks(_BLOCK_CPU if cpu else _BLOCK_ACCEL)
         # weighted: acc accumulates Σ_i b_i·2w_i·s_i with b the 0/1 bits, and corr Σ_i w_i·s_i per
         # chunk, so that at the end Σ_i w_i·s_i·(2b_i − 1) = acc − corr.
         # majority: acc accumulates the vote Σ_i n_i·b_i (exact for integer sums < 2**24), and
         # corr the magnitudes Σ_i w_i·s_i; sign(Σ n_i (2b_i − 1)) = sign(acc − N/2).
         corr = torch.zeros(self._n_mags, dtype=_F32, device=device)
+        if cpu:
+            accumulate = self._accumulate_cpu(acc, blocks, majority)
+        else:
+            accumulate = self._accumulate_torch(acc, blocks, majority)
         total, count, first = 0, 0, 0
         for payload in payloads:
             tokens, body = self._parse(payload)
@@ -1165,42 +1256,29 @@ class SignCodec(_Codec):
             total += tokens
             w = tokens / first
             mags = mags.to(device)
-            packed = packed.to(device)
             corr.add_(mags, alpha=w)
-            mw2 = None if majority else mags * (2 * w)
-            for b0, nb, pieces in blocks:
-                _unpack01(packed[b0 : b0 + nb], scratch, self._numpy_on_cpu)
-                base = b0 * 8
-                for start, rows, width, m0 in pieces:
-                    n = rows * width
-                    dst = acc[start : start + n].view(rows, width)
-                    src = scratch[start - base : start - base + n].view(rows, width)
-                    if majority:
-                        if count == 0:
-                            torch.mul(src, float(tokens), out=dst)
-                        else:
-                            dst.add_(src, alpha=float(tokens))
-                    elif count == 0:
-                        torch.mul(src, mw2[m0 : m0 + rows].unsqueeze(1), out=dst)
-                    else:
-                        dst.addcmul_(src, mw2[m0 : m0 + rows].unsqueeze(1))
+            # every partial sum of acc is bounded by 2·corr: one check on M numbers rules out overflow
+            if self._n_mags and not bool(torch.isfinite(corr * 2).all()):
+                raise PayloadError("magnitudes too large: the combined update would overflow float32")
+            weight = float(tokens) if majority else mags * (2 * w)
+            accumulate(packed, weight, count == 0)
             count += 1
         if count == 0:
             raise ValueError("combine needs at least one payload")
-        # every partial sum is bounded by 2·corr, so this one check on M numbers rules out overflow
-        if self._n_mags and not bool(torch.isfinite(corr * 2).all()):
-            raise PayloadError("magnitudes too large: the combined update would overflow float32")
         scale = first / total
         corr.mul_(scale)
-        if majority:
-            acc.sub_(total / 2).sign_()
-        for start, rows, width, m0 in self._runs:
-            v = acc[start : start + rows * width].view(rows, width)
-            c = corr[m0 : m0 + rows].unsqueeze(1)
+        if cpu:
+            self._finish_cpu(acc, blocks, corr, scale, majority, total)
+        else:
             if majority:
-                v.mul_(c)
-            else:
-                torch.add(-c, v, alpha=scale, out=v)  # (acc − corr)·n_1/N in one pass
+                acc.sub_(total / 2).sign_()
+            for start, rows, width, m0 in self._runs:
+                v = acc[start : start + rows * width].view(rows, width)
+                c = corr[m0 : m0 + rows].unsqueeze(1)
+                if majority:
+                    v.mul_(c)
+                else:
+                    torch.add(-c, v, alpha=scale, out=v)  # (acc − corr)·n_1/N in one pass
         return self._split(acc), total
 
 
@@ -1262,7 +1340,8 @@ class DenseCodec(_Codec):
         buf = bytearray(self.payload_nbytes())
         flat = (
             torch.frombuffer(buf, dtype=self.dtype, count=self._numel, offset=HEADER_NBYTES)
-            if self._numel else torch.empty(0, dtype=self.dtype)
+            if self._numel
+            else torch.empty(0, dtype=self.dtype)
         )
         for spec, off, x in zip(self.manifest, self.manifest.offsets, xs):
             flat[off : off + spec.numel].copy_(x)
@@ -1286,9 +1365,7 @@ class DenseCodec(_Codec):
             vals = _frombuffer(body, torch.int16, self._numel).view(self.dtype)
         if self._numel and not bool(torch.isfinite(vals).all()):
             bad = int((~torch.isfinite(vals)).nonzero()[0])
-            raise PayloadError(
-                f"non-finite value {float(vals[bad])!r} in tensor {self._tensor_of_element(bad)!r}"
-            )
+            raise PayloadError(f"non-finite value {float(vals[bad])!r} in tensor {self._tensor_of_element(bad)!r}")
         return vals
 
     def decode(self, payload: bytes, *, device: torch.device | str = "cpu") -> DecodedPayload:

@@ -119,8 +119,8 @@ def plot_loss_vs_time(summaries: list[dict[str, Any]], path: Path, target: float
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for s in summaries:
-        curve = s["curve"]
-        ax.plot([max(c[0], 1e-3) / 3600 for c in curve], [c[2] for c in curve], label=s["method"], lw=1.6)
+        curve = [c for c in s["curve"] if c[0] > 0]  # the log axis starts at the first exchange
+        ax.plot([c[0] / 3600 for c in curve], [c[2] for c in curve], label=s["method"], lw=1.6, marker=".", ms=3)
     if target is not None:
         ax.axhline(target, color="k", ls=":", lw=1, label=f"target {target:.3f}")
     ax.set_xscale("log")

@@ -317,6 +317,7 @@ class EmulatedRun:
         self.rounds = 0
         self.bytes_sent = 0.0
         self.proxy_bytes_sent = 0
+        self.setup_s = 0.0  # real seconds spent building the cluster (corpus, replicas)
         self.plans: list[Plan] = []
         self.faults: list[dict[str, Any]] = []
         self.status = "complete"
@@ -376,6 +377,7 @@ class EmulatedRun:
         torch.manual_seed(self.seed)
         try:
             self.cluster = cluster = build_cluster(self.scenario, self.seed, self.budget, self.options.cache_dir)
+            self.setup_s = time.perf_counter() - started
             try:
                 if self._resume is None:
                     self.telemetry.emit({
@@ -956,6 +958,7 @@ class EmulatedRun:
             "modeled": ["compute time (timing model on each GPU)", "WAN time (latency + bytes/bandwidth)",
                         "bytes on the wire (scaled to the timing model)"],  # fmt: skip
             "wall_clock_s": wall_s,
+            "setup_s": self.setup_s,
             **extra,
         }
 
