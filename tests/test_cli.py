@@ -91,3 +91,16 @@ def test_bench_compares_methods_side_by_side(scenario_file, tmp_path, capsys):
     assert diloco["time_to_target_s"] is not None and diloco["time_to_target_s"] <= diloco["modeled_time_s"]
     for name in ("loss_vs_time.png", "idle.png", "timeline_geomesh.png", "results.json", "table.md"):
         assert (out / name).stat().st_size > 0
+
+
+def test_profile_measures_this_device_and_plan_accepts_it(tmp_path, capsys):
+    out = tmp_path / "cpu.json"
+    assert main(["profile", "--device", "cpu", "--out", str(out), "--batches", "1,2", "--repeats", "1"]) == 0
+    profile = json.loads(out.read_text())
+    assert profile["source"] == "measured" and set(profile["table"]) == {"1", "2"}
+    assert all(t > 0 for t in profile["table"].values())
+    capsys.readouterr()
+    assert main(["plan", "default", "--json", "--profile", f"us-east={out}"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert {w["name"] for w in plan["workers"]} == {"us-east", "eu-west", "japan-east", "india-central"}
+    assert main(["profile", "--device", "cpu", "--out", str(out), "--batches", "0,x"]) == 2
