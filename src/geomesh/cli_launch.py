@@ -212,7 +212,7 @@ def _spawn_and_wait(args: argparse.Namespace, env: dict[str, str], argv: list[st
     lock = threading.Lock()
 
     def pump(k: int, proc: subprocess.Popen) -> None:
-        with open(out / "logs" / f"rank{k}.log", "w") as log:
+        with open(out / "logs" / f"rank{k}.log", "w") as log, proc.stdout:  # type: ignore[union-attr]
             for line in proc.stdout:  # type: ignore[union-attr]
                 log.write(line)
                 log.flush()
