@@ -170,6 +170,5 @@ def plot_timeline(events_path: Path, path: Path, title: str, max_rounds: int = 3
     ax.set_title(title)
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in SPAN_COLORS.values()][:3]
     ax.legend(handles, list(SPAN_COLORS)[:3], loc="upper center", bbox_to_anchor=(0.5, -0.35), ncol=3, fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
