@@ -375,20 +375,29 @@ class BatchStream:
     """
 
     def __init__(self, tokens: torch.Tensor, seq_len: int, seed: int):
+        self._init_order(len(tokens), seq_len, seed)
+        window = seq_len + 1
+        self.windows = tokens[: self.n_windows * window].long().reshape(self.n_windows, window)
+
+    def _init_order(self, n_tokens: int, seq_len: int, seed: int) -> None:
+        """The window count and the position in the seeded order (shared with streams over other storage)."""
         if seq_len < 1:
             raise ValueError(f"seq_len = {seq_len}: must be positive")
         window = seq_len + 1
-        n_windows = len(tokens) // window
+        n_windows = n_tokens // window
         if n_windows < 1:
-            raise DataError(f"shard has {len(tokens)} tokens, fewer than one window of seq_len + 1 = {window}")
+            raise DataError(f"shard has {n_tokens} tokens, fewer than one window of seq_len + 1 = {window}")
         self.seq_len = seq_len
         self.seed = seed
         self.n_windows = n_windows
-        self.windows = tokens[: n_windows * window].long().reshape(n_windows, window)
         self.epoch = 0
         self.position = 0  # windows of the current epoch already served
         self._order: torch.Tensor | None = None
         self._order_epoch = -1
+
+    def _rows(self, picks: torch.Tensor) -> torch.Tensor:
+        """The windows at indices ``picks``, int64 [len(picks), seq_len + 1]."""
+        return self.windows[picks]
 
     def _epoch_order(self) -> torch.Tensor:
         if self._order_epoch != self.epoch:
@@ -409,7 +418,7 @@ class BatchStream:
             n_sequences -= take
             if self.position == self.n_windows:
                 self.epoch, self.position = self.epoch + 1, 0
-        rows = self.windows[torch.cat(picks) if len(picks) > 1 else picks[0]]
+        rows = self._rows(torch.cat(picks) if len(picks) > 1 else picks[0])
         return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
 
     def state_dict(self) -> dict:

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 from tokenizers import Tokenizer
 
-from ..data import EOT, DataError, shard_bounds, train_tokenizer
+from ..data import EOT, BatchStream, DataError, shard_bounds, train_tokenizer
 
 __all__ = [
     "TokenArray",
@@ -198,66 +198,23 @@ class _LengthDecoder:
 # The corpus and its batches
 
 
-class MemmapBatchStream:
-    """Training batches from a memory-mapped shard, with :class:`~geomesh.data.BatchStream`'s order: the shard
-    is cut into non-overlapping windows of ``seq_len + 1`` tokens, epoch ``e`` visits them in ``randperm``
-    order seeded with ``seed + e``; only the windows served are read. ``state_dict`` as BatchStream's."""
+class MemmapBatchStream(BatchStream):
+    """Training batches from a memory-mapped shard, in :class:`~geomesh.data.BatchStream`'s order (and with
+    its ``state_dict``); only the windows served are read from the files."""
 
     def __init__(self, tokens: TokenArray, seq_len: int, seed: int, vocab_size: int | None = None):
-        if seq_len < 1:
-            raise ValueError(f"seq_len = {seq_len}: must be positive")
-        window = seq_len + 1
-        n_windows = len(tokens) // window
-        if n_windows < 1:
-            raise DataError(f"shard has {len(tokens)} tokens, fewer than one window of seq_len + 1 = {window}")
+        self._init_order(len(tokens), seq_len, seed)
         self.tokens = tokens
-        self.window = window
-        self.seq_len = seq_len
-        self.seed = seed
-        self.n_windows = n_windows
+        self.window = seq_len + 1
         self.vocab_size = vocab_size
-        self.epoch = 0
-        self.position = 0
-        self._order: torch.Tensor | None = None
-        self._order_epoch = -1
 
-    def _epoch_order(self) -> torch.Tensor:
-        if self._order_epoch != self.epoch:
-            generator = torch.Generator().manual_seed(self.seed + self.epoch)
-            self._order = torch.randperm(self.n_windows, generator=generator)
-            self._order_epoch = self.epoch
-        return self._order
-
-    def next_batch(self, n_sequences: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(x, y)``, int64 [n_sequences, seq_len], with ``y`` the next token of ``x``."""
-        if n_sequences < 1:
-            raise ValueError(f"n_sequences = {n_sequences}: must be positive")
-        picks: list[int] = []
-        while n_sequences > 0:
-            take = min(n_sequences, self.n_windows - self.position)
-            picks += self._epoch_order()[self.position : self.position + take].tolist()
-            self.position += take
-            n_sequences -= take
-            if self.position == self.n_windows:
-                self.epoch, self.position = self.epoch + 1, 0
+    def _rows(self, picks: torch.Tensor) -> torch.Tensor:
         w = self.window
-        rows = torch.from_numpy(np.stack([self.tokens.read(k * w, (k + 1) * w) for k in picks]))
+        rows = torch.from_numpy(np.stack([self.tokens.read(k * w, (k + 1) * w) for k in picks.tolist()])).long()
         if self.vocab_size is not None and int(rows.max()) >= self.vocab_size:
             raise DataError(f"token id {int(rows.max())} in the token files is >= the vocabulary size "
                             f"{self.vocab_size} (set data.vocab_size or data.tokenizer)")  # fmt: skip
-        return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
-
-    def state_dict(self) -> dict:
-        return {"seed": self.seed, "seq_len": self.seq_len, "n_windows": self.n_windows, "epoch": self.epoch,
-                "position": self.position}  # fmt: skip
-
-    def load_state_dict(self, state: dict) -> None:
-        for name in ("seed", "seq_len", "n_windows"):
-            if state[name] != getattr(self, name):
-                raise ValueError(f"stream state has {name} = {state[name]}, this stream {getattr(self, name)}")
-        if not 0 <= state["position"] < self.n_windows:
-            raise ValueError(f"stream state position = {state['position']}: must be in [0, {self.n_windows})")
-        self.epoch, self.position = int(state["epoch"]), int(state["position"])
+        return rows
 
 
 class TokenCorpus:
