@@ -7,10 +7,11 @@ import json
 import pytest
 import torch
 
+from geomesh.config import ConfigError
 from geomesh.data import BatchStream, Corpus, CorpusSpec
 from geomesh.methods.base import get_method
 from geomesh.model import build_model, model_config
-from geomesh.runtime.emulated import EmulatedRun, RunError, RunOptions
+from geomesh.runtime.emulated import EmulatedRun, RunOptions
 from geomesh.telemetry import read_events
 from geomesh.worker import inner_lr, make_inner_optimizer
 
@@ -110,5 +111,5 @@ def test_time_to_target(tiny_scenario):
 def test_model_that_fits_no_gpu_is_a_clear_error(tiny_scenario):
     s = tiny_scenario(gpus=("T4",))
     s.timing_model.n_layers, s.timing_model.hidden = 80, 8192
-    with pytest.raises(RunError, match="does not fit a micro-batch of 1 on T4"):
+    with pytest.raises(ConfigError, match="does not fit a micro-batch of 1 on T4.*to fit: "):
         run(s, "diloco")

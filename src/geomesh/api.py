@@ -127,18 +127,14 @@ def plan_from_scenario(scenario: ScenarioConfig | str | Path, method: str | Oute
     timing model (or measured profiles: region name -> :class:`~geomesh.hardware.WorkerProfile` or a
     ``geomesh profile`` JSON file), the WAN model for the exchange. ``manifest`` (your model's tensors)
     gives the codec's exact bytes per parameter; default: the scenario's proxy model's."""
-    from .hardware import load_profile, model_profile
+    from .hardware import load_profile
 
     sc = _scenario(scenario)
     m = _method(method)
-    timing = sc.timing()
-    resolved = []
-    for region in sc.regions:
-        given = (profiles or {}).get(region.name)
-        prof = load_profile(given) if isinstance(given, (str, Path)) else given
-        prof = prof or model_profile(region.name, region.gpu, region.count, timing)
-        prof.slowdown = region.slowdown
-        resolved.append(prof)
+    measured = {}
+    for name, given in (profiles or {}).items():
+        measured[name] = load_profile(given) if isinstance(given, (str, Path)) else given
+    resolved = sc.worker_profiles(measured)
     payload = m.modeled_payload_bytes(sc, manifest)
     exchange_s, _ = m.exchange(sc.wan_model(), payload)
     return m.plan(sc, resolved, exchange_bytes=payload, exchange_s=exchange_s)

@@ -38,17 +38,9 @@ def register(sub) -> None:
 
 def cluster_plans(scenario, profiles=None, allow_drop: bool = False) -> dict[str, Any]:
     """GeoMesh's and DiLoCo's plans for a scenario (cost-model profiles unless given)."""
-    from .hardware import model_profile
     from .methods.base import get_method
 
-    timing = scenario.timing()
-    profiles = profiles or {}
-    resolved = []
-    for region in scenario.regions:
-        prof = profiles.get(region.name) or model_profile(region.name, region.gpu, region.count, timing)
-        prof.name = region.name  # a measured profile keeps the name it was measured under
-        prof.slowdown = region.slowdown
-        resolved.append(prof)
+    resolved = scenario.worker_profiles(profiles, require_fit=not allow_drop)
     wan = scenario.wan_model()
     plans = {}
     for name in ("geomesh", "diloco"):
@@ -95,7 +87,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 def format_plan(plan) -> str:
     head = f"{'worker':<16}{'gpu':<10}{'micro':>6}{'accum':>6}{'batch':>6}{'H':>5}{'compute':>10}{'waits':>9}"
-    lines = [head]
+    lines = [f"rule: {plan.rule}", head] if plan.rule else [head]
     for w in plan.workers:
         lines.append(f"{w.name:<16}{w.gpu:<10}{w.micro_batch:>6}{w.accum:>6}{w.batch:>6}{w.inner_steps:>5}"
                      f"{w.compute_s:>9.1f}s{w.straggler_wait_s:>8.1f}s")  # fmt: skip

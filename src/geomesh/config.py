@@ -20,7 +20,7 @@ from typing import Any
 
 import yaml
 
-from .hardware import GPU_CATALOG, TimingModel, gpu_spec
+from .hardware import GPU_CATALOG, STRATEGIES, GpuSpec, TimingModel, WorkerProfile, fit_advice, gpu_spec, model_profile
 from .network import AZURE_REGIONS, WanModel, azure_rtt_ms
 
 
@@ -35,6 +35,21 @@ class RegionConfig:
     count: int = 1
     azure_region: str | None = None  # where to look up RTTs when wan.rtt is "azure"
     slowdown: float = 1.0  # multiplies this worker's compute time (CPU heterogeneity, what-if studies)
+    strategy: str = "ddp"  # inside the region: ddp (a full replica per GPU) or fsdp (FSDP2: state sharded)
+    activation_checkpointing: bool = False  # recompute each block's forward in backward: less memory, ~1/3 more FLOPs
+
+
+@dataclass
+class GpuConfig:
+    """A GPU the catalog does not know (or a measured variant of one), defined in the scenario's ``gpus:``."""
+
+    tflops: float  # dense BF16/FP16 tensor TFLOP/s (no sparsity)
+    memory_gb: float
+    mem_bw_gbs: float = 1000.0
+    mfu: float = 0.35  # the model-FLOPs utilisation you expect
+    link_gbs: float = 32.0  # GPU-to-GPU bandwidth inside a server, GB/s per direction
+    link: str = "user-defined"
+    micro_overhead_s: float = 0.006
 
 
 @dataclass
@@ -55,6 +70,8 @@ class TimingConfig:
 
 @dataclass
 class ProxyConfig:
+    """The model that really trains: scenario section ``model:`` (``proxy:`` is its older name, still read)."""
+
     preset: str = "micro"
     seq_len: int = 128
     # A ``transformers`` causal LM instead of the built-in model (needs the ``hf`` extra; docs/ecosystem.md):
@@ -110,12 +127,16 @@ class TrainingConfig:
     eval_sequences: int = 64
     eval_every_rounds: int = 1
     target_val_loss: float | None = None
+    precision: str = "auto"  # auto: bf16 autocast on a GPU that has bf16, else fp32; bf16 (also on CPU); fp32
     zero_shot_items: int = 400  # multiple-choice items from held-out text, scored at the end (0: skip)
 
 
 @dataclass
 class GeoMeshConfig:
-    round_sequences_factor: float = 1.0  # sequences per round relative to DiLoCo's N·b·H
+    # The round's compute time. Default (both null): the planning rule, what the reference plan (training.batch,
+    # training.inner_steps: DiLoCo's) takes on the slowest live worker; every other worker fills it.
+    round_time_s: float | None = None  # an explicit compute time per round (seconds), instead of the rule
+    round_sequences_factor: float | None = None  # alternative, no preset uses it: sequences per round = factor·N·b·H
     min_batch: int = 2
     max_batch: int = 512
     min_inner_steps: int = 2
@@ -188,6 +209,7 @@ class ScenarioConfig:
     description: str = ""
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     reliability: ReliabilityConfig = field(default_factory=ReliabilityConfig)
+    gpus: dict[str, GpuConfig] = field(default_factory=dict)  # GPUs defined here, by name (beside the catalog)
 
     # ---- derived facts -------------------------------------------------------------------------
     def timing(self) -> TimingModel:
@@ -196,6 +218,38 @@ class ScenarioConfig:
             n_layers=t.n_layers, hidden=t.hidden, seq_len=t.seq_len, vocab=t.vocab, mfu=t.mfu,
             step_overhead_s=t.step_overhead_s,
         )  # fmt: skip
+
+    def gpu_specs(self) -> dict[str, GpuSpec]:
+        """The scenario's own GPUs (``gpus:``) as catalog entries."""
+        return {name: GpuSpec(name, g.tflops, g.memory_gb, g.mem_bw_gbs, g.mfu, g.micro_overhead_s, g.link_gbs, g.link)
+                for name, g in self.gpus.items()}  # fmt: skip
+
+    def region_profile(self, region: RegionConfig) -> WorkerProfile:
+        """The cost-model profile of one region (one worker: its GPUs, strategy and checkpointing)."""
+        profile = model_profile(region.name, gpu_spec(region.gpu, self.gpu_specs()), region.count, self.timing(),
+                                strategy=region.strategy, activation_checkpointing=region.activation_checkpointing)  # fmt: skip
+        profile.slowdown = region.slowdown
+        return profile
+
+    def worker_profiles(self, measured: dict[str, WorkerProfile] | None = None,
+                        require_fit: bool = True) -> list[WorkerProfile]:  # fmt: skip
+        """One profile per region, in scenario order: ``measured[name]`` where given (renamed to the region,
+        its ``slowdown`` set), else the cost model. With ``require_fit`` a region whose GPUs fit no
+        micro-batch of the timing model is a ConfigError naming it and what would make it fit."""
+        profiles = []
+        for region in self.regions:
+            given = (measured or {}).get(region.name)
+            if given is not None:
+                given.name = region.name  # a measured profile carries the name it was measured under
+                given.slowdown = region.slowdown
+            profile = given or self.region_profile(region)
+            if require_fit and profile.max_micro_batch < 1:
+                spec = gpu_spec(region.gpu, self.gpu_specs())
+                raise ConfigError(f"region {region.name}: the timing model does not fit a micro-batch of 1 on "
+                                  f"{region.gpu} (x{region.count}, {region.strategy}): " + fit_advice(spec, region.count, self.timing(), region.strategy,
+                                                               region.activation_checkpointing))  # fmt: skip
+            profiles.append(profile)
+        return profiles
 
     def wan_model(self) -> WanModel:
         n = len(self.regions)
@@ -225,6 +279,8 @@ def _type_name(tp: Any) -> str:
         return " or ".join(_type_name(a) for a in typing.get_args(tp))
     if origin is list:
         return f"a list of {_type_name(typing.get_args(tp)[0])}"
+    if origin is dict:
+        return f"a mapping of names to {_type_name(typing.get_args(tp)[1])}"
     if tp is type(None):
         return "null"
     if dataclasses.is_dataclass(tp):
@@ -254,6 +310,11 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
             raise ConfigError(f"{where}: {value!r} is not allowed; expected {_type_name(tp)}")
         (item,) = typing.get_args(tp)
         return [_coerce(v, item, f"{where}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: {value!r} is not allowed; expected {_type_name(tp)}")
+        key_tp, item = typing.get_args(tp)
+        return {_coerce(k, key_tp, where): _coerce(v, item, f"{where}.{k}") for k, v in value.items()}
     if dataclasses.is_dataclass(tp):
         return _build(tp, value, where)
     if tp is bool:
@@ -319,15 +380,24 @@ def validate(cfg: ScenarioConfig) -> ScenarioConfig:
     """Check the values (types were checked at load); raise ConfigError naming the field."""
     n = len(cfg.regions)
     _require(n >= 1, "regions", cfg.regions, "expected at least one region")
+    for name, g in cfg.gpus.items():
+        w = f"gpus.{name}"
+        _require(bool(name.strip()), "gpus", name, "expected a non-empty GPU name")
+        for key in ("tflops", "memory_gb", "mem_bw_gbs", "link_gbs"):
+            _require(getattr(g, key) > 0, f"{w}.{key}", getattr(g, key), "expected a positive number")
+        _require(0 < g.mfu <= 1, f"{w}.mfu", g.mfu, "expected a fraction in (0, 1]")
+        _require(g.micro_overhead_s >= 0, f"{w}.micro_overhead_s", g.micro_overhead_s, "expected >= 0")
+    gpu_names = list({**GPU_CATALOG, **cfg.gpu_specs()})
     names = set()
     for i, r in enumerate(cfg.regions):
         w = f"regions[{i}]"
         _require(bool(r.name) and r.name not in names, f"{w}.name", r.name, "expected a unique, non-empty name")
         names.add(r.name)
-        _require(r.gpu.lower() in {g.lower() for g in GPU_CATALOG}, f"{w}.gpu", r.gpu,
-                 f"expected one of {', '.join(GPU_CATALOG)}")  # fmt: skip
-        r.gpu = gpu_spec(r.gpu).name
+        _require(r.gpu.lower() in {g.lower() for g in gpu_names}, f"{w}.gpu", r.gpu,
+                 f"expected one of {', '.join(gpu_names)}, or a GPU defined under gpus:")  # fmt: skip
+        r.gpu = gpu_spec(r.gpu, cfg.gpu_specs()).name
         _require(1 <= r.count <= 4096, f"{w}.count", r.count, "expected 1..4096 GPUs")
+        _require(r.strategy in STRATEGIES, f"{w}.strategy", r.strategy, f"expected one of {', '.join(STRATEGIES)}")
         _require(0 < r.slowdown <= 1000, f"{w}.slowdown", r.slowdown, "expected a factor in (0, 1000]")
         if cfg.wan.rtt == "azure":
             known = {a.lower() for a in AZURE_REGIONS}
@@ -375,8 +445,14 @@ def validate(cfg: ScenarioConfig) -> ScenarioConfig:
     _require(tr.eval_sequences >= 1, "training.eval_sequences", tr.eval_sequences, "expected >= 1")
     _require(tr.zero_shot_items >= 0, "training.zero_shot_items", tr.zero_shot_items, "expected >= 0")
     _require(tr.eval_every_rounds >= 1, "training.eval_every_rounds", tr.eval_every_rounds, "expected >= 1")
+    _require(tr.precision in PRECISIONS, "training.precision", tr.precision, f"expected one of {', '.join(PRECISIONS)}")
     g = cfg.geomesh
-    _require(g.round_sequences_factor > 0, "geomesh.round_sequences_factor", g.round_sequences_factor, "expected > 0")
+    _require(g.round_sequences_factor is None or g.round_sequences_factor > 0, "geomesh.round_sequences_factor",
+             g.round_sequences_factor, "expected null or > 0")  # fmt: skip
+    _require(g.round_time_s is None or g.round_time_s > 0, "geomesh.round_time_s", g.round_time_s,
+             "expected null (the planning rule) or seconds > 0")  # fmt: skip
+    _require(g.round_time_s is None or g.round_sequences_factor is None, "geomesh.round_sequences_factor",
+             g.round_sequences_factor, "give geomesh.round_time_s or geomesh.round_sequences_factor, not both")  # fmt: skip
     _require(1 <= g.min_batch <= g.max_batch, "geomesh.min_batch", g.min_batch, "expected 1 <= min_batch <= max_batch")
     _require(1 <= g.min_inner_steps <= g.max_inner_steps, "geomesh.min_inner_steps", g.min_inner_steps,
              "expected 1 <= min_inner_steps <= max_inner_steps")  # fmt: skip
@@ -418,6 +494,7 @@ def _validate_reliability(r: ReliabilityConfig) -> None:
              "expected a path to a file holding the key")  # fmt: skip
 
 
+PRECISIONS = ("auto", "bf16", "fp32")
 DATA_FORMATS = ("auto", "text", "tokens", "hf")
 TOKEN_DTYPES = ("uint16", "uint32")
 
@@ -490,8 +567,21 @@ def load_scenario(name_or_path: str | Path, overrides: dict[str, Any] | None = N
     if not isinstance(data, dict):
         raise ConfigError(f"{origin}: expected a mapping at the top level, got {type(data).__name__}")
     data.setdefault("name", Path(str(name_or_path)).stem)
+    if "model" in data and "proxy" in data:
+        raise ConfigError(f"{origin}: both `model:` and `proxy:` are given; they are one section (the model that "
+                          "trains): keep `model:` and remove `proxy:`")  # fmt: skip
+    # `model:` is the section's name; `proxy:` (its name before real runs existed) still loads.
+    section = "proxy" if "proxy" in data else "model"
     for key, value in (overrides or {}).items():
-        _set_dotted(data, key, value)
+        head, dot, rest = key.partition(".")
+        _set_dotted(data, f"{section}.{rest}" if dot and head in ("model", "proxy") else key, value)
+    if section == "model":
+        if "model" in data:
+            data["proxy"] = data.pop("model")
+        try:
+            return validate(_build(ScenarioConfig, data, "scenario"))
+        except ConfigError as exc:  # name the section as the file does
+            raise ConfigError(str(exc).replace("scenario.proxy", "scenario.model").replace("proxy.", "model.")) from None
     return validate(_build(ScenarioConfig, data, "scenario"))
 
 

@@ -5,10 +5,19 @@ on this GPU at this batch size" and "what is the largest micro-batch that fits",
 (cost model) or from a measured profile (``geomesh profile``). The planner and the emulated runtime read
 only :class:`WorkerProfile`, so a modeled GPU and a measured one are interchangeable.
 
-Sources (see the project's reference notes): dense BF16/FP16 tensor throughput and memory from NVIDIA
-datasheets (no sparsity figures); training FLOPs per token = 6P + 12·L·h·s (PaLM, appendix B); activation
-memory per layer A = s·b·h·34 bytes with SDPA/flash attention (Korthikanti et al. 2022); logits
-c·s·b·V bytes; weights + grads + AdamW state 16 bytes/parameter with mixed precision.
+Sources (see the project's reference notes): dense BF16/FP16 tensor throughput, memory, memory bandwidth
+and the GPU-to-GPU link from the vendors' datasheets (no sparsity figures; cited per entry below); training
+FLOPs per token = 6P + 12·L·h·s (PaLM, appendix B), 8P + 16·L·h·s with full activation checkpointing (the
+forward runs twice); activation memory per layer A = s·b·h·34 bytes with SDPA/flash attention and
+2·s·b·h with checkpointing, plus one layer's full A (Korthikanti et al. 2022); logits c·s·b·V bytes; weights
++ grads + AdamW state 16 bytes/parameter with mixed precision, divided over a region's GPUs when the region
+shards them (FSDP2 / ZeRO-3).
+
+A region of ``count`` GPUs is one worker (:func:`model_profile`): its micro-batch is split over the GPUs,
+its memory model follows the region's strategy (``ddp``: a full replica per GPU; ``fsdp``: parameters,
+gradients and optimizer state sharded, one layer gathered at a time) and every inner step pays the
+region's collective at the catalog's GPU-to-GPU bandwidth (ring all-reduce of bf16 gradients for DDP;
+all-gather of parameters forward and backward plus reduce-scatter of gradients for FSDP).
 """
 
 from __future__ import annotations
@@ -29,37 +38,53 @@ class GpuSpec:
     memory_gb: float  # nominal memory, GB (1e9 bytes)
     mem_bw_gbs: float  # HBM/GDDR bandwidth, GB/s
     mfu: float  # typical achieved model-FLOPs utilisation for 0.1-7B training
-    micro_overhead_s: float  # fixed cost per micro-batch (kernel launches, small-batch inefficiency)
+    micro_overhead_s: float = 0.006  # fixed cost per micro-batch (kernel launches, small-batch inefficiency)
+    link_gbs: float = 32.0  # GPU-to-GPU bandwidth inside a server, GB/s per direction (NVLink, or PCIe)
+    link: str = "PCIe 4.0 x16"  # what link_gbs is
 
 
-# Dense tensor throughput from NVIDIA datasheets; MFU from public training reports (35-60% on A100/H100,
-# lower on GDDR, consumer and older cards).
+# Dense tensor throughput, memory and bandwidth from the vendors' datasheets (NVIDIA H200, H100, H800, H20,
+# A100, A800, B200, L40S, A10G, L4, V100, T4, GeForce RTX 4090 / 3090; AMD Instinct MI300X). link_gbs is the
+# datasheet's GPU-to-GPU figure per direction: NVLink (H100/H200/H20 900 GB/s, H800/A800 400 GB/s, A100
+# 600 GB/s, V100 300 GB/s, B200 1.8 TB/s bidirectional), AMD Infinity Fabric (MI300X: 7 links x 64 GB/s per
+# direction), else the card's PCIe slot (Gen3 x16 16 GB/s, Gen4 32 GB/s, Gen5 64 GB/s per direction).
+# MFU from public training reports (35-60% on A100/H100 for 0.1-7B models, lower on GDDR, consumer and
+# older cards); for B200, H800, A800, H20 and MI300X it is assumed from their closest measured sibling.
 GPU_CATALOG: dict[str, GpuSpec] = {
     g.name: g
     for g in (
-        GpuSpec("H200", 989.0, 141.0, 4800.0, 0.45, 0.004),
-        GpuSpec("H100", 989.0, 80.0, 3350.0, 0.42, 0.004),
-        GpuSpec("H100-PCIe", 756.0, 80.0, 2000.0, 0.40, 0.004),
-        GpuSpec("A100", 312.0, 80.0, 2039.0, 0.50, 0.005),
-        GpuSpec("A100-40GB", 312.0, 40.0, 1555.0, 0.50, 0.005),
-        GpuSpec("L40S", 362.0, 48.0, 864.0, 0.35, 0.006),
-        GpuSpec("A10G", 125.0, 24.0, 600.0, 0.35, 0.008),
-        GpuSpec("L4", 121.0, 24.0, 300.0, 0.30, 0.008),
-        GpuSpec("V100", 125.0, 32.0, 900.0, 0.40, 0.008),
-        GpuSpec("V100-16GB", 125.0, 16.0, 900.0, 0.40, 0.008),
-        GpuSpec("T4", 65.0, 16.0, 320.0, 0.30, 0.012),
-        GpuSpec("RTX4090", 165.0, 24.0, 1008.0, 0.35, 0.006),
-        GpuSpec("RTX3090", 71.0, 24.0, 936.0, 0.35, 0.008),
+        GpuSpec("B200", 2250.0, 180.0, 8000.0, 0.40, 0.004, 900.0, "NVLink 5"),
+        GpuSpec("H200", 989.0, 141.0, 4800.0, 0.45, 0.004, 450.0, "NVLink 4"),
+        GpuSpec("H100", 989.0, 80.0, 3350.0, 0.42, 0.004, 450.0, "NVLink 4"),
+        GpuSpec("H100-PCIe", 756.0, 80.0, 2000.0, 0.40, 0.004, 64.0, "PCIe 5.0 x16"),
+        GpuSpec("H800", 989.0, 80.0, 3350.0, 0.42, 0.004, 200.0, "NVLink 4 (400 GB/s)"),
+        GpuSpec("H20", 148.0, 96.0, 4000.0, 0.50, 0.004, 450.0, "NVLink 4"),
+        GpuSpec("A100", 312.0, 80.0, 2039.0, 0.50, 0.005, 300.0, "NVLink 3"),
+        GpuSpec("A100-40GB", 312.0, 40.0, 1555.0, 0.50, 0.005, 300.0, "NVLink 3"),
+        GpuSpec("A800", 312.0, 80.0, 2039.0, 0.50, 0.005, 200.0, "NVLink 3 (400 GB/s)"),
+        GpuSpec("MI300X", 1307.0, 192.0, 5300.0, 0.30, 0.005, 448.0, "Infinity Fabric"),
+        GpuSpec("L40S", 362.0, 48.0, 864.0, 0.35, 0.006, 32.0, "PCIe 4.0 x16"),
+        GpuSpec("A10G", 125.0, 24.0, 600.0, 0.35, 0.008, 32.0, "PCIe 4.0 x16"),
+        GpuSpec("L4", 121.0, 24.0, 300.0, 0.30, 0.008, 32.0, "PCIe 4.0 x16"),
+        GpuSpec("V100", 125.0, 32.0, 900.0, 0.40, 0.008, 150.0, "NVLink 2"),
+        GpuSpec("V100-16GB", 125.0, 16.0, 900.0, 0.40, 0.008, 150.0, "NVLink 2"),
+        GpuSpec("T4", 65.0, 16.0, 320.0, 0.30, 0.012, 16.0, "PCIe 3.0 x16"),
+        GpuSpec("RTX4090", 165.0, 24.0, 1008.0, 0.35, 0.006, 32.0, "PCIe 4.0 x16"),
+        GpuSpec("RTX3090", 71.0, 24.0, 936.0, 0.35, 0.008, 32.0, "PCIe 4.0 x16"),
     )
 }
 
+STRATEGIES = ("ddp", "fsdp")  # inside a region: full replicas (DDP) or sharded state (FSDP2 fully_shard)
 
-def gpu_spec(name: str) -> GpuSpec:
-    """The catalog entry for ``name`` (case-insensitive); KeyError lists the known GPUs."""
-    for key, spec in GPU_CATALOG.items():
+
+def gpu_spec(name: str, extra: dict[str, GpuSpec] | None = None) -> GpuSpec:
+    """The entry for ``name`` (case-insensitive) in ``extra`` (a scenario's own GPUs) or the catalog;
+    KeyError lists the known GPUs."""
+    known = {**GPU_CATALOG, **(extra or {})}
+    for key, spec in known.items():
         if key.lower() == name.lower():
             return spec
-    raise KeyError(f"unknown GPU {name!r}; known: {', '.join(GPU_CATALOG)}")
+    raise KeyError(f"unknown GPU {name!r}; known: {', '.join(known)}")
 
 
 @dataclass(frozen=True)
@@ -75,7 +100,7 @@ class TimingModel:
     logits_bytes_per_elem: float = 4.0  # c in c·s·b·V (fp32 logits)
     context_gib: float = 1.5  # CUDA context + allocator slack
     step_overhead_s: float = 0.02  # optimizer step + launch cost per inner step
-    intra_bw_gbps: float = 100.0  # region-internal link for the DDP all-reduce inside a region
+    intra_bw_gbps: float | None = None  # region-internal link (Gbit/s); None: the GPU catalog's link
 
     @property
     def params(self) -> int:
@@ -85,32 +110,76 @@ class TimingModel:
     @property
     def flops_per_token(self) -> float:
         """Training FLOPs per token: 6P + 12·L·h·s (PaLM appendix B)."""
-        return 6 * self.params + 12 * self.n_layers * self.hidden * self.seq_len
+        return self.train_flops_per_token(False)
 
-    def activation_bytes(self, micro_batch: int) -> float:
-        """Activations (SDPA attention, 16-bit) plus logits for one micro-batch of ``micro_batch`` sequences."""
-        per_layer = 34.0 * self.seq_len * micro_batch * self.hidden
+    def train_flops_per_token(self, activation_checkpointing: bool = False) -> float:
+        """6P + 12·L·h·s, or 8P + 16·L·h·s when activation checkpointing runs every layer's forward twice."""
+        factor = 8.0 / 6.0 if activation_checkpointing else 1.0
+        return factor * (6 * self.params + 12 * self.n_layers * self.hidden * self.seq_len)
+
+    def activation_bytes(self, micro_batch: int, activation_checkpointing: bool = False) -> float:
+        """Activations (SDPA attention, 16-bit) plus logits for one micro-batch of ``micro_batch`` sequences
+        on one GPU; with checkpointing each layer keeps only its 2·s·b·h input, plus one layer's full A."""
+        full_layer = 34.0 * self.seq_len * micro_batch * self.hidden
+        if activation_checkpointing:
+            layers = self.n_layers * 2.0 * self.seq_len * micro_batch * self.hidden + full_layer
+        else:
+            layers = self.n_layers * full_layer
         logits = self.logits_bytes_per_elem * self.seq_len * micro_batch * self.vocab
-        return self.n_layers * per_layer + logits
+        return layers + logits
 
-    def state_bytes(self) -> float:
-        return self.params * self.bytes_per_param
+    def state_bytes(self, gpus: int = 1, strategy: str = "ddp") -> float:
+        """Weights, gradients and AdamW state on one GPU of a region of ``gpus`` GPUs.
 
-    def max_micro_batch(self, gpu: GpuSpec) -> int:
-        """Largest micro-batch (sequences per GPU) that fits: 0 when not even the weights fit.
-
-        floor((0.9·M_gpu − M_ctx − P·bytes_per_param) / (activations at b=1)).
+        ``ddp``: a full replica (P·bytes_per_param). ``fsdp``: that divided over the GPUs, plus the bf16
+        weights of the two largest units FSDP2 holds gathered at once (the one computing, the one prefetched).
         """
-        free = 0.9 * gpu.memory_gb * 1e9 - self.context_gib * GIB - self.state_bytes()
+        if strategy not in STRATEGIES:
+            raise ValueError(f"strategy {strategy!r}: expected one of {', '.join(STRATEGIES)}")
+        full = self.params * self.bytes_per_param
+        if strategy == "ddp" or gpus <= 1:
+            return full
+        unit = max(12 * self.hidden**2, self.vocab * self.hidden)  # one block, or the embedding
+        return full / gpus + 2 * 2.0 * unit
+
+    def max_micro_batch(self, gpu: GpuSpec, gpus: int = 1, strategy: str = "ddp",
+                        activation_checkpointing: bool = False) -> int:  # fmt: skip
+        """Largest micro-batch per GPU that fits: 0 when not even the weights fit.
+
+        floor((0.9·M_gpu − M_ctx − state on one GPU) / (activations at b=1)).
+        """
+        free = 0.9 * gpu.memory_gb * 1e9 - self.context_gib * GIB - self.state_bytes(gpus, strategy)
         if free <= 0:
             return 0
-        return int(free // self.activation_bytes(1))
+        return int(free // self.activation_bytes(1, activation_checkpointing))
 
-    def micro_step_s(self, gpu: GpuSpec, micro_batch: int) -> float:
+    def micro_step_s(self, gpu: GpuSpec, micro_batch: int, activation_checkpointing: bool = False) -> float:
         """Forward + backward of one micro-batch of ``micro_batch`` sequences on one GPU."""
         mfu = self.mfu if self.mfu is not None else gpu.mfu
-        flops = self.flops_per_token * self.seq_len * micro_batch
+        flops = self.train_flops_per_token(activation_checkpointing) * self.seq_len * micro_batch
         return gpu.micro_overhead_s + flops / (gpu.tflops * 1e12 * mfu)
+
+    def region_collective_s(self, gpu: GpuSpec, gpus: int, strategy: str = "ddp") -> float:
+        """The collective one inner step costs inside a region of ``gpus`` GPUs (0 for one GPU).
+
+        Ring algorithms at the link's bandwidth: DDP all-reduces bf16 gradients (2·(g−1)/g·2P bytes per
+        GPU); FSDP all-gathers bf16 weights for forward and backward and reduce-scatters gradients
+        (3·(g−1)/g·2P bytes per GPU).
+        """
+        if gpus <= 1:
+            return 0.0
+        bytes_per_s = (self.intra_bw_gbps * 1e9 / 8) if self.intra_bw_gbps else gpu.link_gbs * 1e9
+        passes = 3 if strategy == "fsdp" else 2
+        return passes * (gpus - 1) / gpus * self.params * 2 / bytes_per_s
+
+    def min_fsdp_gpus(self, gpu: GpuSpec, activation_checkpointing: bool = False, limit: int = 4096) -> int | None:
+        """The fewest GPUs of this kind over which FSDP fits a micro-batch of one per GPU (None: none do)."""
+        g = 1
+        while g <= limit:
+            if self.max_micro_batch(gpu, g, "fsdp", activation_checkpointing) >= 1:
+                return g
+            g *= 2
+        return None
 
 
 @dataclass
@@ -190,29 +259,46 @@ class WorkerProfile:
             raise ValueError(f"bad profile: {exc}") from None
 
 
-def model_profile(name: str, gpu: str, gpu_count: int, timing: TimingModel) -> WorkerProfile:
-    """A worker profile from the cost model for a catalog GPU.
+def model_profile(name: str, gpu: str | GpuSpec, gpu_count: int, timing: TimingModel, *, strategy: str = "ddp",
+                  activation_checkpointing: bool = False) -> WorkerProfile:  # fmt: skip
+    """A worker profile from the cost model: a region of ``gpu_count`` GPUs (a catalog name or a spec).
 
-    The worker's micro-batch m is split over ``gpu_count`` GPUs (ceil(m/g) on the busiest one); a step
-    inside a multi-GPU region also pays a ring all-reduce of bf16 gradients over ``intra_bw_gbps``.
+    The worker's micro-batch m is split over the GPUs (ceil(m/g) on the busiest one); the memory model
+    follows ``strategy`` (see :meth:`TimingModel.state_bytes`) and ``activation_checkpointing`` (less
+    memory, a second forward); every inner step also pays :meth:`TimingModel.region_collective_s`.
     """
-    spec = gpu_spec(gpu)
-    per_gpu_cap = timing.max_micro_batch(spec)
+    spec = gpu if isinstance(gpu, GpuSpec) else gpu_spec(gpu)
+    ckpt = activation_checkpointing
+    per_gpu_cap = timing.max_micro_batch(spec, gpu_count, strategy, ckpt)
     cap = per_gpu_cap * gpu_count
     points = sorted({1, 2, 4, 8, 16, 32, 64, 128, 256, 512, max(cap, 1)})
-    table = {m: timing.micro_step_s(spec, math.ceil(m / gpu_count)) for m in points if m <= max(cap, 1)}
-    intra = 0.0
-    if gpu_count > 1:
-        intra = 2 * (gpu_count - 1) / gpu_count * timing.params * 2 / (timing.intra_bw_gbps * 1e9 / 8)
+    table = {m: timing.micro_step_s(spec, math.ceil(m / gpu_count), ckpt) for m in points if m <= max(cap, 1)}
     return WorkerProfile(
         name=name,
         gpu=spec.name,
         gpu_count=gpu_count,
         max_micro_batch=cap,
         table=table,
-        step_overhead_s=timing.step_overhead_s + intra,
+        step_overhead_s=timing.step_overhead_s + timing.region_collective_s(spec, gpu_count, strategy),
         source="model",
+        extra={"strategy": strategy, "activation_checkpointing": ckpt} if (gpu_count > 1 or ckpt) else {},
     )
+
+
+def fit_advice(gpu: GpuSpec, gpu_count: int, timing: TimingModel, strategy: str, activation_checkpointing: bool) -> str:
+    """What would make the timing model fit a region that fits no micro-batch (for error messages)."""
+    need = timing.state_bytes(gpu_count, strategy) + timing.context_gib * GIB
+    have = 0.9 * gpu.memory_gb * 1e9
+    ways = []
+    if not activation_checkpointing and timing.max_micro_batch(gpu, gpu_count, strategy, True) >= 1:
+        ways.append("activation_checkpointing: true")
+    shards = timing.min_fsdp_gpus(gpu, activation_checkpointing)
+    if shards is not None and (strategy != "fsdp" or shards > gpu_count):
+        ways.append(f"strategy: fsdp over at least {max(shards, 2)} {gpu.name} GPUs")
+    ways.append("a GPU with more memory or a smaller timing model")
+    return (f"{timing.params / 1e6:,.0f}M parameters need {need / 1e9:.1f} GB per GPU for state with {strategy} over "
+            f"{gpu_count} GPU(s) before activations, {gpu.name} offers {have / 1e9:.1f} GB usable; "
+            f"to fit: {' or '.join(ways)}")  # fmt: skip
 
 
 def load_profile(path: str | Path) -> WorkerProfile:

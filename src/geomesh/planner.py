@@ -98,6 +98,7 @@ __all__ = [
     "candidate_batches",
     "knee_rate",
     "balanced_round_s",
+    "reference_round_s",
     "plan_objective",
     "scaled_profiles",
 ]
@@ -114,6 +115,7 @@ _SMALL_STRETCH = 1.5  # and the window is stretched further
 _PRICE_LADDER = (0.0, -0.5, -0.25, -0.1, -0.04, 0.04, 0.1, 0.25, 0.5, 1.0)
 _REPAIRED = 8  # in small sweeps, how many of the best plans just outside the band are repaired into it
 _REPAIR_MARGIN = 0.25  # "just outside": within this fraction of the target
+FILL_SLACK = 0.01  # the planning rule: options within 1% of a worker's longest compute count as filling the round
 
 
 class PlanError(ValueError):
@@ -145,6 +147,8 @@ class PlanConstraints:
     allow_drop: bool = False
     knee: float = 0.9
     efficiency_weight: float = 0.5  # β in the balance score; 0: balance only, 1: useful utilisation
+    fill: bool = False  # the planning rule: the round lasts the reference plan on the slowest worker
+    round_compute_s: float | None = None  # an explicit compute time per round (fill it), instead of a target
 
     def validate(self) -> None:
         """Raise :class:`PlanError` naming the field, the value and what is allowed."""
@@ -155,15 +159,28 @@ class PlanConstraints:
 
         has_target = self.target_sequences is not None
         has_ref = self.ref_batch is not None or self.ref_inner_steps is not None
-        if has_target and has_ref:
+        if self.round_compute_s is not None:
+            t = self.round_compute_s
+            if isinstance(t, bool) or not isinstance(t, (int, float)) or not (math.isfinite(t) and t > 0):
+                raise PlanError(f"constraint round_compute_s={t!r}: must be a positive number of seconds")
+            if has_target or self.fill:
+                raise PlanError("constraints: give round_compute_s, or a target (target_sequences, fill), not both")
+        elif self.fill:
+            if has_target or self.ref_batch is None or self.ref_inner_steps is None:
+                raise PlanError("constraints: fill needs the reference plan (ref_batch, ref_inner_steps) and no "
+                                "target_sequences")  # fmt: skip
+            positive_int("ref_batch", self.ref_batch)
+            positive_int("ref_inner_steps", self.ref_inner_steps)
+        elif has_target and has_ref:
             raise PlanError("constraints: give target_sequences or (ref_batch, ref_inner_steps), not both")
         if has_target:
             positive_int("target_sequences", self.target_sequences)
         elif has_ref:
             positive_int("ref_batch", self.ref_batch)
             positive_int("ref_inner_steps", self.ref_inner_steps)
-        else:
-            raise PlanError("constraints: a target is needed: target_sequences or (ref_batch, ref_inner_steps)")
+        elif self.round_compute_s is None:
+            raise PlanError("constraints: a target is needed: target_sequences, (ref_batch, ref_inner_steps), fill "
+                            "or round_compute_s")  # fmt: skip
         for name in ("min_batch", "max_batch", "min_inner_steps", "max_inner_steps"):
             positive_int(name, getattr(self, name))
         if self.min_batch > self.max_batch:
@@ -179,8 +196,13 @@ class PlanConstraints:
         if not (isinstance(self.efficiency_weight, (int, float)) and 0.0 <= self.efficiency_weight <= 1.0):
             raise PlanError(f"constraint efficiency_weight={self.efficiency_weight!r}: must be in [0, 1]")
 
+    @property
+    def fills(self) -> bool:
+        """Whether the plan fills a round time (the rule, or an explicit one) instead of a sequence target."""
+        return self.fill or self.round_compute_s is not None
+
     def target(self, n_workers: int) -> int:
-        """The round's target in sequences for ``n_workers`` planned workers."""
+        """The round's target in sequences for ``n_workers`` planned workers (sequence-target mode)."""
         if self.target_sequences is not None:
             return int(self.target_sequences)
         return int(n_workers * self.ref_batch * self.ref_inner_steps)  # type: ignore[operator]
@@ -230,6 +252,7 @@ class Plan:
     dropped: dict[str, str] = field(default_factory=dict)  # worker name -> why it was left out
     method: str = "geomesh"  # "geomesh" (balanced) or "uniform"
     target_sequences: int | None = None
+    rule: str = ""  # how the round's length was chosen, in words
 
     def worker(self, name: str) -> WorkerPlan:
         for w in self.workers:
@@ -250,6 +273,7 @@ class Plan:
             "exchange_s": self.exchange_s,
             "straggler_idle_frac": self.straggler_idle_frac,
             "dropped": dict(self.dropped),
+            "rule": self.rule,
         }
 
     @classmethod
@@ -286,6 +310,7 @@ class Plan:
                 dropped={str(k): str(v) for k, v in dict(data.get("dropped", {})).items()},
                 method=str(data.get("method", "geomesh")),
                 target_sequences=None if target is None else int(target),
+                rule=str(data.get("rule", "")),
             )
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise ValueError(f"bad plan: {exc}") from None
@@ -416,7 +441,7 @@ def _usable(profiles: Sequence[WorkerProfile], allow_drop: bool) -> tuple[list[W
     return kept, dropped
 
 
-def _assemble(profiles, choices, exchange_bytes, exchange_s, method, target, dropped) -> Plan:
+def _assemble(profiles, choices, exchange_bytes, exchange_s, method, target, dropped, rule: str = "") -> Plan:
     """A Plan from per-worker (micro_batch, accum, inner_steps) choices."""
     if exchange_s < 0 or not math.isfinite(exchange_s):
         raise PlanError(f"exchange_s={exchange_s!r}: must be finite and >= 0")
@@ -441,6 +466,7 @@ def _assemble(profiles, choices, exchange_bytes, exchange_s, method, target, dro
         dropped=dict(dropped),
         method=method,
         target_sequences=target,
+        rule=rule,
     )
 
 
@@ -464,7 +490,16 @@ def plan_uniform(
         raise PlanError(f"inner_steps={inner_steps!r}: must be an integer >= 1")
     kept, dropped = _usable(profiles, allow_drop)
     choices = [(*split_batch(batch, p.max_micro_batch), inner_steps) for p in kept]
-    return _assemble(kept, choices, exchange_bytes, exchange_s, "uniform", batch * inner_steps * len(kept), dropped)
+    rule = f"uniform: every worker {inner_steps} steps of {batch} sequences"
+    return _assemble(kept, choices, exchange_bytes, exchange_s, "uniform", batch * inner_steps * len(kept), dropped,
+                     rule)  # fmt: skip
+
+
+def reference_round_s(profiles: Sequence[WorkerProfile], batch: int, inner_steps: int) -> tuple[float, str]:
+    """(seconds, worker): the compute time of the reference plan (``inner_steps`` steps of ``batch``
+    sequences, split as :func:`split_batch` does) on the slowest of ``profiles``: the planning rule's round."""
+    times = [(inner_steps * p.step_s(*split_batch(batch, p.max_micro_batch)), p.name) for p in profiles]
+    return max(times)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -782,6 +817,8 @@ def plan_balanced(
     """GeoMesh's balanced plan (per-worker batch and inner steps); algorithm in the module docstring."""
     constraints.validate()
     kept, dropped = _usable(profiles, constraints.allow_drop)
+    if constraints.fills:
+        return _plan_fill(kept, dropped, constraints, exchange_bytes, exchange_s)
     n = len(kept)
     lo, hi = constraints.band(n)
     target = constraints.target(n)
@@ -812,7 +849,51 @@ def plan_balanced(
     for w, (_, _, b, h, _) in zip(ws, state):
         m, a = w.splits[w.bs.index(b)]
         choices.append((m, a, h))
-    plan = _assemble(kept, choices, exchange_bytes, exchange_s, "geomesh", target, dropped)
+    rule = f"sequences per round: {target} (tolerance {constraints.tolerance:.0%})"
+    plan = _assemble(kept, choices, exchange_bytes, exchange_s, "geomesh", target, dropped, rule)
+    _warn_if_unbalanced(plan, ws, state)
+    return plan
+
+
+def _fill_response(w: _Worker, deadline: float, min_h: int, max_h: int):
+    """Worker ``w``'s best way to fill ``deadline``: the options (c, S, b, H, v) with c ≤ deadline whose
+    compute is within FILL_SLACK of the longest such option (straggler idle first), and among those the most
+    sequences (the most efficient batch), then the smaller batch (more inner steps). The quickest option
+    when nothing fits."""
+    lim = deadline * (1 + _EPS)
+    options = []
+    for b, t in zip(w.bs, w.ts):
+        h = min(max_h, int(lim / t))
+        if h >= min_h:
+            options.append(w.option(b, h, t))
+    if not options:
+        return w.min_opt
+    longest = max(o[0] for o in options)
+    full = [o for o in options if o[0] >= longest * (1 - FILL_SLACK)]
+    return max(full, key=lambda o: (o[1], -o[2]))
+
+
+def _plan_fill(kept, dropped, constraints: PlanConstraints, exchange_bytes: int, exchange_s: float) -> Plan:
+    """The planning rule: every worker fills the round's compute time (the reference plan on the slowest
+    worker, or ``round_compute_s``) with its best batch and inner steps (:func:`_fill_response`)."""
+    c = constraints
+    min_h, max_h = c.min_inner_steps, c.max_inner_steps
+    if c.round_compute_s is not None:
+        deadline = float(c.round_compute_s)
+        rule = f"explicit round: {deadline:.3g} s of compute (geomesh.round_time_s)"
+    else:
+        deadline, slowest = reference_round_s(kept, c.ref_batch, c.ref_inner_steps)
+        rule = (f"fill the slowest worker's reference round: {c.ref_inner_steps} steps of {c.ref_batch} sequences "
+                f"on {slowest} = {deadline:.3g} s of compute; every worker fills it")  # fmt: skip
+    ws = [_Worker(p, c, min_h) for p in kept]
+    for w in ws:
+        w.set_batches(_upper(w.knee_upper, w.rate, deadline, c))
+    state = [_fill_response(w, deadline, min_h, max_h) for w in ws]
+    choices = []
+    for w, (_, _, b, h, _) in zip(ws, state):
+        m, a = w.splits[w.bs.index(b)]
+        choices.append((m, a, h))
+    plan = _assemble(kept, choices, exchange_bytes, exchange_s, "geomesh", None, dropped, rule)
     _warn_if_unbalanced(plan, ws, state)
     return plan
 

@@ -81,10 +81,19 @@ class OuterLoopMethod(Method):
 
     @staticmethod
     def constraints(scenario: ScenarioConfig, n_workers: int, allow_drop: bool = False) -> PlanConstraints:
-        """The planner's constraints: sequences per round = round_sequences_factor × DiLoCo's N·b·H."""
+        """The planner's constraints. By default the planning rule: the round lasts what DiLoCo's plan
+        (training.batch, training.inner_steps) takes on the slowest live worker, and every worker fills it;
+        ``geomesh.round_time_s`` sets that time explicitly; ``geomesh.round_sequences_factor`` (an
+        alternative no preset uses) targets factor·N·b·H sequences per round instead."""
         tr, g = scenario.training, scenario.geomesh
+        if g.round_sequences_factor is not None:
+            target = {"target_sequences": round(n_workers * tr.batch * tr.inner_steps * g.round_sequences_factor)}
+        elif g.round_time_s is not None:
+            target = {"round_compute_s": g.round_time_s}
+        else:
+            target = {"fill": True, "ref_batch": tr.batch, "ref_inner_steps": tr.inner_steps}
         return PlanConstraints(
-            target_sequences=round(n_workers * tr.batch * tr.inner_steps * g.round_sequences_factor),
+            **target,
             min_batch=g.min_batch,
             max_batch=g.max_batch,
             min_inner_steps=g.min_inner_steps,
