@@ -31,7 +31,7 @@ SUMMARY_FIELDS = ("method", "scenario", "runtime", "seed", "tokens", "rounds", "
                   "bytes_sent", "bytes_per_round", "proxy_bytes_sent", "dropped_updates", "proxy_params",
                   "timing_params", "plan", "per_worker", "curve", "modeled", "wall_clock_s",
                   "payload_bytes_per_worker", "exchange_s_per_round", "collective", "world_size",
-                  "ranks_per_region", "param_checksums")  # fmt: skip
+                  "ranks_per_region", "param_checksums", "model", "model_params")  # fmt: skip
 # one thread per rank, as the emulated runtime in this process (conftest): the same float results
 RANK_ENV = {"OMP_NUM_THREADS": "1"}
 TOKENS = 6000
@@ -220,7 +220,7 @@ def test_a_dead_rank_stops_the_others_with_a_clear_error(tmp_path, small_corpus)
         (["--nproc", "0"], "--nproc 0"),
         (["--nproc", "4"], "does not fit"),
         (["--nproc", "3", "--wan", "carrier-pigeon"], "--wan 'carrier-pigeon'"),
-        (["--nproc", "3", "--method", "ddp"], "round-based methods"),
+        (["--nproc", "3", "--method", "async-local-sgd"], "runs in the emulated runtime only"),
         (["--nproc", "3", "--method", "sgd9000"], "unknown method 'sgd9000'"),
         (["--nproc", "3", "--ranks-per-region", "1,x"], "--ranks-per-region"),
         (["--nproc", "3", "--set", "training.tokens=-1"], "training.tokens"),
@@ -276,3 +276,151 @@ def test_netns_wan_puts_real_bytes_on_a_slow_link(tmp_path, small_corpus):
     assert s["wire_bytes_sent"] == sum(r["wire_bytes"] for r in rounds)
     assert s["wire_bytes_sent"] < 4 * s["rounds"] * 3 * 2 * payload  # headers, barrier and acks: not much more
     assert result.netns["rate"] == "htb"
+
+
+# ---- any model, any data: as the emulated runtime builds them ------------------------------------------
+
+LLAMA = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64}  # fmt: skip
+
+
+def test_a_transformers_llama_on_token_shards_trains_as_in_the_emulated_runtime(tmp_path, small_corpus):
+    pytest.importorskip("transformers")
+    import numpy as np
+
+    from geomesh.integrations.token_data import write_token_file
+
+    rng = np.random.default_rng(0)
+    for k in range(2):  # two shard files, memory-mapped as one token array
+        write_token_file(tmp_path / "shards" / f"part{k}.bin", np.tile(rng.integers(0, 500, 499), 30))
+    scenario = write_scenario(tmp_path, small_corpus, ("H100", "A100", "T4"))
+    data = yaml.safe_load(scenario.read_text())
+    del data["proxy"]
+    data["model"] = {"seq_len": 32, "hf_config": LLAMA}  # the section's name in a real run
+    data["data"] = {"tokens_file": str(tmp_path / "shards"), "vocab_size": 512}
+    scenario.write_text(yaml.safe_dump(data))
+    out = tmp_path / "run"
+    result = launch([str(scenario), "--nproc", "3", "--method", "geomesh", "--out", str(out), "--tokens",
+                     str(TOKENS), "--save-params", "--quiet", "--timeout", "60"])  # fmt: skip
+    assert result.code == 0, result.message
+    s = result.summary
+    emulated = EmulatedRun(load_scenario(scenario), get_method("geomesh"), RunOptions(tokens=TOKENS, progress=False))
+    expected = emulated.run()
+    assert s["model"] == "llama (transformers)"
+    assert s["model_params"] == expected["proxy_params"] == emulated.cluster.global_model.num_params()
+    assert len(set(s["param_checksums"])) == 1
+    assert s["tokens"] == expected["tokens"] and s["final_val_loss"] == pytest.approx(expected["final_val_loss"])
+    assert_same_params(torch.load(out / "final_params.pt"), emulated.cluster.global_model.state_dict(),
+                       rtol=1e-5, atol=1e-6)  # fmt: skip
+
+
+def test_ddp_all_reduces_every_step_across_regions(tmp_path, small_corpus, capsys, monkeypatch):
+    """`--method ddp`: 2 regions (2 ranks + 1), a gradient all-reduce per step held by the WAN shaper; the same
+    parameters as the emulated runtime's DDP; every rank's environment and log lines name its region."""
+    scenario = write_scenario(tmp_path, small_corpus, ("A100", "T4"), counts=[2, 1])
+    envs: dict[int, str] = {}
+    real_popen = cli_launch.subprocess.Popen
+
+    def popen(cmd, env=None, **kw):  # what the launcher hands each rank
+        envs[int(env["RANK"])] = env["GEOMESH_REGION"]
+        return real_popen(cmd, env=env, **kw)
+
+    monkeypatch.setattr(cli_launch.subprocess, "Popen", popen)
+    out = tmp_path / "run"
+    tokens = 2000
+    result = launch([str(scenario), "--nproc", "3", "--method", "ddp", "--out", str(out), "--tokens", str(tokens),
+                     "--save-params", "--timeout", "60"])  # fmt: skip
+    assert result.code == 0, result.message
+    assert envs == {0: "r0-a100", 1: "r0-a100", 2: "r1-t4"}
+    err = capsys.readouterr().err
+    assert "[rank 0 region r0-a100] [ddp] round 0" in err
+    s = result.summary
+    step_tokens = 2 * 4 * 32  # regions x training.batch x seq_len
+    assert s["method"] == "ddp" and s["collective"] == "all_reduce"
+    assert s["rounds"] == -(-tokens // step_tokens) and s["tokens"] == s["rounds"] * step_tokens
+    grad_bytes = 4 * s["model_params"]
+    assert s["payload_bytes_per_worker"] == grad_bytes
+    assert s["bytes_sent"] == s["rounds"] * 2 * grad_bytes  # each of the 2 leaders, every step
+    assert len(set(s["param_checksums"])) == 1 and len(s["param_checksums"]) == 3
+    for totals in s["per_worker"].values():  # every step's all-reduce is held to the WAN model
+        assert totals["comm_wait"] >= s["rounds"] * s["shaper_s_per_round"] * 0.999
+    assert sum(e["type"] == "round" for e in read_events(out / "events.jsonl")) == s["rounds"]
+    emulated = EmulatedRun(load_scenario(scenario), get_method("ddp"), RunOptions(tokens=tokens, progress=False))
+    e = emulated.run()
+    assert e["rounds"] == s["rounds"]
+    assert_same_params(torch.load(out / "final_params.pt"), emulated.cluster.global_model.state_dict(),
+                       rtol=1e-4, atol=1e-5)  # fmt: skip
+
+
+def test_fsdp_inside_a_region_trains_as_ddp(tmp_path, small_corpus):
+    """One region of 2 ranks: FSDP2 (fully_shard over Gloo) ends with DDP's global parameters; bf16 autocast
+    with activation checkpointing also trains (fp32 master weights: the result stays close)."""
+    finals = {}
+    for name, region, training in [("ddp", {"strategy": "ddp"}, {}), ("fsdp", {"strategy": "fsdp"}, {}),
+                                   ("bf16", {"strategy": "fsdp", "activation_checkpointing": True},
+                                    {"precision": "bf16"})]:  # fmt: skip
+        scenario = write_scenario(tmp_path / name, small_corpus, ("A100",), counts=[2], **training)
+        data = yaml.safe_load(scenario.read_text())
+        data["regions"][0].update(region)
+        scenario.write_text(yaml.safe_dump(data))
+        result = launch([str(scenario), "--nproc", "2", "--method", "diloco", "--out", str(tmp_path / name / "run"),
+                         "--tokens", "3000", "--save-params", "--quiet", "--wan", "none", "--timeout", "60"])  # fmt: skip
+        assert result.code == 0, result.message
+        assert len(set(result.summary["param_checksums"])) == 1
+        finals[name] = (torch.load(tmp_path / name / "run" / "final_params.pt"), result.summary)
+    assert_same_params(finals["fsdp"][0], finals["ddp"][0], rtol=1e-4, atol=1e-5)
+    bf16, summary = finals["bf16"]
+    assert summary["final_val_loss"] < summary["curve"][0][2]  # it learned
+    assert_same_params(bf16, finals["ddp"][0], rtol=0.0, atol=2e-2)
+    assert any(not torch.equal(bf16[k], finals["ddp"][0][k]) for k in bf16)  # and really ran in bf16
+
+
+def test_ddp_method_refuses_sharded_regions(tmp_path, small_corpus, capsys):
+    scenario = write_scenario(tmp_path, small_corpus, ("A100", "T4"), counts=[2, 1])
+    data = yaml.safe_load(scenario.read_text())
+    data["regions"][0]["strategy"] = "fsdp"
+    scenario.write_text(yaml.safe_dump(data))
+    assert cli_launch.main(["launch", str(scenario), "--nproc", "3", "--method", "ddp", "--out",
+                            str(tmp_path / "run")]) == 2  # fmt: skip
+    err = capsys.readouterr().err
+    assert "strategy fsdp" in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_a_rank_whose_region_env_disagrees_with_the_layout_is_refused(monkeypatch, capsys, tmp_path, small_corpus):
+    from geomesh import run
+
+    scenario = write_scenario(tmp_path, small_corpus, ("H100", "A100"))
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("MASTER_PORT", "29999")
+    monkeypatch.setenv("GEOMESH_REGION", "r0-h100")  # e.g. a region's torchrun started with the wrong node rank
+    args = run.build_parser().parse_args([str(scenario), "--method", "geomesh", "--out", str(tmp_path / "r")])
+    assert run._main(args) == 2
+    err = capsys.readouterr().err
+    assert "$GEOMESH_REGION='r0-h100', but rank 1 is in region 'r1-a100'" in err and err.count("\n") == 1
+
+
+def test_model_section_is_the_preferred_name_of_proxy(tmp_path, small_corpus):
+    scenario = write_scenario(tmp_path, small_corpus, ("H100", "A100"))
+    data = yaml.safe_load(scenario.read_text())
+    as_proxy = load_scenario(scenario)
+    data["model"] = data.pop("proxy")
+    scenario.write_text(yaml.safe_dump(data))
+    assert load_scenario(scenario).proxy == as_proxy.proxy
+    assert load_scenario(scenario, {"model.seq_len": 64}).proxy.seq_len == 64
+    assert load_scenario(scenario, {"proxy.seq_len": 48}).proxy.seq_len == 48  # old override names still work
+    with pytest.raises(ConfigError, match=r"model\.preset: 'huge' is not allowed"):  # named as the file names it
+        load_scenario(scenario, {"model.preset": "huge"})
+    data["proxy"] = dict(data["model"])
+    scenario.write_text(yaml.safe_dump(data))
+    with pytest.raises(ConfigError, match="both `model:` and `proxy:`"):
+        load_scenario(scenario)
+
+
+def test_gpu_presets_have_their_sizes():
+    from geomesh.model import GPT, model_config
+
+    for preset, low, high in [("llama-125m", 110e6, 140e6), ("llama-350m", 300e6, 400e6), ("llama-1b", 0.9e9, 1.2e9)]:
+        with torch.device("meta"):  # shapes only: nothing is allocated
+            model = GPT(model_config(preset, vocab_size=32000))
+        assert low <= model.num_params() <= high, (preset, model.num_params())

@@ -9,6 +9,7 @@ AdamW state persists across rounds (as in DiLoCo). The learning rate of every in
 from __future__ import annotations
 
 import math
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Callable
 
@@ -32,11 +33,22 @@ def inner_lr(progress_tokens: float, total_tokens: float, cfg: TrainingConfig) -
 
 
 def make_inner_optimizer(model: torch.nn.Module, cfg: TrainingConfig) -> torch.optim.AdamW:
-    """AdamW with weight decay on matrices only (norm gains are not decayed)."""
+    """AdamW with weight decay on matrices only (norm gains are not decayed); the fused kernel on CUDA."""
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=cfg.inner_lr, betas=(0.9, 0.95), eps=1e-8)
+    on_cuda = any(p.is_cuda for p in model.parameters())
+    return torch.optim.AdamW(groups, lr=cfg.inner_lr, betas=(0.9, 0.95), eps=1e-8, fused=True if on_cuda else None)
+
+
+def autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:
+    """The autocast dtype of ``training.precision`` on ``device``: bf16 for ``bf16``, and for ``auto`` on a
+    CUDA device with bf16; None (fp32) otherwise. Parameters, pseudo-gradients and the outer step stay fp32."""
+    if precision == "bf16":
+        return torch.bfloat16
+    if precision == "auto" and device.type == "cuda" and torch.cuda.is_bf16_supported():
+        return torch.bfloat16
+    return None
 
 
 @dataclass
@@ -57,6 +69,15 @@ class Worker:
         self.cfg = cfg
         self.optimizer = make_inner_optimizer(model, cfg)
         self.max_proxy_micro_batch = max_proxy_micro_batch
+        device = next(model.parameters()).device
+        self.autocast_dtype = autocast_dtype(getattr(cfg, "precision", "fp32"), device)
+        self._device_type = device.type
+
+    def autocast(self):
+        """The forward pass's precision context: bf16 autocast (fp32 master weights) or plain fp32."""
+        if self.autocast_dtype is None:
+            return nullcontext()
+        return torch.autocast(self._device_type, dtype=self.autocast_dtype)
 
     def load_global(self, global_params: Tensors) -> None:
         with torch.no_grad():
@@ -78,7 +99,8 @@ class Worker:
         x, y = (stream or self.stream).next_batch(batch)
         total = 0.0
         for xs, ys in zip(x.split(self.max_proxy_micro_batch), y.split(self.max_proxy_micro_batch)):
-            _, loss = self.model(xs, ys)
+            with self.autocast():
+                _, loss = self.model(xs, ys)
             (loss * (weight * xs.shape[0] / batch)).backward()
             total += loss.item() * xs.shape[0]
         return total / batch, x.numel()

@@ -1,0 +1,162 @@
+"""The ``ddp`` baseline in the distributed runtime: every inner step, the gradient is all-reduced across
+all regions, and every rank applies the same AdamW step.
+
+As in the emulated runtime (:meth:`EmulatedRun._run_ddp`), each region draws ``training.batch`` sequences per
+step from its own shard and the step is the mean of the regions' batch gradients; one step is one round
+(``rounds`` counts steps; the global model is evaluated every ``training.inner_steps`` steps and at the end).
+
+How the gradient moves: inside a region, the region's ranks reduce their slices with DDP (as for the
+round-based methods); across regions, the leaders all-reduce one flat fp32 buffer over their group (the
+WAN, held by the shaper to ``WanModel.allreduce_s`` for its bytes, like any other exchange) and broadcast
+the sum inside their region. Spans per step, as for a round: ``compute`` (forward/backward), ``straggler_wait``
+(the leaders' barrier), ``comm_wait`` (all-reduce, shaper hold, broadcast), ``other`` (the step, checksum,
+telemetry, evaluation).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ..planner import Plan, plan_uniform
+from ..worker import inner_lr
+from .transport import WanShaper, tx_bytes
+
+if TYPE_CHECKING:
+    from .distributed import DistributedRun
+
+
+def _flat_grads(model: torch.nn.Module, device: torch.device) -> torch.Tensor:
+    grads = [p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel(), device=device)
+             for p in model.parameters()]  # fmt: skip
+    return torch.cat(grads).to(device=device, dtype=torch.float32)
+
+
+def _set_grads(model: torch.nn.Module, flat: torch.Tensor) -> None:
+    offset = 0
+    for p in model.parameters():
+        piece = flat[offset : offset + p.numel()].view_as(p).to(p.dtype)
+        if p.grad is None:
+            p.grad = piece.clone()
+        else:
+            p.grad.copy_(piece)
+        offset += p.numel()
+
+
+def run_ddp(run: DistributedRun) -> dict[str, Any]:
+    """The step loop of ``ddp`` on this rank of ``run`` (set up); returns the summary's method fields."""
+    from .distributed import RankFailure, params_checksum
+
+    sc, tr = run.scenario, run.scenario.training
+    worker = run.worker
+    model = worker.model
+    names = [r.name for r in sc.regions]
+    n = len(names)
+    seq = sc.proxy.seq_len
+    d = sum(p.numel() for p in model.parameters())
+    grad_nbytes = 4 * d  # what one leader hands to the cross-region all-reduce per step
+    timing_nbytes = 4 * sc.timing().params  # the same gradient at the timing model's size (what the plan used)
+    wan = sc.wan_model()
+    shaper = WanShaper(wan, run.options.wan)
+    shaper_s = shaper.allreduce_s(grad_nbytes)
+
+    def make_plan() -> dict:
+        return plan_uniform(run._profiles(), tr.batch, 1, exchange_bytes=timing_nbytes,
+                            exchange_s=wan.allreduce_s(timing_nbytes)).to_json()  # fmt: skip
+
+    plan = Plan.from_json(run._on_rank0("planning", make_plan))
+    run.plans.append(plan)
+    worker.load_global({k: p.detach() for k, p in run.global_model.named_parameters()})
+    if run.rank == 0:
+        run.telemetry.emit({
+            "type": "run", "runtime": "distributed", "method": run.method.name, "scenario": sc.name,
+            "seed": run.seed, "tokens_budget": run.budget, "proxy_params": run.global_model.num_params(),
+            "model": run.model_name, "model_params": run.global_model.num_params(),
+            "timing_params": sc.timing().params, "workers": names, "world_size": run.world,
+            "backend": run.backend, "ranks_per_region": run.layout.to_json(), "wan": run.options.wan,
+        })  # fmt: skip
+        run.telemetry.emit({"type": "plan", "round": 0, "time": 0.0, "plan": plan.to_json()})
+        run._evaluate(0.0)
+    run.transport.barrier(None, what="the start barrier")
+    run._t0 = time.perf_counter()
+    run._cursor = 0.0
+    step_tokens = n * tr.batch * seq
+    model.train()
+    while run.tokens_done < run.budget:
+        run._mark("other")
+        step_start = run._cursor
+        worker.optimizer.zero_grad(set_to_none=True)
+        started = time.perf_counter()
+        loss, _ = worker.accumulate_grad(tr.batch, weight=1.0 / n)  # the region's batch, reduced in the region
+        if worker.slowdown > 1:
+            time.sleep((worker.slowdown - 1) * (time.perf_counter() - started))
+        run._mark("compute")
+        compute_s = run._cursor - step_start
+        sent_before, wire_before = run.transport.wan_bytes, tx_bytes(run._iface)
+        comm_start = run._cursor
+        flat = _flat_grads(model, run.device)
+        if run.is_leader:
+            run.transport.barrier(run.leaders_group, what=f"the straggler barrier of step {run.rounds + 1}")
+            run._mark("straggler_wait")
+            comm_start = run._cursor
+            since = time.perf_counter()
+            flat = run.transport.all_reduce_sum(flat, run.leaders_group)  # Σ over regions of (1/n)·region mean
+            shaper.hold(shaper_s, since)
+        if run.region_group is not None:
+            flat = run.transport.broadcast(flat, run.leader, run.region_group)
+        run._mark("comm_wait")
+        comm_s = run._cursor - comm_start
+        wire_after = tx_bytes(run._iface)
+        # every rank holds the same summed gradient: skip a non-finite step everywhere, else step everywhere
+        finite = bool(torch.isfinite(flat).all())
+        if finite:
+            _set_grads(model, flat)
+            worker.apply_step(inner_lr(run.tokens_done, run.budget, tr))
+        worker.optimizer.zero_grad(set_to_none=True)
+        run.tokens_done += step_tokens
+        run.rounds += 1
+        params = {k: p.detach() for k, p in model.named_parameters()}
+        run._mark("other")
+        info = {
+            "crc": params_checksum(params), "spans": run._spans, "compute_s": compute_s, "comm_s": comm_s,
+            "wan_bytes": run.transport.wan_bytes - sent_before, "leader": run.is_leader,
+            "proxy_bytes": grad_nbytes if run.is_leader else 0,
+            "dropped_local": int(not finite and run.rank == 0),
+            "wire_bytes": (wire_after - wire_before) if (wire_before is not None and wire_after is not None
+                                                         and run.is_leader) else None,
+            "intra_bytes": run.transport.intra_bytes, "loss": loss,
+        }  # fmt: skip
+        run._spans = []
+        infos = run.transport.all_gather_object(info, what=f"the checksum of step {run.rounds}")
+        crcs = {i["crc"] for i in infos}
+        if len(crcs) > 1:
+            detail = ", ".join(f"rank {r}: {i['crc']}" for r, i in enumerate(infos))
+            raise RankFailure(f"step {run.rounds}: the ranks hold different parameters ({detail})")
+        if run.rank == 0:
+            if not finite:
+                run.telemetry.emit({"type": "warning", "round": run.rounds, "worker": "all",
+                                    "message": "non-finite gradient; the all-reduced step is skipped"})  # fmt: skip
+            run._record_round(infos, names)
+            if run.rounds % tr.inner_steps == 0 or run.tokens_done >= run.budget:
+                run.global_model.load_state_dict(model.state_dict())
+                run._evaluate(run._now())
+    run._mark("other")
+    final = {"spans": run._spans, "crc": params_checksum({k: p.detach() for k, p in model.named_parameters()})}
+    infos = run.transport.all_gather_object(final, what="the final telemetry")
+    run._spans = []
+    run.global_model.load_state_dict(model.state_dict())  # θ = the replica every rank holds
+    if run.rank == 0:
+        for r, i in enumerate(infos):
+            run._write_spans(names[run.layout.region_of(r)], i["spans"])
+        run._end_s = run._now()
+        run.final_checksums = [i["crc"] for i in infos]
+    return {
+        "payload_bytes_per_worker": grad_nbytes,
+        "proxy_payload_bytes": grad_nbytes,
+        "timing_payload_bytes_per_worker": timing_nbytes,
+        "exchange_s_per_round": run.totals["comm_s"] / max(run.rounds, 1),
+        "shaper_s_per_round": shaper_s,
+        "collective": "all_reduce",
+    }

@@ -1,0 +1,173 @@
+"""One region's training group on one rank of the distributed runtime: what the rank trains and how the
+region's ranks share it.
+
+- :func:`build_training` builds the model and the data exactly as the emulated runtime does
+  (:func:`geomesh.runtime.emulated.build_cluster`): the corpus of the scenario's ``data`` section (text/JSONL,
+  memory-mapped token shards, a HF dataset), the model of its ``model`` section (a built-in preset, a
+  ``transformers`` config or pretrained folder), and the region's disjoint shard with its own resumable
+  stream (seed ``seed * 1009 + region``). A region's ranks all draw the region's whole batch from that stream
+  and train on their own slice of it.
+- :class:`RegionWorker` is a :class:`~geomesh.worker.Worker` whose region spans ``size`` ranks, with the
+  region's ``strategy``: ``ddp`` (a full replica per rank, gradients all-reduced over the region's group) or
+  ``fsdp`` (FSDP2 ``fully_shard`` over the region's group: parameters, gradients and AdamW state sharded).
+  Either way the region computes the emulated worker's gradient (up to float summation order). The global
+  parameters θ stay whole (fp32) on every rank; FSDP shards only the replica that trains.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from ..config import ScenarioConfig
+from ..data import BatchStream, load_corpus, worker_stream
+from ..model import build_proxy_model, enable_activation_checkpointing, model_name, transformer_blocks
+from ..worker import InnerResult, Worker
+
+Tensors = dict[str, torch.Tensor]
+
+
+@dataclass
+class RegionTraining:
+    """What one rank trains with: the corpus, the global model θ, and its region's replica and stream."""
+
+    corpus: Any
+    global_model: torch.nn.Module
+    replica: torch.nn.Module
+    stream: BatchStream
+    name: str  # what trains, for summaries: "micro (built-in)", "llama (transformers)"
+
+
+def build_training(scenario: ScenarioConfig, region: int, seed: int, device: torch.device,
+                   load_corpus_once: Callable[[Callable[[], Any]], Any] | None = None,
+                   cache_dir: Path | None = None) -> RegionTraining:  # fmt: skip
+    """The model and data of ``region`` on this rank, as :func:`~geomesh.runtime.emulated.build_cluster`
+    builds them. ``load_corpus_once(load)`` runs ``load`` where the cache should be filled first (rank 0)."""
+    sc = scenario
+    load = lambda: load_corpus(sc.data, cache_dir=cache_dir)  # noqa: E731
+    corpus = load_corpus_once(load) if load_corpus_once is not None else load()
+    global_model = build_proxy_model(sc.proxy, corpus.vocab_size, seed)
+    # a pretrained model is loaded once and copied; the others are built from the seed (bit-identical)
+    replica = copy.deepcopy(global_model) if sc.proxy.hf_pretrained else build_proxy_model(sc.proxy, corpus.vocab_size, seed)
+    name = model_name(sc.proxy, global_model)
+    stream = worker_stream(corpus, region, len(sc.regions), sc.proxy.seq_len, seed * 1009 + region)
+    if sc.regions[region].activation_checkpointing:
+        enable_activation_checkpointing(replica)
+    return RegionTraining(corpus, global_model.to(device), replica.to(device), stream, name)
+
+
+def shard_region(model: torch.nn.Module, group: Any, device: torch.device) -> None:
+    """FSDP2 over the region's ranks: each transformer block is its own unit (all-gathered for its forward
+    and backward, resharded after), the rest (embeddings, final norm) the root unit."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = DeviceMesh.from_group(group, device.type)
+    for block in transformer_blocks(model):
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+
+
+def _local(p: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a parameter (its FSDP shard, or all of it)."""
+    return p.to_local() if hasattr(p, "to_local") else p
+
+
+class RegionWorker(Worker):
+    """A :class:`Worker` whose region may span ``size`` ranks (``strategy`` ddp or fsdp over ``group``), on
+    ``device``, whose inner steps are padded with sleep to ``slowdown`` × their measured time."""
+
+    def __init__(self, name, model, stream, cfg, *, device: torch.device, group=None, size: int = 1,
+                 index: int = 0, slowdown: float = 1.0, strategy: str = "ddp"):  # fmt: skip
+        self.strategy = strategy if size > 1 else "ddp"
+        if self.strategy == "fsdp":
+            shard_region(model, group, device)  # before the optimizer is made: it holds the shards' state
+        super().__init__(name, model, stream, cfg)
+        self.device = device
+        self.group = group
+        self.size = size
+        self.index = index
+        self.slowdown = slowdown
+        self.ddp = None
+        if size > 1 and self.strategy == "ddp":
+            from torch.nn.parallel import DistributedDataParallel
+
+            ids = [device.index] if device.type == "cuda" else None
+            self.ddp = DistributedDataParallel(model, device_ids=ids, process_group=group, broadcast_buffers=False)
+
+    @property
+    def sharded(self) -> bool:
+        return self.strategy == "fsdp"
+
+    def load_global(self, global_params: Tensors) -> None:
+        if not self.sharded:
+            return super().load_global(global_params)
+        from torch.distributed.tensor import distribute_tensor
+
+        with torch.no_grad():
+            for name, p in self.model.named_parameters():
+                # every rank holds the whole θ: each takes its own shard without any communication
+                p.copy_(distribute_tensor(global_params[name], p.device_mesh, p.placements, src_data_rank=None))
+
+    def pseudo_gradient(self, global_params: Tensors) -> Tensors:
+        if not self.sharded:
+            return super().pseudo_gradient(global_params)
+        with torch.no_grad():  # the whole Δ on every rank of the region (an all-gather per parameter)
+            return {name: global_params[name] - p.full_tensor() for name, p in self.model.named_parameters()}
+
+    def accumulate_grad(self, batch: int, stream: BatchStream | None = None, weight: float = 1.0) -> tuple[float, int]:
+        if self.size == 1 and self.device.type == "cpu":
+            return super().accumulate_grad(batch, stream, weight)
+        x, y = (stream or self.stream).next_batch(batch)  # the region's whole batch, on every rank
+        lo, hi = self.index * batch // self.size, (self.index + 1) * batch // self.size
+        scale = 1.0
+        if hi == lo:  # fewer sequences than ranks: this rank's backward only joins the region's reduction
+            lo, hi, scale = 0, 1, 0.0
+        xs_all, ys_all = x[lo:hi].to(self.device), y[lo:hi].to(self.device)
+        model = self.ddp if self.ddp is not None else self.model
+        pieces = list(zip(xs_all.split(self.max_proxy_micro_batch), ys_all.split(self.max_proxy_micro_batch)))
+        total = 0.0
+        for m, (xs, ys) in enumerate(pieces):
+            sync = self.size == 1 or m == len(pieces) - 1  # reduce the gradients once, after the last piece
+            if self.sharded:
+                self.model.set_requires_gradient_sync(sync)
+            with nullcontext() if sync or self.ddp is None else self.ddp.no_sync():
+                with self.autocast():
+                    _, loss = model(xs, ys)
+                # DDP and FSDP average over the region's ranks: each slice weighs its share of the whole batch
+                (loss * (scale * weight * self.size * xs.shape[0] / batch)).backward()
+            total += loss.item() * xs.shape[0]
+        return total / (hi - lo), x.numel()
+
+    def inner_step(self, batch: int, lr: float) -> tuple[float, int]:
+        started = time.perf_counter()
+        out = super().inner_step(batch, lr)
+        if self.slowdown > 1:
+            time.sleep((self.slowdown - 1) * (time.perf_counter() - started))
+        return out
+
+    def train(self, steps: int, batch: int, lr_at_step: Callable[[int], float]) -> InnerResult:
+        """As :meth:`Worker.train`; whether the update is finite is agreed by the region's ranks (each sees
+        its own slice's losses and, under FSDP, its own shard), so they all send it or all drop it."""
+        self.model.train()
+        losses, tokens = [], 0
+        for k in range(steps):
+            loss, n = self.inner_step(batch, lr_at_step(k))
+            losses.append(loss)
+            tokens += n
+        finite = all(v == v and abs(v) != float("inf") for v in losses) and all(
+            bool(torch.isfinite(_local(p)).all()) for p in self.model.parameters()
+        )
+        if self.group is not None and self.size > 1:
+            flag = torch.tensor([0.0 if finite else 1.0], device=self.device)
+            dist.all_reduce(flag, group=self.group)
+            finite = float(flag) == 0.0
+        mean = sum(losses) / len(losses) if losses else float("nan")
+        return InnerResult(steps=steps, tokens=tokens, mean_loss=mean, finite=finite)
