@@ -2,7 +2,7 @@
 
 ``geomesh launch SCENARIO --nproc N --method NAME --out DIR [--wan shaper|netns|none]`` checks the arguments,
 starts N ranks of ``python -m geomesh.run`` (Gloo over loopback, a free rendezvous port, ``RANK``,
-``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR=127.0.0.1``), forwards their output (prefixed ``[rank k region NAME]``,
+``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR=127.0.0.1``), forwards their output (prefixed ``[rank k]``,
 also kept in ``DIR/logs/rank<k>.log``), and prints the summary that rank 0 wrote to ``DIR/summary.json``.
 
 WAN emulation (``--wan``):
@@ -34,7 +34,6 @@ from pathlib import Path
 from typing import Any
 
 WAN_MODES = ("shaper", "netns", "none")
-REGION_ENV = "GEOMESH_REGION"  # every rank's region, in its environment (geomesh.run sets it under torchrun)
 
 
 def register(sub) -> None:
@@ -87,9 +86,9 @@ def _check(args: argparse.Namespace):
     """Every user error before any process starts (ConfigError & co: one line, exit 2)."""
     from .cli import _overrides
     from .config import ConfigError, load_scenario
-    from .methods.base import get_method
+    from .methods.base import OuterLoopMethod, get_method
     from .run import resolve_backend
-    from .runtime.distributed import check_distributed_support, parse_ranks_per_region, rank_layout
+    from .runtime.distributed import parse_ranks_per_region, rank_layout
     from .runtime.emulated import RunError, prepare_run_dir
 
     if args.nproc is None or args.nproc < 1 or args.nproc > 256:
@@ -102,7 +101,9 @@ def _check(args: argparse.Namespace):
         raise ConfigError(f"--tokens {args.tokens}: expected a positive token budget")
     scenario = load_scenario(args.scenario, _overrides(args.set))
     method = get_method(args.method)
-    check_distributed_support(scenario, method)
+    if not isinstance(method, OuterLoopMethod):
+        raise ConfigError(f"--method {args.method}: the distributed runtime runs round-based methods "
+                          "(diloco, geomesh, geomesh-balance-only, geomesh-sign-only)")  # fmt: skip
     counts = parse_ranks_per_region(args.ranks_per_region, len(scenario.regions))
     layout = rank_layout(scenario, args.nproc, counts)
     backend = resolve_backend(args.backend)
@@ -122,6 +123,19 @@ def _check(args: argparse.Namespace):
         reason = netns_unavailable_reason()
         if reason:
             raise RunError(f"--wan netns: {reason}; use --wan shaper")
+    if args.checkpoint_every is not None and args.checkpoint_every < 0:
+        raise ConfigError(f"--checkpoint-every {args.checkpoint_every}: expected >= 0 rounds (0: no checkpoints)")
+    if args.keep is not None and args.keep < 1:
+        raise ConfigError(f"--keep {args.keep}: expected >= 1 checkpoint")
+    if args.resume:  # refused before anything in the run folder is touched
+        from .runtime.dist_checkpoint import DistCheckpointError, check_resume, fingerprint
+
+        seed = args.seed if args.seed is not None else scenario.training.seed
+        tokens = args.tokens if args.tokens is not None else scenario.training.tokens
+        try:
+            check_resume(Path(args.out), fingerprint(scenario, method.name, seed, tokens, layout.counts))
+        except DistCheckpointError as exc:
+            raise RunError(str(exc)) from None
     prepare_run_dir(Path(args.out))
     return scenario, layout, backend
 
@@ -137,6 +151,11 @@ def _rank_argv(args: argparse.Namespace, wan_mode: str) -> list[str]:
         argv += ["--set", pair]
     for pair in args.profile or []:
         argv += ["--profile", pair]
+    for flag, value in (("--checkpoint-every", args.checkpoint_every), ("--keep", args.keep)):
+        if value is not None:
+            argv += [flag, str(value)]
+    if args.resume:
+        argv.append("--resume")
     if args.save_params:
         argv.append("--save-params")
     if args.quiet:
@@ -218,14 +237,12 @@ def _spawn_and_wait(args: argparse.Namespace, env: dict[str, str], argv: list[st
                 ranks[k].tail.append(line.rstrip("\n"))
                 if echo:
                     with lock:
-                        print(f"[rank {k} region {regions[k]}] {line}", end="", file=sys.stderr, flush=True)
+                        print(f"[rank {k}] {line}", end="", file=sys.stderr, flush=True)
 
-    regions = [layout.names[layout.region_of(k)] for k in range(args.nproc)]
     started = time.perf_counter()
     try:
         for k in range(args.nproc):
-            # the region's name in every rank's environment: an operator (or a test) finds and stops one region
-            rank_env = dict(env, RANK=str(k), LOCAL_RANK=str(k), **{REGION_ENV: regions[k]})
+            rank_env = dict(env, RANK=str(k), LOCAL_RANK=str(k))
             cmd = net.command(k, argv) if net is not None else argv
             proc = subprocess.Popen(cmd, env=rank_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                     start_new_session=True)  # fmt: skip
