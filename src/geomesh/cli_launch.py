@@ -2,7 +2,7 @@
 
 ``geomesh launch SCENARIO --nproc N --method NAME --out DIR [--wan shaper|netns|none]`` checks the arguments,
 starts N ranks of ``python -m geomesh.run`` (Gloo over loopback, a free rendezvous port, ``RANK``,
-``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR=127.0.0.1``), forwards their output (prefixed ``[rank k]``,
+``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR=127.0.0.1``), forwards their output (prefixed ``[rank k region NAME]``,
 also kept in ``DIR/logs/rank<k>.log``), and prints the summary that rank 0 wrote to ``DIR/summary.json``.
 
 WAN emulation (``--wan``):
@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 WAN_MODES = ("shaper", "netns", "none")
+REGION_ENV = "GEOMESH_REGION"  # every rank's region, in its environment (geomesh.run sets it under torchrun)
 
 
 def register(sub) -> None:
@@ -86,9 +87,9 @@ def _check(args: argparse.Namespace):
     """Every user error before any process starts (ConfigError & co: one line, exit 2)."""
     from .cli import _overrides
     from .config import ConfigError, load_scenario
-    from .methods.base import OuterLoopMethod, get_method
+    from .methods.base import get_method
     from .run import resolve_backend
-    from .runtime.distributed import parse_ranks_per_region, rank_layout
+    from .runtime.distributed import check_distributed_support, parse_ranks_per_region, rank_layout
     from .runtime.emulated import RunError, prepare_run_dir
 
     if args.nproc is None or args.nproc < 1 or args.nproc > 256:
@@ -101,9 +102,7 @@ def _check(args: argparse.Namespace):
         raise ConfigError(f"--tokens {args.tokens}: expected a positive token budget")
     scenario = load_scenario(args.scenario, _overrides(args.set))
     method = get_method(args.method)
-    if not isinstance(method, OuterLoopMethod):
-        raise ConfigError(f"--method {args.method}: the distributed runtime runs round-based methods "
-                          "(diloco, geomesh, geomesh-balance-only, geomesh-sign-only)")  # fmt: skip
+    check_distributed_support(scenario, method)
     counts = parse_ranks_per_region(args.ranks_per_region, len(scenario.regions))
     layout = rank_layout(scenario, args.nproc, counts)
     backend = resolve_backend(args.backend)
@@ -237,12 +236,14 @@ def _spawn_and_wait(args: argparse.Namespace, env: dict[str, str], argv: list[st
                 ranks[k].tail.append(line.rstrip("\n"))
                 if echo:
                     with lock:
-                        print(f"[rank {k}] {line}", end="", file=sys.stderr, flush=True)
+                        print(f"[rank {k} region {regions[k]}] {line}", end="", file=sys.stderr, flush=True)
 
+    regions = [layout.names[layout.region_of(k)] for k in range(args.nproc)]
     started = time.perf_counter()
     try:
         for k in range(args.nproc):
-            rank_env = dict(env, RANK=str(k), LOCAL_RANK=str(k))
+            # the region's name in every rank's environment: an operator (or a test) finds and stops one region
+            rank_env = dict(env, RANK=str(k), LOCAL_RANK=str(k), **{REGION_ENV: regions[k]})
             cmd = net.command(k, argv) if net is not None else argv
             proc = subprocess.Popen(cmd, env=rank_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                     start_new_session=True)  # fmt: skip

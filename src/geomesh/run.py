@@ -22,6 +22,7 @@ import warnings
 from pathlib import Path
 
 LAUNCHER_ENV = "GEOMESH_LAUNCHER"  # set by `geomesh launch`: the launcher prints the summary
+REGION_ENV = "GEOMESH_REGION"  # this rank's region (set by `geomesh launch`, else here from the layout)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -33,7 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
 def add_run_arguments(p: argparse.ArgumentParser, launcher: bool = False) -> None:
     """The options a rank takes; ``geomesh launch`` takes the same with its own ``--wan`` and ``--timeout``."""
     p.add_argument("scenario", help="a preset name or a YAML file (the same on every rank)")
-    p.add_argument("--method", required=True, help="diloco, geomesh, geomesh-balance-only, geomesh-sign-only")
+    p.add_argument("--method", required=True, help="ddp, diloco, geomesh, geomesh-balance-only, geomesh-sign-only")
     p.add_argument("--out", required=True, help="run folder (written by rank 0): summary.json, events.jsonl")
     p.add_argument("--tokens", type=int, default=None, help="token budget (overrides training.tokens)")
     p.add_argument("--seed", type=int, default=None, help="overrides training.seed")
@@ -157,7 +158,14 @@ def _main(args: argparse.Namespace) -> int:
         _env_int("MASTER_PORT")
         counts = parse_ranks_per_region(args.ranks_per_region, len(scenario.regions))
         layout = rank_layout(scenario, world, counts)
-        who = f"rank {rank} (region {layout.names[layout.region_of(rank)]})"
+        region = layout.names[layout.region_of(rank)]
+        who = f"rank {rank} (region {region})"
+        given = os.environ.get(REGION_ENV)
+        if given and given != region:
+            raise ConfigError(f"${REGION_ENV}={given!r}, but rank {rank} is in region {region!r} (ranks fill the "
+                              f"scenario's regions in order: {layout.to_json()}); fix the ranks per region or "
+                              f"the environment")  # fmt: skip
+        os.environ[REGION_ENV] = region  # what this process trains for, for operators and child processes
         backend = resolve_backend(args.backend)
         if backend == "gloo" and "OMP_NUM_THREADS" not in os.environ:
             local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
@@ -206,8 +214,9 @@ def _main(args: argparse.Namespace) -> int:
         return 1
 
 
-SUMMARY_KEYS = ("method", "scenario", "runtime", "world_size", "tokens", "rounds", "modeled_time_s", "final_val_loss",
-                "straggler_idle_frac", "wan_idle_frac", "utilization", "bytes_sent", "bytes_per_round")  # fmt: skip
+SUMMARY_KEYS = ("method", "scenario", "runtime", "model", "model_params", "world_size", "tokens", "rounds",
+                "modeled_time_s", "final_val_loss", "straggler_idle_frac", "wan_idle_frac", "utilization",
+                "bytes_sent", "bytes_per_round")  # fmt: skip
 
 
 def print_summary(summary: dict, out: str | Path) -> None:

@@ -51,16 +51,15 @@ import torch.distributed as dist
 
 from ..codec import Manifest
 from ..config import ConfigError, ScenarioConfig
-from ..data import BatchStream, Corpus, CorpusSpec
 from ..evaluation import evaluate
 from ..hardware import WorkerProfile, load_profile, model_profile
 from ..methods.base import Method, OuterLoopMethod, payload_key
-from ..model import build_model, model_config
 from ..outer import OuterNesterov
 from ..planner import Plan
 from ..telemetry import Telemetry, write_json_atomic
 from ..worker import Worker, inner_lr
 from .emulated import RunError, prepare_run_dir
+from .region import RegionWorker, build_training  # noqa: F401  (RegionWorker: re-exported)
 from .transport import Transport, WanMode, WanShaper, split_gathered, tx_bytes
 
 TEST_EXIT_ENV = "GEOMESH_TEST_EXIT_AFTER_ROUND"  # "RANK:ROUND": that rank exits abruptly (tests only)
@@ -163,53 +162,6 @@ def rank_layout(scenario: ScenarioConfig, world_size: int, ranks_per_region: lis
 # ---- a region's worker on one rank ---------------------------------------------------------------
 
 
-class RegionWorker(Worker):
-    """A :class:`Worker` whose region may span ``size`` ranks (DDP over ``group``), on ``device``, whose
-    inner steps are padded with sleep to ``slowdown`` × their measured time."""
-
-    def __init__(self, name, model, stream, cfg, *, device: torch.device, group=None, size: int = 1,
-                 index: int = 0, slowdown: float = 1.0):  # fmt: skip
-        super().__init__(name, model, stream, cfg)
-        self.device = device
-        self.size = size
-        self.index = index
-        self.slowdown = slowdown
-        self.ddp = None
-        if size > 1:
-            from torch.nn.parallel import DistributedDataParallel
-
-            ids = [device.index] if device.type == "cuda" else None
-            self.ddp = DistributedDataParallel(model, device_ids=ids, process_group=group, broadcast_buffers=False)
-
-    def accumulate_grad(self, batch: int, stream: BatchStream | None = None, weight: float = 1.0) -> tuple[float, int]:
-        if self.size == 1 and self.device.type == "cpu":
-            return super().accumulate_grad(batch, stream, weight)
-        x, y = (stream or self.stream).next_batch(batch)  # the region's whole batch, on every rank
-        lo, hi = self.index * batch // self.size, (self.index + 1) * batch // self.size
-        scale = 1.0
-        if hi == lo:  # fewer sequences than ranks: this rank's backward only joins DDP's all-reduce
-            lo, hi, scale = 0, 1, 0.0
-        xs_all, ys_all = x[lo:hi].to(self.device), y[lo:hi].to(self.device)
-        model = self.ddp if self.ddp is not None else self.model
-        pieces = list(zip(xs_all.split(self.max_proxy_micro_batch), ys_all.split(self.max_proxy_micro_batch)))
-        total = 0.0
-        for m, (xs, ys) in enumerate(pieces):
-            sync = self.ddp is None or m == len(pieces) - 1
-            with nullcontext() if sync else self.ddp.no_sync():
-                _, loss = model(xs, ys)
-                # DDP averages over the region's ranks: each slice weighs its share of the whole batch
-                (loss * (scale * weight * self.size * xs.shape[0] / batch)).backward()
-            total += loss.item() * xs.shape[0]
-        return total / (hi - lo), x.numel()
-
-    def inner_step(self, batch: int, lr: float) -> tuple[float, int]:
-        started = time.perf_counter()
-        out = super().inner_step(batch, lr)
-        if self.slowdown > 1:
-            time.sleep((self.slowdown - 1) * (time.perf_counter() - started))
-        return out
-
-
 class _OnDevice:
     """A codec whose combine lands on ``device`` (θ lives there), for :meth:`OuterLoopMethod.apply`."""
 
@@ -218,6 +170,18 @@ class _OnDevice:
 
     def combine(self, payloads):
         return self.codec.combine(payloads, device=self.device)
+
+
+def check_distributed_support(scenario: ScenarioConfig, method: Method) -> None:
+    """Refuse, in one line, what the distributed runtime cannot run (before any process starts, and on every rank)."""
+    if method.kind == "async":
+        raise ConfigError(f"--method {method.name}: runs in the emulated runtime only (`geomesh train`); the "
+                          "distributed runtime runs ddp, diloco, geomesh, geomesh-balance-only, geomesh-sign-only")  # fmt: skip
+    if method.kind == "ddp":
+        sharded = [r.name for r in scenario.regions if r.strategy == "fsdp"]
+        if sharded:
+            raise ConfigError(f"--method ddp: regions {', '.join(sharded)} have strategy fsdp; the ddp baseline keeps "
+                              "a full replica on every rank (set their strategy to ddp)")  # fmt: skip
 
 
 def params_checksum(params: dict[str, torch.Tensor], samples: int = 4096) -> str:
@@ -327,9 +291,7 @@ class DistributedRun:
     # ---- set-up ------------------------------------------------------------------------------------
     def _setup(self) -> None:
         sc, tr = self.scenario, self.scenario.training
-        if not isinstance(self.method, OuterLoopMethod):
-            raise RunError(f"method {self.method.name} is not supported by the distributed runtime; "
-                           "use a round-based method (diloco, geomesh, geomesh-balance-only, geomesh-sign-only)")  # fmt: skip
+        check_distributed_support(sc, self.method)
         mine = _fingerprint(sc.to_dict(), self.method.name, self.seed, self.budget, self.layout.counts,
                             self.options.wan)  # fmt: skip
         prints = self.transport.all_gather_object(mine, what="checking that all ranks run the same job")
@@ -347,27 +309,23 @@ class DistributedRun:
                 g = dist.new_group(ranks, timeout=self.transport.timeout)
                 if i == self.region:
                     self.region_group = g
-        # data: rank 0 fills the cache first, the others then read it
-        d = sc.data
-        spec = CorpusSpec(paths=d.paths, vocab_size=d.vocab_size, val_fraction=d.val_fraction, text_field=d.text_field)
-        corpus = self._load_corpus_rank0_first(lambda: Corpus.load(spec, cache_dir=self.options.cache_dir))
+        # model and data as the emulated runtime builds them; rank 0 fills the data cache first
         torch.manual_seed(self.seed)
-        cfg = model_config(sc.proxy.preset, vocab_size=corpus.vocab_size, seq_len=sc.proxy.seq_len)
-        self.global_model = build_model(cfg, self.seed).to(self.device)
-        n = len(sc.regions)
+        built = build_training(sc, self.region, self.seed, self.device, self._load_corpus_rank0_first,
+                               self.options.cache_dir)  # fmt: skip
+        corpus, self.global_model, self.model_name = built.corpus, built.global_model, built.name
         region = sc.regions[self.region]
-        replica = build_model(cfg, self.seed).to(self.device)
-        stream = BatchStream(corpus.shard(self.region, n), sc.proxy.seq_len, seed=self.seed * 1009 + self.region)
-        self.worker = RegionWorker(region.name, replica, stream, tr, device=self.device, group=self.region_group,
-                                   size=len(self.region_ranks), index=self.region_ranks.index(self.rank),
-                                   slowdown=region.slowdown)  # fmt: skip
+        self.worker = RegionWorker(region.name, built.replica, built.stream, tr, device=self.device,
+                                   group=self.region_group, size=len(self.region_ranks),
+                                   index=self.region_ranks.index(self.rank), slowdown=region.slowdown,
+                                   strategy=region.strategy)  # fmt: skip
         if self.rank == 0:
             vx, vy = corpus.val_batches(sc.proxy.seq_len, tr.eval_sequences)
             self.val_x, self.val_y = vx.to(self.device), vy.to(self.device)
             if self.out_dir is not None:
                 self.telemetry = Telemetry(self.out_dir / "events.jsonl", append=self.options.resume)
 
-    def _load_corpus_rank0_first(self, load: Callable[[], Corpus]) -> Corpus:
+    def _load_corpus_rank0_first(self, load: Callable[[], Any]) -> Any:
         corpus = None
 
         def first() -> None:
@@ -414,7 +372,12 @@ class DistributedRun:
                                "distributed runtime (round-based methods are)")  # fmt: skip
             self._resume_from = self._prepare_resume() if self.options.resume else None
             self._setup()
-            extra = self._run_outer()
+            if self.method.kind == "ddp":
+                from .dist_ddp import run_ddp
+
+                extra = run_ddp(self)
+            else:
+                extra = self._run_outer()
             summary = None
             if self.rank == 0:
                 summary = self._summary(extra, time.perf_counter() - started)
@@ -508,6 +471,7 @@ class DistributedRun:
             self.telemetry.emit({
                 "type": "run", "runtime": "distributed", "method": method.name, "scenario": sc.name,
                 "seed": self.seed, "tokens_budget": self.budget, "proxy_params": model.num_params(),
+                "model": self.model_name, "model_params": model.num_params(),
                 "timing_params": sc.timing().params, "workers": names, "world_size": self.world,
                 "backend": self.backend, "ranks_per_region": self.layout.to_json(), "wan": self.options.wan,
             })  # fmt: skip
@@ -700,6 +664,8 @@ class DistributedRun:
             "bytes_per_round": t["bytes_sent"] / max(self.rounds, 1),
             "proxy_bytes_sent": t["proxy_bytes_sent"],
             "dropped_updates": int(self.telemetry.counters.get("dropped_updates", 0)),
+            "model": self.model_name,  # what trained: "llama-125m (built-in)", "llama (transformers)"
+            "model_params": self.global_model.num_params(),
             "proxy_params": self.global_model.num_params(),
             "timing_params": self.scenario.timing().params,
             "plan": self.plans[-1].to_json() if self.plans else None,
