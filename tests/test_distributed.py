@@ -298,18 +298,22 @@ def test_a_transformers_llama_on_token_shards_trains_as_in_the_emulated_runtime(
     del data["proxy"]
     data["model"] = {"seq_len": 32, "hf_config": LLAMA}  # the section's name in a real run
     data["data"] = {"tokens_file": str(tmp_path / "shards"), "vocab_size": 512}
+    data["logging"] = {"tensorboard": True}
     scenario.write_text(yaml.safe_dump(data))
     out = tmp_path / "run"
     result = launch([str(scenario), "--nproc", "3", "--method", "geomesh", "--out", str(out), "--tokens",
                      str(TOKENS), "--save-params", "--quiet", "--timeout", "60"])  # fmt: skip
     assert result.code == 0, result.message
     s = result.summary
-    emulated = EmulatedRun(load_scenario(scenario), get_method("geomesh"), RunOptions(tokens=TOKENS, progress=False))
+    emulated = EmulatedRun(load_scenario(scenario), get_method("geomesh"),
+                           RunOptions(out_dir=tmp_path / "emulated", tokens=TOKENS, progress=False))  # fmt: skip
     expected = emulated.run()
     assert s["model"] == "llama (transformers)"
     assert s["model_params"] == expected["proxy_params"] == emulated.cluster.global_model.num_params()
     assert len(set(s["param_checksums"])) == 1
     assert s["tokens"] == expected["tokens"] and s["final_val_loss"] == pytest.approx(expected["final_val_loss"])
+    assert s["zero_shot"] == pytest.approx(expected["zero_shot"])  # scored at the end, as the emulated runtime does
+    assert any((out / "tensorboard").iterdir())  # the scenario's logging section is honoured on rank 0
     assert_same_params(torch.load(out / "final_params.pt"), emulated.cluster.global_model.state_dict(),
                        rtol=1e-5, atol=1e-6)  # fmt: skip
 

@@ -87,3 +87,14 @@ def zero_shot(model: GPT, task: ChoiceTask, batch: int = 256) -> dict[str, float
     acc = (ll.argmax(dim=1) == task.answer).float().mean().item()
     acc_norm = ((ll / task.choice_chars).argmax(dim=1) == task.answer).float().mean().item()
     return {"acc": acc, "acc_norm": acc_norm, "items": items, "choices": choices}
+
+
+def heldout_zero_shot(model: GPT, corpus, seq_len: int, items: int) -> dict[str, float] | None:
+    """Zero-shot multiple choice on ``items`` items from ``corpus``'s held-out text (``training.zero_shot_items``;
+    0: None), with contexts and continuations sized to ``seq_len``: what both runtimes report at the end."""
+    if items == 0:
+        return None
+    continuation = min(16, seq_len // 4)  # the model sees context + continuation - 1 tokens
+    task = build_choice_task(corpus.val_tokens, corpus.tokenizer.decode, items=items,
+                             context_len=min(48, seq_len + 1 - continuation), continuation_len=continuation)  # fmt: skip
+    return zero_shot(model, task)

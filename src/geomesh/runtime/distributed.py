@@ -51,7 +51,7 @@ import torch.distributed as dist
 
 from ..codec import Manifest
 from ..config import ConfigError, ScenarioConfig
-from ..evaluation import evaluate
+from ..evaluation import evaluate, heldout_zero_shot
 from ..hardware import WorkerProfile, load_profile, model_profile
 from ..methods.base import Method, OuterLoopMethod, payload_key
 from ..outer import OuterNesterov
@@ -322,6 +322,7 @@ class DistributedRun:
         if self.rank == 0:
             vx, vy = corpus.val_batches(sc.proxy.seq_len, tr.eval_sequences)
             self.val_x, self.val_y = vx.to(self.device), vy.to(self.device)
+            self.corpus = corpus  # for the zero-shot evaluation at the end
             if self.out_dir is not None:
                 self.telemetry = Telemetry(self.out_dir / "events.jsonl", append=self.options.resume)
 
@@ -372,6 +373,10 @@ class DistributedRun:
                                "distributed runtime (round-based methods are)")  # fmt: skip
             self._resume_from = self._prepare_resume() if self.options.resume else None
             self._setup()
+            if self.rank == 0:  # the scenario's TensorBoard / W&B sinks, on the rank that writes the records
+                from ..integrations.loggers import attach_logging
+
+                attach_logging(self)
             if self.method.kind == "ddp":
                 from .dist_ddp import run_ddp
 
@@ -380,6 +385,9 @@ class DistributedRun:
                 extra = self._run_outer()
             summary = None
             if self.rank == 0:
+                sc = self.scenario
+                extra["zero_shot"] = heldout_zero_shot(self.global_model, self.corpus, sc.proxy.seq_len,
+                                                       sc.training.zero_shot_items)  # fmt: skip
                 summary = self._summary(extra, time.perf_counter() - started)
                 if self.out_dir is not None:
                     write_json_atomic(self.out_dir / "summary.json", summary)

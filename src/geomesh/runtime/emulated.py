@@ -36,7 +36,7 @@ from .. import checkpoint as ckpt
 from ..codec import Manifest, PayloadError
 from ..config import ScenarioConfig
 from ..data import Corpus
-from ..evaluation import build_choice_task, evaluate, zero_shot
+from ..evaluation import evaluate, heldout_zero_shot
 from ..hardware import WorkerProfile, model_profile
 from ..methods.base import Method, OuterLoopMethod, payload_key
 from ..model import GPT
@@ -441,14 +441,8 @@ class EmulatedRun:
         raise RunError(message + note) from None
 
     def _zero_shot(self, cluster: Cluster) -> dict[str, float] | None:
-        items = self.scenario.training.zero_shot_items
-        if items == 0:
-            return None
-        seq = self.scenario.proxy.seq_len
-        continuation = min(16, seq // 4)  # the model sees context + continuation − 1 tokens
-        task = build_choice_task(cluster.corpus.val_tokens, cluster.corpus.tokenizer.decode, items=items,
-                                 context_len=min(48, seq + 1 - continuation), continuation_len=continuation)  # fmt: skip
-        return zero_shot(cluster.global_model, task)
+        sc = self.scenario
+        return heldout_zero_shot(cluster.global_model, cluster.corpus, sc.proxy.seq_len, sc.training.zero_shot_items)
 
     def _run_other(self, cluster: Cluster) -> dict[str, Any]:
         if self.method.kind == "async":
