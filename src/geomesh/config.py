@@ -176,6 +176,10 @@ class ReliabilityConfig:
     max_consecutive_failures: int = 3  # stop when a worker's update is dropped N rounds in a row (0: never)
     hmac_key_env: str | None = None  # sign payloads with HMAC-SHA256, key from this environment variable
     hmac_key_file: str | None = None  # ... or from this file (its bytes, surrounding whitespace stripped)
+    # elastic regions in the distributed runtime (docs/distributed.md): 0 = a lost region stops the run; N >= 1 =
+    # regions join a quorum every round (torchft Lighthouse) and the run goes on while at least N remain
+    min_regions: int = 0
+    round_deadline_s: float = 60.0  # elastic: a region not in the round's quorum or exchange by then is left out
 
 
 @dataclass
@@ -492,6 +496,9 @@ def _validate_reliability(r: ReliabilityConfig) -> None:
              "expected the name of an environment variable")  # fmt: skip
     _require(r.hmac_key_file is None or bool(r.hmac_key_file.strip()), f"{w}.hmac_key_file", r.hmac_key_file,
              "expected a path to a file holding the key")  # fmt: skip
+    _require(r.min_regions >= 0, f"{w}.min_regions", r.min_regions, "expected >= 0 (0: not elastic)")
+    _require(math.isfinite(r.round_deadline_s) and r.round_deadline_s > 0, f"{w}.round_deadline_s",
+             r.round_deadline_s, "expected a positive number of seconds")  # fmt: skip
 
 
 PRECISIONS = ("auto", "bf16", "fp32")
