@@ -26,10 +26,13 @@ def register(sub) -> None:
     p.add_argument("--set", action="append", metavar="FIELD=VALUE", help="override a scenario field")
     p.set_defaults(func=cmd_plan)
 
-    q = sub.add_parser("profile", help="measure this device's step time and memory cap with the scenario's model")
+    q = sub.add_parser("profile", help="measure this device's step time and memory cap with the model the run trains")
     q.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     q.add_argument("--out", required=True, help="profile JSON to write")
-    q.add_argument("--scenario", default="default", help="whose proxy model to measure (default: default)")
+    q.add_argument("--scenario", default="default", help="whose model to measure: its model section, sequence "
+                   "length and precision (default: default)")  # fmt: skip
+    q.add_argument("--set", action="append", metavar="FIELD=VALUE", help="override a scenario field")
+    q.add_argument("--activation-checkpointing", action="store_true", help="measure with activation checkpointing")
     q.add_argument("--batches", default="1,2,4,8,16", help="micro-batch sizes to time")
     q.add_argument("--repeats", type=int, default=3)
     q.add_argument("--name", default="local", help="the profile's worker name")
@@ -99,20 +102,26 @@ def format_plan(plan) -> str:
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
+    from .cli import _overrides
     from .config import ConfigError, load_scenario
     from .profiler import profile_device
 
-    scenario = load_scenario(args.scenario)
+    scenario = load_scenario(args.scenario, _overrides(args.set))
     try:
         batches = sorted({int(x) for x in args.batches.split(",")})
     except ValueError:
         raise ConfigError(f"--batches {args.batches!r}: expected comma-separated positive integers") from None
     if not batches or batches[0] < 1:
         raise ConfigError(f"--batches {args.batches!r}: expected comma-separated positive integers")
-    profile = profile_device(scenario, args.device, batches, repeats=args.repeats, name=args.name)
+    if args.repeats < 1:
+        raise ConfigError(f"--repeats {args.repeats}: expected >= 1")
+    profile = profile_device(scenario, args.device, batches, repeats=args.repeats, name=args.name,
+                             activation_checkpointing=args.activation_checkpointing)  # fmt: skip
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(profile.to_json(), indent=2) + "\n")
-    print(f"wrote {out}: max micro-batch {profile.max_micro_batch}, "
+    print(f"wrote {out}: {profile.extra['model']}, {profile.extra['params']:,} parameters, sequence "
+          f"{profile.extra['seq_len']}; max micro-batch {profile.max_micro_batch}, optimizer step "
+          f"{profile.step_overhead_s * 1000:.1f} ms, "
           + ", ".join(f"b={b}: {t * 1000:.1f} ms" for b, t in sorted(profile.table.items())), file=sys.stderr)  # fmt: skip
     return 0

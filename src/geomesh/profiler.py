@@ -1,19 +1,25 @@
-"""Measure this device with the real model: step time at several micro-batches and, on CUDA, the largest
-micro-batch that fits (probed with ``torch.cuda.max_memory_allocated``). The result is a
-:class:`~geomesh.hardware.WorkerProfile` with ``source="measured"``, accepted by ``geomesh plan`` and the
-runtimes in place of the cost model.
+"""Measure this device with the model the run will train: the scenario's ``model`` (a built-in preset or a
+``transformers`` model), at its sequence length, in the precision the run uses (bf16 autocast on a GPU that
+has it), with the run's AdamW. Each micro-batch size is warmed up (allocator, kernels, optimizer state),
+then forward + backward and the optimizer step are each timed ``repeats`` times (the median counts). On
+CUDA the largest micro-batch that fits is probed with ``torch.cuda.max_memory_allocated``. The result is a
+:class:`~geomesh.hardware.WorkerProfile` with ``source="measured"``, accepted by ``geomesh plan --profile``
+and both runtimes in place of the cost model.
 """
 
 from __future__ import annotations
 
+import statistics
 import time
 
 import torch
 
 from .config import ScenarioConfig
 from .hardware import WorkerProfile
-from .model import build_model, model_config
-from .worker import make_inner_optimizer
+from .model import build_proxy_model, enable_activation_checkpointing, model_name
+from .worker import autocast_dtype, make_inner_optimizer
+
+WARMUP_STEPS = 2  # full steps per micro-batch before timing: kernels chosen, AdamW state allocated
 
 
 def _device_name(device: str) -> str:
@@ -22,55 +28,73 @@ def _device_name(device: str) -> str:
     return "cpu"
 
 
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
 def profile_device(scenario: ScenarioConfig, device: str, batches: list[int], *, repeats: int = 3,
-                   name: str = "local") -> WorkerProfile:  # fmt: skip
+                   name: str = "local", activation_checkpointing: bool = False) -> WorkerProfile:  # fmt: skip
     if device == "cuda" and not torch.cuda.is_available():
         from .runtime.emulated import RunError
 
         raise RunError("--device cuda: no CUDA device is available on this machine")
-    cfg = model_config(scenario.proxy.preset, vocab_size=scenario.data.vocab_size, seq_len=scenario.proxy.seq_len)
-    model = build_model(cfg, seed=0).to(device)
+    vocab = scenario.data.vocab_size
+    seq = scenario.proxy.seq_len
+    model = build_proxy_model(scenario.proxy, vocab, seed=0)
+    if activation_checkpointing:
+        enable_activation_checkpointing(model)
+    model = model.to(device)
     opt = make_inner_optimizer(model, scenario.training)
+    dtype = autocast_dtype(getattr(scenario.training, "precision", "auto"), torch.device(device))
     gen = torch.Generator().manual_seed(0)
 
-    def one_step(b: int) -> float:
-        x = torch.randint(0, cfg.vocab_size, (b, cfg.seq_len), generator=gen).to(device)
-        if device == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
+    def forward_backward(x: torch.Tensor) -> None:
         opt.zero_grad(set_to_none=True)
-        _, loss = model(x, x)
+        if dtype is None:
+            _, loss = model(x, x)
+        else:
+            with torch.autocast(torch.device(device).type, dtype=dtype):
+                _, loss = model(x, x)
         loss.backward()
-        if device == "cuda":
-            torch.cuda.synchronize()
-        return time.perf_counter() - t0
+
+    def timed_step(b: int) -> tuple[float, float]:
+        x = torch.randint(0, vocab, (b, seq), generator=gen).to(device)
+        _sync(device)
+        t0 = time.perf_counter()
+        forward_backward(x)
+        _sync(device)
+        t1 = time.perf_counter()
+        opt.step()
+        _sync(device)
+        return t1 - t0, time.perf_counter() - t1
 
     table: dict[int, float] = {}
+    opt_times: list[float] = []
     for b in batches:
-        one_step(b)  # warm-up (allocator, kernels)
-        table[b] = min(one_step(b) for _ in range(max(repeats, 1)))
-    opt_t0 = time.perf_counter()
-    opt.step()
-    step_overhead = time.perf_counter() - opt_t0
-    cap = _probe_max_micro_batch(model, cfg, device, batches[-1]) if device == "cuda" else max(batches)
+        for _ in range(WARMUP_STEPS):
+            timed_step(b)
+        runs = [timed_step(b) for _ in range(max(repeats, 1))]
+        table[b] = statistics.median(r[0] for r in runs)
+        opt_times += [r[1] for r in runs]
+    cap = _probe_max_micro_batch(forward_backward, vocab, seq, device, batches[-1]) if device == "cuda" else max(batches)
     return WorkerProfile(
         name=name, gpu=_device_name(device), gpu_count=1, max_micro_batch=cap, table=table,
-        step_overhead_s=step_overhead, source="measured",
-        extra={"device": device, "preset": scenario.proxy.preset, "seq_len": cfg.seq_len},
+        step_overhead_s=statistics.median(opt_times), source="measured",
+        extra={"device": device, "model": model_name(scenario.proxy, model), "seq_len": seq,
+               "params": sum(p.numel() for p in model.parameters()), "precision": str(dtype or torch.float32),
+               "activation_checkpointing": activation_checkpointing, "repeats": repeats, "warmup": WARMUP_STEPS},
     )  # fmt: skip
 
 
-def _probe_max_micro_batch(model, cfg, device: str, start: int) -> int:
+def _probe_max_micro_batch(forward_backward, vocab: int, seq: int, device: str, start: int) -> int:
     """Double the micro-batch until peak memory would pass 90% of the device, then bisect."""
     total = torch.cuda.get_device_properties(0).total_memory
 
     def fits(b: int) -> bool:
         try:
             torch.cuda.reset_peak_memory_stats()
-            x = torch.zeros((b, cfg.seq_len), dtype=torch.long, device=device)
-            _, loss = model(x, x)
-            loss.backward()
-            model.zero_grad(set_to_none=True)
+            forward_backward(torch.zeros((b, seq), dtype=torch.long, device=device))
             ok = torch.cuda.max_memory_allocated() <= 0.9 * total
         except torch.cuda.OutOfMemoryError:
             ok = False
