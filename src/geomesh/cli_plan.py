@@ -82,7 +82,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(f"\n{name} on {scenario.name}:")
         print(format_plan(plan))
     g, d = plans["geomesh"], plans["diloco"]
-    print(f"\nround time {g.round_s:.1f} s vs {d.round_s:.1f} s; sequences per round {g.sequences_per_round} vs "
+    print(f"\nWAN share of the round {g.exchange_s / g.round_s:.1%} vs {d.exchange_s / d.round_s:.1%}; "
+          f"round time {g.round_s:.1f} s vs {d.round_s:.1f} s; sequences per round {g.sequences_per_round} vs "
           f"{d.sequences_per_round}; throughput {g.sequences_per_round / g.round_s:.1f} vs "
           f"{d.sequences_per_round / d.round_s:.1f} sequences/s")  # fmt: skip
     return 0
