@@ -11,10 +11,25 @@ Two planners:
 
 * :func:`plan_uniform` (DiLoCo): one ``batch`` and one H for everyone; each worker reaches the batch with
   the fewest micro-batches that fit (:func:`split_batch`). On a heterogeneous cluster fast workers idle.
-* :func:`plan_balanced` (GeoMesh): per-worker (batch_i, H_i), documented below.
+* :func:`plan_balanced` (GeoMesh): per-worker (batch_i, H_i), by one of two targets.
 
-Problem solved by :func:`plan_balanced`
----------------------------------------
+The planning rule (the default: ``PlanConstraints(fill=True, ref_batch=b, ref_inner_steps=H)``)
+------------------------------------------------------------------------------------------------
+The round's compute time T is what the reference plan (H steps of b sequences: DiLoCo's plan) takes on the
+slowest worker (:func:`reference_round_s`), or ``round_compute_s`` when given. Every worker then fills T on
+its own: among its candidate batches ``B_i`` (below, with T as the round) and every H with
+``H · step(b) ≤ T``, the options whose compute is within ``FILL_SLACK`` (1%) of the longest that fits
+(straggler idle first), and among those the most sequences (the most efficient batch), then the smaller
+batch. So GeoMesh synchronises exactly as often as DiLoCo and fast workers do more useful work instead of
+waiting, with no tuned knob; re-planning (faults, measured speed drift) applies the same rule to the live
+workers' scaled profiles. A worker that cannot fit ``min_inner_steps`` of its smallest batch into T gets its
+quickest option and a warning.
+
+The sequence target (``target_sequences``, or ``(ref_batch, ref_inner_steps)`` without ``fill``) is the
+alternative: the round carries a given number of sequences and the deadline is searched, as follows.
+
+Problem solved by :func:`plan_balanced` with a sequence target
+--------------------------------------------------------------
 Candidate batches. Worker i's *knee* k_i is the smallest micro-batch m ≤ min(max_micro_batch, max_batch)
 with ``throughput(m) ≥ knee · max_m' throughput(m')`` (the point where larger micro-batches stop paying).
 ``r_i = max b / step_s(b)`` over b in [min_batch, max(k_i, min_batch)] is its *knee rate* (sequences/s),
