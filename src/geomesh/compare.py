@@ -30,6 +30,7 @@ def run_comparison(
     target_val_loss: float | None = None,
     progress: bool = True,
     log=print,
+    workers_parallel: int | None = None,
 ) -> dict[str, Any]:
     """Train every method in ``methods``; write ``results.json``, ``table.md`` and PNG plots to ``out_dir``."""
     for name in methods:
@@ -38,7 +39,8 @@ def run_comparison(
     summaries = []
     for name in methods:
         log(f"[{len(summaries) + 1}/{len(methods)}] {name}")
-        opts = RunOptions(out_dir=out_dir / name, tokens=tokens, seed=seed, progress=progress)
+        opts = RunOptions(out_dir=out_dir / name, tokens=tokens, seed=seed, progress=progress,
+                          workers_parallel=workers_parallel)  # fmt: skip
         summaries.append(EmulatedRun(scenario, get_method(name), opts).run())
     target = target_val_loss if target_val_loss is not None else scenario.training.target_val_loss
     if target is None:

@@ -19,6 +19,7 @@ checkpoint write, a full disk, too many failures) writes the summary of what was
 from __future__ import annotations
 
 import heapq
+import io
 import math
 import random
 import time
@@ -45,6 +46,7 @@ from ..outer import OuterNesterov
 from ..planner import OnlinePlanner, Plan, plan_uniform
 from ..telemetry import Telemetry, write_json_atomic
 from ..worker import Worker, inner_lr
+from .parallel import intra_op_threads, worker_threads
 
 
 class RunError(RuntimeError):
@@ -66,6 +68,9 @@ class RunOptions:
     checkpoint_every: int | None = None  # overrides reliability.checkpoint_every_rounds (0: no checkpoints)
     keep_checkpoints: int | None = None  # overrides reliability.keep_checkpoints
     resume: bool = False  # continue the interrupted run in out_dir from its newest checkpoint
+    # workers of a round trained at once in this many processes (runtime/parallel.py; same results as 1);
+    # None: one per core, up to one per worker, where that is possible (CPU, fork), else 1
+    workers_parallel: int | None = None
 
 
 @dataclass
@@ -247,6 +252,13 @@ def _poisoned(worker: Worker, active: bool):
         del worker.accumulate_grad
 
 
+def _state_bytes(worker: Worker, codec: Any) -> bytes:
+    """A worker's state and its codec's, serialised (a copy: nothing shared with the process it came from)."""
+    buf = io.BytesIO()
+    torch.save((worker.state_dict(), codec.state_dict() if hasattr(codec, "state_dict") else None), buf)
+    return buf.getvalue()
+
+
 def _grads_finite(model: torch.nn.Module) -> bool:
     return all(bool(torch.isfinite(p.grad).all()) for p in model.parameters() if p.grad is not None)
 
@@ -290,6 +302,7 @@ class EmulatedRun:
             raise RunError(f"--checkpoint-every {self.checkpoint_every}: expected >= 0 rounds (0: no checkpoints)")
         if self.keep_checkpoints < 1:
             raise RunError(f"--keep {self.keep_checkpoints}: expected >= 1 checkpoint")
+        self.workers_parallel = self._workers_parallel()
         self._key = payload_key(scenario)  # a missing or short key is a ConfigError before anything is written
         self.out_dir = self.options.out_dir
         self.resumed_from: int | None = None  # the round the run continued from (resume only)
@@ -328,6 +341,21 @@ class EmulatedRun:
         self._last_round: dict[str, float] | None = None  # the last round's length and useful tokens
 
     # ---- shared pieces --------------------------------------------------------------------------
+    def _workers_parallel(self) -> int:
+        """Worker processes for the round-based methods (1: in this process); see runtime/parallel.py."""
+        from .parallel import default_processes, fork_available
+
+        n = len(self.scenario.regions)
+        asked = self.options.workers_parallel
+        if asked is None:
+            return default_processes(n)
+        if isinstance(asked, bool) or not isinstance(asked, int) or asked < 1:
+            raise RunError(f"--workers-parallel {asked!r}: expected a whole number of processes >= 1")
+        if asked > 1 and not fork_available():
+            raise RunError(f"--workers-parallel {asked}: worker processes need the 'fork' start method, which "
+                           f"this platform lacks; use --workers-parallel 1")  # fmt: skip
+        return min(asked, n)
+
     def _names(self) -> list[str]:
         return [r.name for r in self.scenario.regions]
 
@@ -571,10 +599,90 @@ class EmulatedRun:
         else:
             new_plan()
             loop.last_loss = self._evaluate(cluster)
+        # a worker's local phase and rejoin: run here, or in the worker's own process (runtime/parallel.py)
+        threads = worker_threads(len(cluster.workers))
+
+        def phase(i: int, job: tuple[int, int, int, int, bool]) -> bytes | None:
+            h, batch, start, round_tokens, poison = job
+
+            def lr_at(k: int) -> float:
+                return inner_lr(start + k / h * round_tokens, self.budget, tr)
+
+            worker = cluster.workers[i]
+            with _poisoned(worker, poison):
+                payload, _ = method.local_phase(worker, h, batch, params, codecs[i], lr_at)
+            if payload is None:  # local_phase has warned; the worker's AdamW moments may now hold NaN
+                self._heal(worker)
+            return payload
+
+        calls = {"phase": phase, "rejoin": lambda i, _: self._rejoin(i, cluster.workers[i], codecs[i], params),
+                 "state": lambda i, _: _state_bytes(cluster.workers[i], codecs[i])}  # fmt: skip
+        pool = self._start_pool(cluster, calls, loop.plan, threads)
+        finished = False
+        try:
+            self._outer_rounds(cluster, loop, outer, codecs, combiner, calls, pool, threads, new_plan,
+                               modeled_payload)  # fmt: skip
+            finished = True
+        finally:
+            if pool is not None:
+                try:
+                    if finished:
+                        self._pull(pool, cluster, codecs)  # the parent's replicas end where the run ended
+                finally:
+                    pool.close()
+        return extra()
+
+    def _start_pool(self, cluster: Cluster, calls: dict[str, Any], plan: Plan | None, threads: int):
+        """The worker processes of this run, or None when its workers train in this process."""
+        n = len(cluster.workers)
+        processes = min(self.workers_parallel, n)
+        if processes <= 1:
+            return None
+        from .parallel import WorkerPool, assign_owners
+
+        tr = self.scenario.training
+        names = self._names()
+        planned = {w.name: w.batch * w.inner_steps for w in plan.workers} if plan is not None else {}
+        work = [planned.get(names[i], tr.batch * tr.inner_steps) for i in range(n)]
+        cluster.global_model.share_memory()  # θ: the outer step updates it in place, every process reads it
+        return WorkerPool(calls, assign_owners(work, processes), threads=threads)
+
+    @staticmethod
+    def _pull(pool: Any, cluster: Cluster, codecs: list[Any]) -> None:
+        """Bring every worker's state (replica, AdamW, stream, codec residual) from its process to this one."""
+        states = pool.map("state", [(i, None) for i in range(len(cluster.workers))])
+        for worker, codec, blob in zip(cluster.workers, codecs, states):
+            ws, cs = torch.load(io.BytesIO(blob), weights_only=False)
+            worker.load_state_dict(ws)
+            if cs is not None:
+                codec.load_state_dict(cs)
+
+    def _outer_rounds(self, cluster: Cluster, loop: _Loop, outer: OuterNesterov, codecs: list[Any], combiner: Any,
+                      calls: dict[str, Any], pool: Any, threads: int, new_plan: Callable[[], None],
+                      modeled_payload: int) -> None:  # fmt: skip
+        """The rounds of a round-based method until the token budget is spent."""
+        method: OuterLoopMethod = self.method  # type: ignore[assignment]
+        tr = self.scenario.training
+        names = self._names()
+        seq = self.scenario.proxy.seq_len
+
+        def run_calls(name: str, jobs: list[tuple[int, Any]]) -> list[Any]:
+            if pool is not None:
+                return pool.map(name, jobs)
+            with intra_op_threads(threads):
+                return [calls[name](i, arg) for i, arg in jobs]
+
+        def checkpoint_state() -> dict[str, Any]:
+            if pool is not None:
+                self._pull(pool, cluster, codecs)
+            return self._state(cluster, loop, outer=outer, codecs=codecs)
+
         while self.tokens_done < self.budget:
             effects = self._apply_faults(loop.cluster)
-            for i in effects.joined:
-                self._rejoin(i, cluster.workers[i], codecs[i], params)
+            if effects.joined:
+                run_calls("rejoin", [(i, None) for i in effects.joined])
+                for i in effects.joined:  # (a worker process resets only its own copy)
+                    self._fail_streak[i] = 0
             if effects.remake:
                 new_plan()
             plan, exchange_s = loop.plan, loop.exchange_s
@@ -590,25 +698,20 @@ class EmulatedRun:
             compute: dict[int, float] = {}
             failed: dict[int, str] = {}  # worker -> why its update did not count this round
             lost: dict[int, int] = {}  # worker -> tokens it trained that did not reach the global model
-            for i, wp, h in zip(live, entries, steps):
-                start = self.tokens_done
-
-                def lr_at(k: int, h: int = h, start: int = start) -> float:
-                    return inner_lr(start + k / h * round_tokens, self.budget, tr)
-
-                worker, once = cluster.workers[i], effects.once.get(i, set())
-                with _poisoned(worker, "nan" in once):
-                    payload, _ = method.local_phase(worker, h, wp.batch, params, codecs[i], lr_at)
+            jobs = [(i, (h, wp.batch, self.tokens_done, round_tokens, "nan" in effects.once.get(i, ())))
+                    for i, wp, h in zip(live, entries, steps)]  # fmt: skip
+            payloads = run_calls("phase", jobs)
+            for i, wp, h, payload in zip(live, entries, steps, payloads):
+                once = effects.once.get(i, set())
                 if payload is not None:
                     if "corrupt" in once:
                         payload = corrupt_payload(payload)
                     sent.append((i, payload))
                     self.proxy_bytes_sent += len(payload)
-                else:  # local_phase has warned; the worker's AdamW moments may now hold NaN
+                else:  # local_phase has warned (and phase healed the worker's AdamW)
                     self.telemetry.count("dropped_updates")
                     failed[i], lost[i] = "non-finite loss, parameters or pseudo-gradient", wp.batch * h * seq
                     self._warn(names[i], f"{failed[i]}; its update is dropped this round", console=False)
-                    self._heal(worker)
                 # the truth (profile × injected slowdown); the planner only learns it by observing
                 compute[i] = h * cluster.profiles[i].step_s(wp.micro_batch, wp.accum) * loop.cluster.speed[i]
             arrived = []
@@ -642,8 +745,7 @@ class EmulatedRun:
                 loop.last_loss = self._evaluate(cluster)
             self._progress(loop.last_loss)
             self._end_round(length, round_tokens - sum(lost.values()), lost, live, failed)
-            self._maybe_checkpoint(lambda: self._state(cluster, loop, outer=outer, codecs=codecs))
-        return extra()
+            self._maybe_checkpoint(checkpoint_state)
 
     def _rejoin(self, i: int, worker: Worker, codec: Any, params: dict[str, torch.Tensor]) -> None:
         """A worker that comes back is a restarted process: it receives the current global parameters (the
