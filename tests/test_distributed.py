@@ -428,3 +428,37 @@ def test_gpu_presets_have_their_sizes():
         with torch.device("meta"):  # shapes only: nothing is allocated
             model = GPT(model_config(preset, vocab_size=32000))
         assert low <= model.num_params() <= high, (preset, model.num_params())
+
+
+def test_gpu_check_script_runs_at_cpu_size(tmp_path):
+    """bench/gpu_check.py --smoke: FSDP + bf16 + activation checkpointing inside a region of 2 Gloo ranks beside
+    DDP in fp32, the codec, and `geomesh profile`, all at a CPU size (on a GPU the same checks run at 125M)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_check", Path(__file__).parents[1] / "bench" / "gpu_check.py")
+    gpu_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_check)
+    assert gpu_check.main(["--smoke", "--out", str(tmp_path)]) == 0
+    results = json.loads((tmp_path / "gpu_check.json").read_text())
+    fsdp, ddp = results["train"]
+    assert (fsdp["strategy"], fsdp["precision"], ddp["strategy"], ddp["precision"]) == ("fsdp", "bf16", "ddp", "fp32")
+    for run in (fsdp, ddp):
+        assert run["model"] == "nano (built-in)" and run["ranks"] == 2 and run["checksums_agree"]
+        assert run["val_loss_end"] < run["val_loss_start"] and run["tokens_per_s"] > 0
+    assert results["codec"][0]["wire_ratio"] > 30
+    assert results["profile"]["max_micro_batch"] >= 1 and results["profile"]["table"]
+
+
+def test_fsdp_over_a_single_rank_region_trains_as_the_emulated_worker(tmp_path, small_corpus):
+    """A region of one GPU may shard too (what a single-GPU check runs): FSDP2 over a group of one rank."""
+    scenario = write_scenario(tmp_path, small_corpus, ("A100", "T4"))
+    data = yaml.safe_load(scenario.read_text())
+    data["regions"][0]["strategy"] = "fsdp"
+    scenario.write_text(yaml.safe_dump(data))
+    out = tmp_path / "run"
+    result = launch([str(scenario), "--nproc", "2", "--method", "diloco", "--out", str(out), "--tokens", "3000",
+                     "--save-params", "--quiet", "--wan", "none", "--timeout", "60"])  # fmt: skip
+    assert result.code == 0, result.message
+    assert result.summary["intra_region_bytes"] == 0  # nothing to broadcast inside one-rank regions
+    assert_same_params(torch.load(out / "final_params.pt"), emulated_params(scenario, "diloco", 3000),
+                       rtol=1e-5, atol=1e-6)  # fmt: skip

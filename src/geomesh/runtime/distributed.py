@@ -302,13 +302,15 @@ class DistributedRun:
             self._on_rank0("preparing the run folder", lambda: prepare_run_dir(self.out_dir))
         # groups: every rank creates every group, in the same order
         self.leaders_group = dist.new_group(self.layout.leaders, timeout=self.transport.timeout)
-        self.region_group = None
+        self.region_group = None  # the region's ranks, when there are several (DDP, broadcasts)
+        self.shard_group = None  # the ranks FSDP shards over (a region of one GPU too)
         for i in range(len(self.layout.counts)):
             ranks = self.layout.ranks_of(i)
-            if len(ranks) > 1:
+            if len(ranks) > 1 or sc.regions[i].strategy == "fsdp":
                 g = dist.new_group(ranks, timeout=self.transport.timeout)
                 if i == self.region:
-                    self.region_group = g
+                    self.shard_group = g
+                    self.region_group = g if len(ranks) > 1 else None
         # model and data as the emulated runtime builds them; rank 0 fills the data cache first
         torch.manual_seed(self.seed)
         built = build_training(sc, self.region, self.seed, self.device, self._load_corpus_rank0_first,
@@ -316,7 +318,7 @@ class DistributedRun:
         corpus, self.global_model, self.model_name = built.corpus, built.global_model, built.name
         region = sc.regions[self.region]
         self.worker = RegionWorker(region.name, built.replica, built.stream, tr, device=self.device,
-                                   group=self.region_group, size=len(self.region_ranks),
+                                   group=self.shard_group, size=len(self.region_ranks),
                                    index=self.region_ranks.index(self.rank), slowdown=region.slowdown,
                                    strategy=region.strategy)  # fmt: skip
         if self.rank == 0:
@@ -675,6 +677,9 @@ class DistributedRun:
             "model": self.model_name,  # what trained: "llama-125m (built-in)", "llama (transformers)"
             "model_params": self.global_model.num_params(),
             "proxy_params": self.global_model.num_params(),
+            # rank 0's peak GPU memory (its replica, optimizer state or shards, activations, θ): null on CPU
+            "peak_gpu_memory_gib": (torch.cuda.max_memory_allocated(self.device) / 2**30
+                                    if self.device.type == "cuda" else None),  # fmt: skip
             "timing_params": self.scenario.timing().params,
             "plan": self.plans[-1].to_json() if self.plans else None,
             "per_worker": self.telemetry.per_worker(),

@@ -86,7 +86,9 @@ class RegionWorker(Worker):
 
     def __init__(self, name, model, stream, cfg, *, device: torch.device, group=None, size: int = 1,
                  index: int = 0, slowdown: float = 1.0, strategy: str = "ddp"):  # fmt: skip
-        self.strategy = strategy if size > 1 else "ddp"
+        # FSDP needs the group it shards over; a region of one rank may shard too (sharding over one GPU still
+        # runs FSDP2's bf16/DTensor code path, as a single-GPU check does)
+        self.strategy = strategy if group is not None else "ddp"
         if self.strategy == "fsdp":
             shard_region(model, group, device)  # before the optimizer is made: it holds the shards' state
         super().__init__(name, model, stream, cfg)
