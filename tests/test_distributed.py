@@ -462,3 +462,23 @@ def test_fsdp_over_a_single_rank_region_trains_as_the_emulated_worker(tmp_path, 
     assert result.summary["intra_region_bytes"] == 0  # nothing to broadcast inside one-rank regions
     assert_same_params(torch.load(out / "final_params.pt"), emulated_params(scenario, "diloco", 3000),
                        rtol=1e-5, atol=1e-6)  # fmt: skip
+
+
+def test_a_hf_dataset_is_tokenised_once_and_trains_as_in_the_emulated_runtime(tmp_path, small_corpus):
+    """data.format hf (a local JSONL through `datasets`): rank 0 fills a fresh token cache, the others read it."""
+    pytest.importorskip("datasets")
+    lines = [json.dumps({"text": p}) for p in Path(small_corpus[0]).read_text().split("\n\n") if p.strip()]
+    (tmp_path / "docs.jsonl").write_text("\n".join(lines) + "\n")
+    scenario = write_scenario(tmp_path, small_corpus, ("H100", "T4"))
+    data = yaml.safe_load(scenario.read_text())
+    data["data"] = {"format": "hf", "hf_dataset": "json", "paths": [str(tmp_path / "docs.jsonl")], "vocab_size": 512}
+    data["training"]["zero_shot_items"] = 0
+    scenario.write_text(yaml.safe_dump(data))
+    out = tmp_path / "run"
+    result = launch([str(scenario), "--nproc", "2", "--method", "diloco", "--out", str(out), "--tokens", "3000",
+                     "--save-params", "--quiet", "--wan", "none", "--timeout", "120"],
+                    env={"GEOMESH_CACHE": str(tmp_path / "fresh-cache")})  # fmt: skip
+    assert result.code == 0, result.message
+    assert any((tmp_path / "fresh-cache").rglob("*")) and len(set(result.summary["param_checksums"])) == 1
+    assert_same_params(torch.load(out / "final_params.pt"), emulated_params(scenario, "diloco", 3000),
+                       rtol=1e-5, atol=1e-6)  # fmt: skip
