@@ -482,3 +482,22 @@ def test_a_hf_dataset_is_tokenised_once_and_trains_as_in_the_emulated_runtime(tm
     assert any((tmp_path / "fresh-cache").rglob("*")) and len(set(result.summary["param_checksums"])) == 1
     assert_same_params(torch.load(out / "final_params.pt"), emulated_params(scenario, "diloco", 3000),
                        rtol=1e-5, atol=1e-6)  # fmt: skip
+
+
+def test_a_rank_under_plain_torchrun_sets_its_region_env(monkeypatch, tmp_path, small_corpus):
+    """Without the launcher (torchrun sets only RANK, WORLD_SIZE, ...), geomesh.run puts the region in os.environ."""
+    import os
+
+    from geomesh import run
+    from geomesh.runtime.transport import free_port
+
+    scenario = write_scenario(tmp_path, small_corpus, ("H100",), zero_shot_items=0)
+    for name, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                        "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1", "GEOMESH_LAUNCHER": "1"}.items():  # fmt: skip
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("GEOMESH_REGION", raising=False)  # restored (absent) after the test
+    args = run.build_parser().parse_args([str(scenario), "--method", "diloco", "--out", str(tmp_path / "r"),
+                                          "--tokens", "600", "--quiet", "--backend", "gloo"])  # fmt: skip
+    assert run._main(args) == 0
+    assert os.environ["GEOMESH_REGION"] == "r0-h100"
+    assert json.loads((tmp_path / "r" / "summary.json").read_text())["model"] == "nano (built-in)"
