@@ -68,6 +68,7 @@ def run_ddp(run: DistributedRun) -> dict[str, Any]:
 
     plan = Plan.from_json(run._on_rank0("planning", make_plan))
     run.plans.append(plan)
+    worker.follow_plan(plan.workers[run.region])
     worker.load_global({k: p.detach() for k, p in run.global_model.named_parameters()})
     if run.rank == 0:
         run.telemetry.emit({

@@ -511,6 +511,7 @@ class DistributedRun:
             self._mark("other")
             round_start = self._cursor
             wp, h, start = plan.workers[self.region], steps[self.region], self.tokens_done
+            self.worker.follow_plan(wp)
 
             def lr_at(k: int, h: int = h, start: int = start, total: int = round_tokens) -> float:
                 return inner_lr(start + k / h * total, self.budget, tr)

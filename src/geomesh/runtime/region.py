@@ -104,6 +104,13 @@ class RegionWorker(Worker):
             ids = [device.index] if device.type == "cuda" else None
             self.ddp = DistributedDataParallel(model, device_ids=ids, process_group=group, broadcast_buffers=False)
 
+    def follow_plan(self, wp) -> None:
+        """On a GPU, split this rank's slice into the plan's micro-batches (the region's micro-batch
+        ``wp.micro_batch`` is spread over its ranks): what the memory model says fits. On CPU the proxy's
+        bound stays, so results equal the emulated runtime's (micro-batching changes float summation order)."""
+        if self.device.type == "cuda":
+            self.max_proxy_micro_batch = max(1, -(-wp.micro_batch // self.size))
+
     @property
     def sharded(self) -> bool:
         return self.strategy == "fsdp"
