@@ -46,9 +46,17 @@ def autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:
     CUDA device with bf16; None (fp32) otherwise. Parameters, pseudo-gradients and the outer step stay fp32."""
     if precision == "bf16":
         return torch.bfloat16
-    if precision == "auto" and device.type == "cuda" and torch.cuda.is_bf16_supported():
+    if precision == "auto" and device.type == "cuda" and bf16_native(device):
         return torch.bfloat16
     return None
+
+
+def bf16_native(device: torch.device) -> bool:
+    """Whether a CUDA device computes in bf16 natively (Ampere and later), not by slow emulation."""
+    try:
+        return torch.cuda.is_bf16_supported(including_emulation=False)
+    except TypeError:  # torch before 2.3 has no including_emulation: compute capability 8.0 or later
+        return torch.cuda.get_device_capability(device)[0] >= 8
 
 
 @dataclass

@@ -26,10 +26,10 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from ..config import ScenarioConfig
+from ..config import ConfigError, ScenarioConfig
 from ..data import BatchStream, load_corpus, worker_stream
 from ..model import build_proxy_model, enable_activation_checkpointing, model_name, transformer_blocks
-from ..worker import InnerResult, Worker
+from ..worker import InnerResult, Worker, bf16_native
 
 Tensors = dict[str, torch.Tensor]
 
@@ -51,6 +51,9 @@ def build_training(scenario: ScenarioConfig, region: int, seed: int, device: tor
     """The model and data of ``region`` on this rank, as :func:`~geomesh.runtime.emulated.build_cluster`
     builds them. ``load_corpus_once(load)`` runs ``load`` where the cache should be filled first (rank 0)."""
     sc = scenario
+    if sc.training.precision == "bf16" and device.type == "cuda" and not bf16_native(device):
+        raise ConfigError(f"training.precision: 'bf16' is not allowed on {torch.cuda.get_device_name(device)}, which "
+                          "has no native bf16 (before Ampere); use auto (fp32 there) or fp32")  # fmt: skip
     load = lambda: load_corpus(sc.data, cache_dir=cache_dir)  # noqa: E731
     corpus = load_corpus_once(load) if load_corpus_once is not None else load()
     global_model = build_proxy_model(sc.proxy, corpus.vocab_size, seed)
