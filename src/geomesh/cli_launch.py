@@ -126,6 +126,12 @@ def _check(args: argparse.Namespace):
         raise ConfigError(f"--checkpoint-every {args.checkpoint_every}: expected >= 0 rounds (0: no checkpoints)")
     if args.keep is not None and args.keep < 1:
         raise ConfigError(f"--keep {args.keep}: expected >= 1 checkpoint")
+    if _elastic(args, scenario):
+        if args.wan == "netns":
+            raise ConfigError("--wan netns: not with elastic regions (min_regions >= 1); use --wan shaper or none")
+        if args.resume or args.checkpoint_every:
+            raise ConfigError("--resume/--checkpoint-every: not with elastic regions (min_regions >= 1): a "
+                              "restarted region receives the state of a live one")  # fmt: skip
     if args.resume:  # refused before anything in the run folder is touched
         from .runtime.dist_checkpoint import DistCheckpointError, check_resume, fingerprint
 
@@ -150,7 +156,8 @@ def _rank_argv(args: argparse.Namespace, wan_mode: str) -> list[str]:
         argv += ["--set", pair]
     for pair in args.profile or []:
         argv += ["--profile", pair]
-    for flag, value in (("--checkpoint-every", args.checkpoint_every), ("--keep", args.keep)):
+    for flag, value in (("--checkpoint-every", args.checkpoint_every), ("--keep", args.keep),
+                        ("--min-regions", args.min_regions)):  # fmt: skip
         if value is not None:
             argv += [flag, str(value)]
     if args.resume:
@@ -195,6 +202,10 @@ def _launch(args, extra_env, scenario, layout, backend) -> LaunchResult:
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // args.nproc)))
     env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # c10d's warnings (e.g. no hostname inside a namespace)
     env.update(extra_env or {})
+    if _elastic(args, scenario):  # one world per region, joined by torchft (runtime/elastic.py)
+        from .elastic_launch import launch_elastic
+
+        return launch_elastic(args, env, scenario, layout)
     if args.wan != "netns":
         from .runtime.transport import free_port
 
@@ -218,6 +229,12 @@ def _launch(args, extra_env, scenario, layout, backend) -> LaunchResult:
         return result
     finally:
         net.close()
+
+
+def _elastic(args: argparse.Namespace, scenario) -> bool:
+    from .runtime.elastic import min_regions_of
+
+    return min_regions_of(scenario, args.min_regions) > 0
 
 
 def _spawn_and_wait(args: argparse.Namespace, env: dict[str, str], argv: list[str], net, layout) -> LaunchResult:

@@ -70,6 +70,14 @@ def add_run_arguments(p: argparse.ArgumentParser, launcher: bool = False) -> Non
                    help="keep the newest K checkpoints (overrides reliability.keep_checkpoints)")
     p.add_argument("--resume", action="store_true",
                    help="continue the interrupted run in --out from its newest checkpoint (same command)")
+    p.add_argument("--min-regions", type=int, default=None, metavar="N",
+                   help="elastic regions: go on while at least N regions are alive (overrides "
+                   "reliability.min_regions; 0: a lost region stops the run)")  # fmt: skip
+    if not launcher:
+        p.add_argument("--region", default=None, metavar="NAME",
+                       help="elastic regions: the region these ranks train (default: $GEOMESH_REGION)")
+        p.add_argument("--lighthouse", default=None, metavar="http://HOST:PORT",
+                       help="elastic regions: the quorum service (default: $TORCHFT_LIGHTHOUSE)")
 
 
 def resolve_backend(name: str) -> str:
@@ -157,7 +165,13 @@ def _main(args: argparse.Namespace) -> int:
         rank, world, local = _env_int("RANK"), _env_int("WORLD_SIZE"), int(os.environ.get("LOCAL_RANK", "0"))
         _env_int("MASTER_PORT")
         counts = parse_ranks_per_region(args.ranks_per_region, len(scenario.regions))
-        layout = rank_layout(scenario, world, counts)
+        from .runtime.elastic import min_regions_of, region_layout
+
+        elastic = min_regions_of(scenario, args.min_regions) > 0
+        if elastic:  # every region is its own world (one torchrun per region); regions meet through torchft
+            layout = region_layout(scenario, args.region or os.environ.get(REGION_ENV), world)
+        else:
+            layout = rank_layout(scenario, world, counts)
         region = layout.names[layout.region_of(rank)]
         who = f"rank {rank} (region {region})"
         given = os.environ.get(REGION_ENV)
@@ -184,7 +198,8 @@ def _main(args: argparse.Namespace) -> int:
                            wan=args.wan, ranks_per_region=counts,
                            profiles=list(args.profile or []), save_params=args.save_params,
                            progress=not args.quiet, checkpoint_every=args.checkpoint_every,
-                           keep_checkpoints=args.keep, resume=args.resume)  # fmt: skip
+                           keep_checkpoints=args.keep, resume=args.resume, min_regions=args.min_regions,
+                           elastic_region=region if elastic else None, lighthouse=args.lighthouse)  # fmt: skip
         run = DistributedRun(scenario, method, opts)
         try:
             summary = run.run()

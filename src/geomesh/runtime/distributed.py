@@ -87,6 +87,9 @@ class DistOptions:
     checkpoint_every: int | None = None  # overrides reliability.checkpoint_every_rounds (0: none)
     keep_checkpoints: int | None = None  # overrides reliability.keep_checkpoints
     resume: bool = False  # continue from the newest checkpoint in out_dir (dist_checkpoint)
+    min_regions: int | None = None  # overrides reliability.min_regions (elastic regions: runtime/elastic.py)
+    elastic_region: str | None = None  # elastic: this world is this region's ranks only
+    lighthouse: str | None = None  # elastic: the quorum service (default $TORCHFT_LIGHTHOUSE)
 
 
 # ---- ranks and regions -----------------------------------------------------------------------------
@@ -224,7 +227,13 @@ class DistributedRun:
         else:
             self.device = torch.device("cpu")
         self.transport = Transport(self.device, self.backend, self.options.timeout_s)
-        self.layout = rank_layout(scenario, self.world, self.options.ranks_per_region)
+        if self.options.elastic_region is not None:  # elastic regions: this world is one region
+            from .elastic import region_layout
+
+            self.layout = region_layout(scenario, self.options.elastic_region, self.world)
+        else:
+            self.layout = rank_layout(scenario, self.world, self.options.ranks_per_region)
+        self.writes_summary = True  # elastic: only the leader of the lowest-numbered live region writes
         self.region = self.layout.region_of(self.rank)
         self.region_ranks = self.layout.ranks_of(self.region)
         self.leader = self.region_ranks[0]
@@ -325,7 +334,7 @@ class DistributedRun:
             vx, vy = corpus.val_batches(sc.proxy.seq_len, tr.eval_sequences)
             self.val_x, self.val_y = vx.to(self.device), vy.to(self.device)
             self.corpus = corpus  # for the zero-shot evaluation at the end
-            if self.out_dir is not None:
+            if self.out_dir is not None and self.options.elastic_region is None:  # elastic: runtime/elastic.py
                 self.telemetry = Telemetry(self.out_dir / "events.jsonl", append=self.options.resume)
 
     def _load_corpus_rank0_first(self, load: Callable[[], Any]) -> Any:
@@ -379,14 +388,18 @@ class DistributedRun:
                 from ..integrations.loggers import attach_logging
 
                 attach_logging(self)
-            if self.method.kind == "ddp":
+            if self.options.elastic_region is not None:
+                from .elastic import run_elastic
+
+                extra = run_elastic(self)
+            elif self.method.kind == "ddp":
                 from .dist_ddp import run_ddp
 
                 extra = run_ddp(self)
             else:
                 extra = self._run_outer()
             summary = None
-            if self.rank == 0:
+            if self.rank == 0 and self.writes_summary:
                 sc = self.scenario
                 extra["zero_shot"] = heldout_zero_shot(self.global_model, self.corpus, sc.proxy.seq_len,
                                                        sc.training.zero_shot_items)  # fmt: skip

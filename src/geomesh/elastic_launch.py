@@ -1,0 +1,123 @@
+"""``geomesh launch`` with elastic regions (``reliability.min_regions >= 1`` or ``--min-regions N``).
+
+The launcher hosts the quorum service (a torchft Lighthouse, in this process) and starts every region as its
+own ``torch.distributed`` world, exactly as a cluster runs one ``torchrun`` per region: per region a free
+rendezvous port (``MASTER_PORT``), ``RANK``/``WORLD_SIZE`` inside the region, ``GEOMESH_REGION``, and
+``TORCHFT_LIGHTHOUSE`` pointing at the Lighthouse. Ranks are numbered globally only in their log files
+(``DIR/logs/rank<k>.log``) and output prefixes.
+
+A region whose processes die does not stop the others: the launcher reports it (one ``warning:`` line per lost
+region) and waits for the rest. Exit status: 0 when the run finished (``summary.json`` written by a live
+region); 2 a user error seen by the ranks; 1 otherwise (the first failure named, as without elastic regions).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from .cli_launch import REGION_ENV, LaunchResult, RankExit, _kill, _rank_argv, _report
+
+
+def launch_elastic(args: argparse.Namespace, env: dict[str, str], scenario, layout) -> LaunchResult:
+    from .runtime.elastic import min_regions_of
+    from .runtime.membership import ADVERTISE_ENV, LIGHTHOUSE_ENV, start_lighthouse
+
+    min_regions = min_regions_of(scenario, args.min_regions)
+    lighthouse = start_lighthouse(min_regions, scenario.reliability.round_deadline_s, bind="[::]:0")
+    port = lighthouse.address().rsplit(":", 1)[-1].strip("/")
+    env = dict(env, **{LIGHTHOUSE_ENV: f"http://127.0.0.1:{port}", ADVERTISE_ENV: "127.0.0.1",
+                       "MASTER_ADDR": "127.0.0.1"})  # fmt: skip
+    env.setdefault("RUST_LOG", "error")  # torchft's own (Rust) logging: errors only
+    try:
+        return _spawn(args, env, _rank_argv(args, "shaper" if args.wan == "shaper" else "none"), layout)
+    finally:
+        lighthouse.shutdown()
+
+
+def _spawn(args: argparse.Namespace, env: dict[str, str], argv: list[str], layout) -> LaunchResult:
+    out = Path(args.out)
+    n = args.nproc
+    ranks = [RankExit(r) for r in range(n)]
+    regions = [layout.names[layout.region_of(k)] for k in range(n)]
+    procs: list[subprocess.Popen] = []
+    threads = []
+    lock = threading.Lock()
+
+    def pump(k: int, proc: subprocess.Popen) -> None:
+        with open(out / "logs" / f"rank{k}.log", "w") as log, proc.stdout:  # type: ignore[union-attr]
+            for line in proc.stdout:  # type: ignore[union-attr]
+                log.write(line)
+                log.flush()
+                ranks[k].tail.append(line.rstrip("\n"))
+                if not args.quiet:
+                    with lock:
+                        print(f"[rank {k} region {regions[k]}] {line}", end="", file=sys.stderr, flush=True)
+
+    started = time.perf_counter()
+    ports = {i: str(_free_port()) for i in range(len(layout.names))}
+    try:
+        for k in range(n):
+            i = layout.region_of(k)
+            local = layout.ranks_of(i).index(k)
+            size = len(layout.ranks_of(i))
+            rank_env = dict(env, RANK=str(local), LOCAL_RANK=str(local), WORLD_SIZE=str(size),
+                            LOCAL_WORLD_SIZE=str(size), MASTER_PORT=ports[i], **{REGION_ENV: regions[k]})  # fmt: skip
+            proc = subprocess.Popen(argv, env=rank_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                    start_new_session=True)  # fmt: skip
+            procs.append(proc)
+            t = threading.Thread(target=pump, args=(k, proc), daemon=True)
+            t.start()
+            threads.append(t)
+        done_at = None
+        while any(r.code is None for r in ranks):
+            for k, proc in enumerate(procs):
+                if ranks[k].code is None and proc.poll() is not None:
+                    ranks[k].code, ranks[k].at = proc.returncode, time.perf_counter() - started
+            if done_at is None and (out / "summary.json").exists():
+                done_at = time.perf_counter()
+            # the run is over (a live region wrote the summary): ranks still running get the timeout, then go
+            if done_at is not None and time.perf_counter() > done_at + args.timeout + 15:
+                for k, proc in enumerate(procs):
+                    if ranks[k].code is None:
+                        _kill(proc)
+                        ranks[k].code, ranks[k].killed = proc.returncode, True
+            time.sleep(0.05)
+    except KeyboardInterrupt:
+        for proc in procs:
+            _kill(proc)
+        return LaunchResult(130, None, ranks, "interrupted")
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                _kill(proc)
+        for t in threads:
+            t.join(timeout=5)
+    summary = None
+    try:
+        summary = json.loads((out / "summary.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        pass
+    finished = {regions[k] for k in range(n)} - {regions[k] for k in range(n) if ranks[k].code != 0}
+    if summary is None or not finished:
+        return _report(args, ranks, regions)
+    at_end = set((summary.get("elastic") or {}).get("regions_at_end") or [])
+    for name in sorted({regions[k] for k in range(n)} - finished, key=layout.names.index):
+        lost = [r for k, r in enumerate(ranks) if regions[k] == name]
+        how = ", ".join(f"rank {r.rank}: {r.describe()}" + (f" at {r.at:.1f}s" if r.at is not None else "")
+                        for r in lost)  # fmt: skip
+        then = ("it was restarted and rejoined" if name in at_end else "the run went on without it")
+        print(f"warning: region {name} was lost ({how}); {then}", file=sys.stderr, flush=True)
+    return LaunchResult(0, summary, ranks)
+
+
+def _free_port() -> int:
+    from .runtime.transport import free_port
+
+    return free_port()
+

@@ -1,0 +1,660 @@
+"""Elastic regions: the distributed runtime's round loop when regions may die, hang, fall behind and come back.
+
+With ``reliability.min_regions >= 1`` (or ``--min-regions``) every region is its own ``torch.distributed``
+world (its ranks only: one ``torchrun`` per region), and regions meet only through
+:class:`~geomesh.runtime.membership.Membership` (torchft: a quorum per round from the Lighthouse, a Gloo
+group reconfigured over the quorum's leaders, live recovery of a region that is behind). One round:
+
+1. **Quorum.** The region's leader asks for the round's quorum. A region that died is not in it (it stopped
+   heartbeating); one that hangs or is late is left out once ``reliability.round_deadline_s`` has passed; a
+   region behind the others (restarted, or back after missing rounds) first receives θ, the outer momentum
+   and the loop's state from a live region (torchft's checkpoint transport), then takes part with a fresh
+   AdamW and an empty error-feedback residual (a restarted process, as in the emulated runtime); its data
+   stream continues where it last reported it. Members all-gather a header (region, a hash of scenario,
+   method, seed and budget) over the quorum: a region whose hash differs from the others' stops with one
+   ``error:`` line. At the first round, regions wait (up to ``--timeout``) until every region is in.
+2. **Plan.** The live regions are planned with ``method.plan`` over the WAN that links them (re-planned only
+   when the set changes), as the emulated runtime does after a leave or join.
+3. **Inner steps** on every rank of every live region, the payload on its leader.
+4. **Exchange** over the quorum's leaders: an all-gather of payload + round info (sign codecs) or an
+   all-reduce of the weighted fp32 pseudo-gradient (dense codecs). If a member dies or passes the deadline
+   there, the survivors form a new quorum and exchange the payloads they already have: the lost region's
+   tokens of this round are counted as lost. Every leader screens every payload before combining any, and
+   applies the same outer step (payloads in scenario order, as the emulated runtime combines them).
+5. **Commit** (torchft's step = rounds done) and records: ``round`` (members, lost tokens), ``leave`` and
+   ``join`` events, spans, evaluations. The leader of the lowest-numbered live region writes
+   ``events.jsonl`` (every leader keeps the records; a leader that takes over rewrites the file) and, at
+   the end, ``summary.json``.
+
+The run goes on while at least ``min_regions`` regions form a quorum; with fewer, the quorum times out
+after ``--timeout`` seconds and the run stops with one ``error:`` line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..codec import Manifest
+from ..config import ConfigError
+from ..methods.base import payload_key
+from ..outer import OuterNesterov
+from ..planner import Plan
+from ..telemetry import Telemetry, _jsonable
+from ..worker import inner_lr
+from .emulated import RunError, _optimizer_finite, _poisoned, corrupt_payload, screen_payload
+from .membership import LIGHTHOUSE_ENV, ExchangeFailed, Membership, MembershipError
+from .transport import WanShaper
+
+ONE_ROUND = ("nan", "corrupt")
+FAULT_KINDS = ("slowdown", "leave", "join", "bandwidth", "nan", "corrupt")
+
+
+# ---- this world is one region --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RegionLayout:
+    """The layout of an elastic run as one region's world sees it: its own ranks, none of the others'."""
+
+    names: tuple[str, ...]
+    region: int
+    count: int
+
+    @property
+    def counts(self) -> tuple[int, ...]:
+        return tuple(self.count if i == self.region else 0 for i in range(len(self.names)))
+
+    @property
+    def world_size(self) -> int:
+        return self.count
+
+    def ranks_of(self, region: int) -> list[int]:
+        return list(range(self.count)) if region == self.region else []
+
+    def region_of(self, rank: int) -> int:
+        if 0 <= rank < self.count:
+            return self.region
+        raise ValueError(f"rank {rank} is outside region {self.names[self.region]}'s world of {self.count}")
+
+    @property
+    def leaders(self) -> list[int]:
+        return [0]
+
+    def to_json(self) -> dict[str, int]:
+        return {self.names[self.region]: self.count}
+
+
+def region_layout(scenario, region: str | None, world: int) -> RegionLayout:
+    names = tuple(r.name for r in scenario.regions)
+    if not region:
+        raise ConfigError("elastic regions (reliability.min_regions >= 1): every rank must know its region: "
+                          "give --region NAME or set $GEOMESH_REGION")  # fmt: skip
+    if region not in names:
+        raise ConfigError(f"region {region!r} (--region / $GEOMESH_REGION) is not in scenario {scenario.name}: "
+                          f"expected one of {', '.join(names)}")  # fmt: skip
+    return RegionLayout(names, names.index(region), world)
+
+
+def min_regions_of(scenario, override: int | None) -> int:
+    m = scenario.reliability.min_regions if override is None else override
+    n = len(scenario.regions)
+    if m < 0 or m > n:
+        raise ConfigError(f"min_regions {m}: expected 0 (not elastic) to {n} (the scenario's regions)")
+    return m
+
+
+class _Records:
+    """A telemetry sink that keeps every record (what a joining region receives and a new writer rewrites)."""
+
+    def __init__(self, records: list[dict[str, Any]]):
+        self.records = records
+
+    def write(self, record: dict[str, Any]) -> None:
+        self.records.append(json.loads(json.dumps(record, default=_jsonable)))
+
+    def close(self) -> None:
+        pass
+
+
+# ---- the loop -------------------------------------------------------------------------------------------
+
+
+class ElasticLoop:
+    def __init__(self, run):
+        self.run = run
+        sc, tr, method = run.scenario, run.scenario.training, run.method
+        if method.kind != "outer":
+            raise RunError(f"elastic regions (reliability.min_regions) run round-based methods (diloco, geomesh, "
+                           f"geomesh-balance-only, geomesh-sign-only), not {method.name}")  # fmt: skip
+        if run.options.resume or (run.options.checkpoint_every or 0) > 0:
+            raise RunError("elastic regions keep the run alive without checkpoints (a restarted region receives "
+                           "the state of a live one); --checkpoint-every/--resume are for non-elastic runs")  # fmt: skip
+        self.sc, self.tr, self.method = sc, tr, method
+        self.names = [r.name for r in sc.regions]
+        self.n = len(self.names)
+        self.me = run.region
+        self.min_regions = min_regions_of(sc, run.options.min_regions)
+        self.deadline_s = sc.reliability.round_deadline_s
+        self.params = {k: p.detach() for k, p in run.global_model.named_parameters()}
+        self.manifest = Manifest.from_tensors(self.params)
+        key = payload_key(sc)
+        self.codec = method.make_codec(self.manifest, sc, key=key)
+        self.combiner = method.make_codec(self.manifest, sc, key=key)
+        self.outer = OuterNesterov(self.params, lr=tr.outer_lr, momentum=tr.outer_momentum)
+        self.wan = sc.wan_model()
+        self.dense = method.collective == "all_reduce"
+        self.d = self.manifest.numel
+        self.seq = sc.proxy.seq_len
+        self.proxy_payload = self.combiner.payload_nbytes()
+        self.modeled_payload = method.modeled_payload_bytes(sc, self.manifest)
+        self.profiles = run._profiles()
+        from .. import checkpoint as ckpt
+
+        self.job_hash = ckpt.fingerprint_hash(ckpt.fingerprint(sc.to_dict(), method.name, run.seed, run.budget))
+        self.records: list[dict[str, Any]] = []
+        self.stats = {"rounds_without": dict.fromkeys(self.names, 0), "tokens_lost": dict.fromkeys(self.names, 0),
+                      "leaves": 0, "joins": 0}  # fmt: skip
+        self.faults: list[dict[str, Any]] = []
+        self.streams: dict[str, dict] = {}
+        self.members: list[int] | None = None  # last round's
+        self.slowdown = {i: 1.0 for i in range(self.n)}
+        self.bandwidth = {i: 1.0 for i in range(self.n)}
+        self.away: set[int] = set()  # regions out of the run by a scheduled `leave` until their `join`
+        self.written = -1  # records already in events.jsonl (-1: this leader has not written it)
+        self.healed_state: dict | None = None
+        self.membership: Membership | None = None
+
+    # ---- torchft's recovery: what a live region sends, and how a joiner loads it ---------------------
+    def state_dict(self) -> dict[str, Any]:
+        run, tel = self.run, self.run.telemetry
+        return {
+            "params": {k: v.detach().cpu().clone() for k, v in self.params.items()},
+            "outer": self.outer.state_dict(),
+            "run": {"rounds": run.rounds, "tokens_done": run.tokens_done, "plans": [p.to_json() for p in run.plans],
+                    "records": list(self.records), "totals": {w: dict(t) for w, t in tel.totals.items()},
+                    "evals": list(tel.evals), "counters": dict(tel.counters), "run_totals": dict(run.totals),
+                    "stats": json.loads(json.dumps(self.stats)), "faults": list(self.faults),
+                    "streams": dict(self.streams), "members": list(self.members or []), "now": run._now(),
+                    "slowdown": dict(self.slowdown), "bandwidth": dict(self.bandwidth)},
+        }  # fmt: skip
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.healed_state = state  # applied by the main thread (and shared with the region's ranks)
+
+    def _apply_healed(self, state: dict[str, Any]) -> None:
+        run = self.run
+        with torch.no_grad():
+            for k, v in self.params.items():
+                v.copy_(state["params"][k].to(v.device))
+        self.outer.load_state_dict({**state["outer"], "buf": {k: t.to(self.params[k].device)
+                                                              for k, t in state["outer"]["buf"].items()}})  # fmt: skip
+        s = state["run"]
+        run.rounds, run.tokens_done = int(s["rounds"]), int(s["tokens_done"])
+        run.plans = [Plan.from_json(p) for p in s["plans"]]
+        self.stats = s["stats"]
+        self.faults[:] = s["faults"]
+        self.streams = dict(s["streams"])
+        self.members = list(s["members"])
+        self.slowdown = {int(k): float(v) for k, v in s["slowdown"].items()}
+        self.bandwidth = {int(k): float(v) for k, v in s["bandwidth"].items()}
+        run._t0 = time.perf_counter() - float(s["now"])  # this region's clock joins the others'
+        run._cursor = float(s["now"])
+        run._spans = []
+        if run.is_leader:
+            self.records[:] = s["records"]
+            tel = run.telemetry
+            tel.totals.clear()
+            for w, t in s["totals"].items():
+                tel.totals[w] = dict(t)
+            tel.evals[:] = s["evals"]
+            tel.counters.clear()
+            tel.counters.update(s["counters"])
+            run.totals.update(s["run_totals"])
+        # a restarted process: fresh AdamW, empty residual; the data stream goes on where it last reported
+        run.worker.optimizer.state.clear()
+        if hasattr(self.codec, "reset_residual"):
+            self.codec.reset_residual()
+        mine = self.streams.get(self.names[self.me])
+        if mine is not None:
+            run.worker.stream.load_state_dict(mine)
+
+    # ---- helpers -------------------------------------------------------------------------------------
+    def _share(self, obj: Any, what: str) -> Any:
+        """The leader's ``obj`` on every rank of the region."""
+        if self.run.world == 1:
+            return obj
+        return self.run.transport.broadcast_object(obj, src=0, what=what)
+
+    def _emit(self, record: dict[str, Any]) -> None:
+        if self.run.is_leader:
+            self.run.telemetry.emit(record)
+
+    def _wan(self, members: list[int]):
+        wan = self.wan
+        for i, f in self.bandwidth.items():
+            if f != 1.0:
+                wan = wan.scaled_bandwidth(i, f)
+        return wan.subset(members)
+
+    def _plan(self, members: list[int]) -> Plan:
+        wan = self._wan(members)
+        exchange_s, _ = self.method.exchange(wan, self.modeled_payload)
+        profiles = [self.profiles[i] for i in members]
+        for p, i in zip(profiles, members):
+            p.slowdown = self.sc.regions[i].slowdown * self.slowdown[i]
+        return self.method.plan(self.sc, profiles, exchange_bytes=self.modeled_payload, exchange_s=exchange_s)
+
+    # ---- membership -----------------------------------------------------------------------------------
+    def _connect(self) -> None:
+        run = self.run
+        lighthouse = run.options.lighthouse or os.environ.get(LIGHTHOUSE_ENV)
+        if not lighthouse:
+            raise ConfigError(f"elastic regions need the quorum service's address: --lighthouse http://HOST:PORT or "
+                              f"${LIGHTHOUSE_ENV} (`geomesh launch` starts one and sets it)")  # fmt: skip
+        try:
+            self.membership = Membership(
+                region=self.me, name=self.names[self.me], lighthouse=lighthouse, min_regions=self.min_regions,
+                deadline_s=self.deadline_s, quorum_timeout_s=run.options.timeout_s, state_dict=self.state_dict,
+                load_state_dict=self.load_state_dict, store_addr=os.environ.get("MASTER_ADDR", "127.0.0.1"),
+                store_port=int(os.environ.get("MASTER_PORT", "29500")),
+            )  # fmt: skip
+        except MembershipError as exc:
+            raise RunError(str(exc)) from None
+
+    def _quorum(self, first: bool) -> dict[str, Any]:
+        """(leader) Join the round's quorum and learn its members; retried until a header exchange works."""
+        m = self.membership
+        startup_until = time.monotonic() + self.run.options.timeout_s
+        while True:
+            healed, _ = m.quorum()
+            try:
+                wait = first and not healed and time.monotonic() < startup_until
+                headers = m.all_gather_object({"region": self.me, "hash": self.job_hash, "wait": wait})
+            except ExchangeFailed as exc:
+                m.report(exc)
+                continue
+            self._check_hashes(headers)
+            members = sorted(h["region"] for h in headers)
+            if healed:
+                first = False
+            if len(members) < self.n and all(h["wait"] for h in headers):
+                time.sleep(0.3)  # the first round: wait for every region to come up
+                continue
+            return {"members": members, "healed": healed}
+
+    def _check_hashes(self, headers: list[dict[str, Any]]) -> None:
+        counts: dict[str, int] = {}
+        for h in headers:
+            counts[h["hash"]] = counts.get(h["hash"], 0) + 1
+        if len(counts) == 1:
+            return
+        first = {h["hash"]: h["region"] for h in sorted(headers, key=lambda h: -h["region"])}
+        common = max(counts, key=lambda k: (counts[k], -first[k]))
+        if self.job_hash != common:
+            others = [self.names[h["region"]] for h in headers if h["hash"] == common]
+            raise RunError(f"region {self.names[self.me]} runs a different scenario, method, seed or token budget "
+                           f"(hash {self.job_hash}) than regions {', '.join(others)} (hash {common}); start every "
+                           f"region with the same command and scenario file")  # fmt: skip
+
+    # ---- faults from the scenario -----------------------------------------------------------------------
+    def _faults(self, round_index: int, members: list[int]) -> dict[int, set[str]]:
+        """The scenario's faults at this round (0-based ``at_round``, as in the emulated runtime)."""
+        once: dict[int, set[str]] = {}
+        for f in self.sc.faults:
+            if f.at_round != round_index or f.kind not in FAULT_KINDS:
+                continue
+            i = self.names.index(f.region)
+            record = {"round": round_index, "time": self.run._now(), "region": f.region, "kind": f.kind,
+                      "factor": f.factor, "tokens_lost": 0}  # fmt: skip
+            if f.kind == "slowdown":
+                self.slowdown[i] *= f.factor
+                if i == self.me:
+                    self.run.worker.slowdown = self.sc.regions[i].slowdown * self.slowdown[i]
+            elif f.kind == "bandwidth":
+                self.bandwidth[i] *= f.factor
+            elif f.kind in ONE_ROUND:
+                if i in members:
+                    once.setdefault(i, set()).add(f.kind)
+                else:
+                    record["ignored"] = "the region is not in this round"
+            elif f.kind == "leave":
+                self.away.add(i)
+            elif f.kind == "join" and i in self.away:
+                self.away.discard(i)
+                if i == self.me:  # back as a restarted process would be: fresh AdamW, empty residual
+                    self.run.worker.optimizer.state.clear()
+                    if hasattr(self.codec, "reset_residual"):
+                        self.codec.reset_residual()
+            self.faults.append(record)
+            self._emit({"type": "fault", **{k: v for k, v in record.items() if k != "tokens_lost"}})
+        return once
+
+    # ---- the run ----------------------------------------------------------------------------------------
+    def run_loop(self) -> dict[str, Any]:
+        run, method, tr = self.run, self.method, self.tr
+        if run.is_leader:
+            run.telemetry = Telemetry(None, sinks=[_Records(self.records)])
+            self._connect()
+            self._emit({"type": "run", "runtime": "distributed", "method": method.name, "scenario": self.sc.name,
+                        "seed": run.seed, "tokens_budget": run.budget, "model": run.model_name,
+                        "model_params": run.global_model.num_params(), "workers": self.names,
+                        "backend": run.backend, "wan": run.options.wan, "elastic": True,
+                        "min_regions": self.min_regions, "round_deadline_s": self.deadline_s})  # fmt: skip
+        run.transport.barrier(None, what="the start barrier")
+        run._t0, run._cursor = time.perf_counter(), 0.0
+        plan, planned_for, first = None, None, True
+        applied_faults = -1
+        while True:
+            # 1. quorum
+            ctrl = None
+            if run.is_leader:
+                ctrl = self._quorum(first)
+                ctrl["state"] = self.healed_state if ctrl["healed"] else None
+                self.healed_state = None
+            ctrl = self._share(ctrl, "the round's quorum")
+            run._mark("straggler_wait")  # waiting for the round's quorum: for the slowest live region
+            first = False
+            if ctrl["healed"]:
+                self._apply_healed(ctrl["state"])
+                planned_for = None
+                if run.is_leader:  # an operator wants to see this one even with --quiet
+                    print(f"region {self.names[self.me]}: joined at round {run.rounds + 1} with the state of a live "
+                          f"region", flush=True)  # fmt: skip
+            if run.tokens_done >= run.budget:
+                break
+            r = run.rounds  # 0-based index of this round (fault schedule), round records count from 1
+            once = self._faults(r, ctrl["members"]) if applied_faults < r else {}
+            applied_faults = r
+            # a region away by a scheduled `leave` stays connected (θ in step) but trains and sends nothing
+            members = [i for i in ctrl["members"] if i not in self.away]
+            if not members:
+                raise RunError(f"round {r + 1}: every live region is away (the scenario's leave faults)")
+            self._membership_events(members)
+            if planned_for != members:
+                plan = self._plan(members)
+                run.plans.append(plan)
+                self._emit({"type": "plan", "round": r, "time": run._now(), "plan": plan.to_json(),
+                            "members": [self.names[i] for i in members]})  # fmt: skip
+                planned_for = list(members)
+            entries = {i: plan.worker(self.names[i]) for i in members}
+            steps = {i: entries[i].inner_steps for i in members}
+            round_tokens = sum(entries[i].batch * steps[i] for i in members) * self.seq
+            remaining = run.budget - run.tokens_done
+            if round_tokens > remaining:  # the last round is shortened, as in the emulated runtime
+                steps = {i: max(1, round(h * remaining / round_tokens)) for i, h in steps.items()}
+                round_tokens = sum(entries[i].batch * steps[i] for i in members) * self.seq
+            planned = {i: entries[i].batch * steps[i] * self.seq for i in members}
+            # 2. inner steps
+            run._mark("other")
+            round_start = run._cursor
+            payload = None
+            if self.me in members:
+                wp, h, start = entries[self.me], steps[self.me], run.tokens_done
+
+                def lr_at(k: int, h: int = h, start: int = start, total: int = round_tokens) -> float:
+                    return inner_lr(start + k / h * total, run.budget, tr)
+
+                with _poisoned(run.worker, "nan" in once.get(self.me, ())):
+                    payload, _ = method.local_phase(run.worker, h, wp.batch, self.params, self.codec, lr_at)
+                if payload is None and not _optimizer_finite(run.worker.optimizer):
+                    run.worker.optimizer.state.clear()  # one bad round must not poison the next ones
+                if payload is not None and "corrupt" in once.get(self.me, ()):
+                    payload = corrupt_payload(payload)
+            run._mark("compute")
+            compute_s = run._cursor - round_start
+            # 3. exchange over the quorum's leaders
+            result = None
+            if run.is_leader:
+                info = {"region": self.me, "active": self.me in members, "compute_s": compute_s,
+                        "spans": run._spans, "stream": run.worker.stream.state_dict(),
+                        "crc": _crc(self.params)}  # fmt: skip
+                run._spans = []
+                result = self._exchange(payload, info, members)
+            result = self._share(result, "the round's exchange")
+            if result.get("healed"):  # this region fell behind during the exchange: the round is not ours
+                self._apply_healed(result["state"])
+                planned_for = None
+                continue
+            run._mark("comm_wait")
+            self._apply(result)
+            self._end_round(result, members, planned, compute_s)
+        return self._finish()
+
+    def _say(self, text: str) -> None:
+        if self.run.is_leader and self.run.options.progress:
+            print(f"[{self.method.name}] region {self.names[self.me]}: {text}", flush=True)
+
+    def _exchange(self, payload: bytes | None, info: dict[str, Any], members: list[int]) -> dict[str, Any]:
+        """(leader) The all-gather (or all-reduce) over the quorum; on a failure the survivors form a new
+        quorum and exchange what they have. Returns what every rank needs to apply the round."""
+        m, run = self.membership, self.run
+        t0 = time.perf_counter()
+        sent_before = 0
+        while True:
+            try:
+                since = time.perf_counter()
+                if self.dense:
+                    flat = torch.zeros(self.d + 1, dtype=torch.float32)
+                    if payload is not None and screen_payload(self.combiner, payload) is None:
+                        decoded = self.combiner.decode(payload)
+                        w = decoded.tokens / 2**20 if self.combiner.weighting == "tokens" else 1.0
+                        torch.cat([t.reshape(-1).float() for t in decoded.tensors.values()], out=flat[: self.d])
+                        flat[: self.d].mul_(w)
+                        flat[self.d] = w
+                    infos = m.all_gather_object({**info, "sent": payload is not None})
+                    m.all_reduce_sum(flat)
+                    sent_before += 4 * (self.d + 1)
+                    gathered = None
+                else:
+                    envelopes = m.all_gather_object({**info, "payload": payload})
+                    infos = [{k: v for k, v in e.items() if k != "payload"} for e in envelopes]
+                    gathered = {e["region"]: e["payload"] for e in envelopes}
+                    sent_before += self.proxy_payload
+                    flat = None
+                who = sorted(i["region"] for i in infos)
+                WanShaper(self._wan(who), run.options.wan).hold(self._shaper_s(who), since)
+                break
+            except ExchangeFailed as exc:
+                m.report(exc)
+                self._say(f"exchange failed ({exc}); re-forming the quorum without the lost region(s)")
+                try:
+                    ctrl = self._quorum(first=False)
+                except MembershipError as err:
+                    raise RunError(str(err)) from None
+                if ctrl["healed"]:  # the others finished this round without us
+                    state, self.healed_state = self.healed_state, None
+                    return {"healed": True, "state": state}
+        if not m.commit():
+            raise RunError(f"round {run.rounds + 1}: torchft did not commit the round (fewer than "
+                           f"{self.min_regions} region(s) took part)")  # fmt: skip
+        crcs = {i["crc"] for i in infos}
+        if len(crcs) > 1:
+            detail = ", ".join(f"{self.names[i['region']]}: {i['crc']}" for i in infos)
+            raise RunError(f"round {run.rounds + 1}: the regions hold different global parameters ({detail})")
+        return {"infos": sorted(infos, key=lambda i: i["region"]), "payloads": gathered, "flat": flat,
+                "comm_s": time.perf_counter() - t0, "wan_bytes": sent_before}  # fmt: skip
+
+    def _shaper_s(self, members: list[int]) -> float:
+        """What the WAN shaper holds this exchange to (0 without a shaper or with a single region)."""
+        if len(members) < 2:
+            return 0.0
+        shaper = WanShaper(self._wan(members), self.run.options.wan)
+        if self.dense:
+            return shaper.allreduce_s(4 * (self.d + 1))
+        return shaper.allgather_s(self.proxy_payload)
+
+    def _apply(self, result: dict[str, Any]) -> None:
+        """The outer step from the exchanged bytes (every rank of every live region does the same)."""
+        run = self.run
+        result["rejected"], result["dropped"] = [], []
+        if self.dense:
+            flat = result["flat"]
+            if float(flat[self.d]) > 0:
+                update = flat[: self.d].div(flat[self.d]).to(next(iter(self.params.values())).device)
+                self.outer.step({s.name: update[o : o + s.numel].view(s.shape)
+                                 for s, o in zip(self.manifest, self.manifest.offsets)})  # fmt: skip
+            result["dropped"] = [i["region"] for i in result["infos"] if i["active"] and not i["sent"]]
+            return
+        arrived = []
+        active = {i["region"] for i in result["infos"] if i["active"]}
+        for i in sorted(result["payloads"]):  # scenario order: the emulated runtime's combine order
+            payload = result["payloads"][i]
+            if payload is None:
+                if i in active:
+                    result["dropped"].append(i)
+                continue
+            reason = screen_payload(self.combiner, payload)
+            if reason is None:
+                arrived.append(payload)
+            else:
+                result["rejected"].append((i, reason))
+        if arrived:
+            device = next(iter(self.params.values())).device
+            self.outer.step(self.combiner.combine(arrived, device=device))
+        del run
+
+    def _membership_events(self, members: list[int]) -> None:
+        """``leave``/``join`` records when the quorum differs from the last round's."""
+        run = self.run
+        if self.members is not None:
+            for i in sorted(set(self.members) - set(members)):
+                self.stats["leaves"] += 1
+                self._emit({"type": "leave", "round": run.rounds + 1, "time": run._now(), "region": self.names[i],
+                            "reason": "not in the round's quorum (died, hung or late)"})  # fmt: skip
+            for i in sorted(set(members) - set(self.members)):
+                self.stats["joins"] += 1
+                self._emit({"type": "join", "round": run.rounds + 1, "time": run._now(), "region": self.names[i]})
+        self.members = list(members)
+
+    def _end_round(self, result: dict[str, Any], members: list[int], planned: dict[int, int],
+                   compute_s: float) -> None:  # fmt: skip
+        run, names = self.run, self.names
+        infos = result["infos"]
+        took_part = [i["region"] for i in infos if i["active"]]
+        lost: dict[int, int] = {}
+        for i in members:
+            if i not in took_part:  # lost during the round: its tokens never reached θ
+                lost[i] = planned[i]
+                self.stats["leaves"] += 1
+                self._emit({"type": "leave", "round": run.rounds + 1, "time": run._now(), "region": names[i],
+                            "reason": "lost during the round's exchange", "tokens_lost": planned[i]})  # fmt: skip
+        for i, reason in result["rejected"]:
+            lost[i] = planned[i]
+            run.telemetry.count("rejected_payloads")
+            self._emit({"type": "warning", "round": run.rounds + 1, "worker": names[i],
+                        "message": f"payload rejected: {reason}; its update is dropped this round"})  # fmt: skip
+        for i in result["dropped"]:
+            lost[i] = planned[i]
+            run.telemetry.count("dropped_updates")
+            self._emit({"type": "warning", "round": run.rounds + 1, "worker": names[i],
+                        "message": "non-finite loss, parameters or pseudo-gradient; its update is dropped"})  # fmt: skip
+        self.members = [i for i in members if i in took_part]
+        for i in range(self.n):
+            if i not in took_part:
+                self.stats["rounds_without"][names[i]] += 1
+        for i, t in lost.items():
+            self.stats["tokens_lost"][names[i]] += t
+        for f in self.faults:
+            if f["round"] == run.rounds and f["kind"] in ONE_ROUND and "ignored" not in f:
+                f["tokens_lost"] = lost.get(names.index(f["region"]), 0)
+        useful = sum(planned[i] for i in took_part if i not in lost)
+        run.tokens_done += useful
+        run.rounds += 1
+        for i in infos:
+            self.streams[names[i["region"]]] = i["stream"]
+        if run.is_leader:
+            for i in infos:
+                for kind, a, b, r in i["spans"]:
+                    run.telemetry.span(names[i["region"]], kind, a, b, r)
+            run._mark("other")
+            t = run.totals
+            t["bytes_sent"] += result["wan_bytes"] * len(infos)
+            t["proxy_bytes_sent"] += self.proxy_payload * (len(took_part) - len(result["dropped"]))
+            t["comm_s"] += result["comm_s"]
+            self._emit({"type": "round", "round": run.rounds, "time": run._now(), "tokens": run.tokens_done,
+                        "members": [names[i] for i in took_part], "compute_s": [i["compute_s"] for i in infos],
+                        "exchange_s": result["comm_s"], "bytes_sent": result["wan_bytes"] * len(infos),
+                        "tokens_lost": {names[i]: t for i, t in lost.items()}})  # fmt: skip
+            if run.rounds % self.tr.eval_every_rounds == 0 or run.tokens_done >= run.budget:
+                run._evaluate(run._now())
+            self._write_events(took_part)
+
+    def _writer(self, took_part: list[int]) -> bool:
+        return self.run.is_leader and self.run.out_dir is not None and min(took_part) == self.me
+
+    def _write_events(self, took_part: list[int]) -> None:
+        """The lowest-numbered live region's leader keeps ``events.jsonl`` (a new writer rewrites it whole)."""
+        if not self._writer(took_part):
+            self.written = -1
+            return
+        path = Path(self.run.out_dir) / "events.jsonl"
+        lines = [json.dumps(r, allow_nan=False) + "\n" for r in self.records]
+        if self.written < 0:
+            tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+            tmp.write_text("".join(lines))
+            os.replace(tmp, path)
+        else:
+            with open(path, "a") as f:
+                f.write("".join(lines[self.written :]))
+        self.written = len(lines)
+
+    def _finish(self) -> dict[str, Any]:
+        run = self.run
+        run._mark("other")
+        final = [self.me]
+        checksums = {self.names[self.me]: _crc(self.params)}
+        if run.is_leader and self.membership is not None:
+            for kind, a, b, r in run._spans:
+                run.telemetry.span(self.names[self.me], kind, a, b, r)
+            run._spans = []
+            try:  # every live region's checksum of θ at the end (equal: they applied the same updates)
+                ends = self.membership.all_gather_object({"region": self.me, "crc": checksums[self.names[self.me]]})
+                final = sorted(e["region"] for e in ends)
+                checksums = {self.names[e["region"]]: e["crc"] for e in sorted(ends, key=lambda e: e["region"])}
+            except ExchangeFailed:
+                pass
+            self._write_events(final)
+            self.membership.shutdown()
+        writer = self._writer(final) if run.is_leader else False
+        run.writes_summary = bool(writer)
+        run._end_s = run._now()
+        run.final_checksums = list(checksums.values())
+        st = self.stats
+        return {
+            "payload_bytes_per_worker": 4 * (self.d + 1) if self.dense else self.proxy_payload,
+            "proxy_payload_bytes": self.proxy_payload,
+            "timing_payload_bytes_per_worker": self.modeled_payload,
+            "exchange_s_per_round": run.totals["comm_s"] / max(run.rounds, 1),
+            "shaper_s_per_round": self._shaper_s(final),
+            "collective": self.method.collective,
+            "status": "complete",
+            "world_size": None,
+            "ranks_per_region": None,
+            "elastic": {"min_regions": self.min_regions, "round_deadline_s": self.deadline_s,
+                        "regions_at_end": [self.names[i] for i in final], "leaves": st["leaves"],
+                        "joins": st["joins"], "rounds_without": st["rounds_without"],
+                        "tokens_lost": st["tokens_lost"]},  # fmt: skip
+            "rounds_without": st["rounds_without"],
+            "tokens_lost": sum(st["tokens_lost"].values()),
+            "faults": self.faults,
+            "param_checksums": checksums,
+            "rejected_payloads": int(run.telemetry.counters.get("rejected_payloads", 0)),
+        }
+
+
+def _crc(params: dict[str, torch.Tensor]) -> str:
+    from .distributed import params_checksum
+
+    return params_checksum(params)
+
+
+def run_elastic(run) -> dict[str, Any]:
+    """The elastic round loop on this rank (see the module docstring); returns the summary's extra fields."""
+    return ElasticLoop(run).run_loop()

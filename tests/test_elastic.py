@@ -1,0 +1,243 @@
+"""Elastic regions in the distributed runtime (torchft Lighthouse + Manager, one replica group per region).
+
+Real ``geomesh launch`` runs of 3 regions over Gloo on this machine: one region's processes are SIGKILLed in
+the middle of the run (found by ``GEOMESH_REGION`` in their environment, as an operator would), the two
+survivors finish; the same with the killed region restarted with its original command, which rejoins with
+the live regions' state; faults from the scenario on real processes; bad input.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from conftest import tiny_scenario_dict
+
+from geomesh import cli_launch
+from geomesh.telemetry import read_events
+
+SRC = str(Path(__file__).resolve().parents[1] / "src")
+TAG_ENV = "GEOMESH_TEST_TAG"
+
+
+def scenario(folder: Path, paths: list[str], slowdown: float = 1.0, faults=None, **reliability) -> Path:
+    data = tiny_scenario_dict(paths, ("H100", "A100", "T4"))
+    for region in data["regions"]:
+        region["slowdown"] = slowdown  # inner steps padded with sleep: longer rounds that cost no CPU
+    data["reliability"] = {"min_regions": 2, "round_deadline_s": 20, **reliability}
+    if faults:
+        data["faults"] = faults
+    path = folder / "scenario.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def argv(path: Path, out: Path, tokens: int, method: str = "geomesh-sign-only") -> list[str]:
+    # the sign codec on DiLoCo's plan (b=4, H=5 per region): the same rounds whatever the planner's tuning
+    return ["launch", str(path), "--nproc", "3", "--method", method, "--out", str(out), "--tokens", str(tokens),
+            "--save-params", "--quiet", "--wan", "none", "--timeout", "90"]  # fmt: skip
+
+
+def processes(tag: str, region: str | None = None) -> list[int]:
+    """Processes whose environment carries ``tag`` (and ``GEOMESH_REGION=region``, when given)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            env = (entry / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"{TAG_ENV}={tag}".encode() in env and (region is None or f"GEOMESH_REGION={region}".encode() in env):
+            found.append(int(entry.name))
+    return found
+
+
+def start(cmd: list[str], tag: str, out: Path) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": SRC, "OMP_NUM_THREADS": "1", TAG_ENV: tag}
+    return subprocess.Popen([sys.executable, "-m", "geomesh.cli", *cmd], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+
+
+def wait_for_round(out: Path, proc: subprocess.Popen, k: int, timeout: float = 180) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        assert time.monotonic() < deadline, f"round {k} never ended"
+        try:
+            if any(e["type"] == "round" and e["round"] >= k for e in read_events(out / "events.jsonl")):
+                return
+        except (OSError, json.JSONDecodeError):
+            pass
+        time.sleep(0.05)
+
+
+def kill_region(tag: str, region: str) -> list[dict]:
+    """SIGKILL every process of ``region``; returns how each was started (command line, environment, folder)."""
+    pids = processes(tag, region)
+    assert pids, f"no process of region {region}"
+    started = []
+    for pid in pids:
+        proc = Path("/proc") / str(pid)
+        cmdline = [a.decode() for a in (proc / "cmdline").read_bytes().split(b"\0") if a]
+        env = dict(kv.decode().split("=", 1) for kv in (proc / "environ").read_bytes().split(b"\0") if b"=" in kv)
+        started.append({"cmd": cmdline, "env": env, "cwd": os.readlink(proc / "cwd")})
+        os.kill(pid, signal.SIGKILL)
+    return started
+
+
+def test_a_killed_region_is_left_out_and_the_survivors_finish(tmp_path, small_corpus):
+    path = scenario(tmp_path, small_corpus, slowdown=2.0)
+    out, tag = tmp_path / "run", uuid.uuid4().hex
+    proc = start(argv(path, out, 7680 * 2), tag, out)  # 8 rounds of the three regions
+    try:
+        wait_for_round(out, proc, 2)
+        kill_region(tag, "r1-a100")
+        stdout, stderr = proc.communicate(timeout=240)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, stderr[-3000:]
+    assert "warning: region r1-a100 was lost (rank 1: killed by SIGKILL" in stderr
+    summary = json.loads((out / "summary.json").read_text())
+    events = read_events(out / "events.jsonl")
+    leaves = [e for e in events if e["type"] == "leave"]
+    assert [e["region"] for e in leaves] == ["r1-a100"] and leaves[0]["round"] >= 3
+    el = summary["elastic"]
+    assert el["regions_at_end"] == ["r0-h100", "r2-t4"] and el["leaves"] == 1 and el["joins"] == 0
+    # every round from the one it was lost in went on without it; what it trained then is lost
+    without = [e for e in events if e["type"] == "round" and "r1-a100" not in e["members"]]
+    assert el["rounds_without"]["r1-a100"] == len(without) >= 1
+    assert without[0]["round"] == leaves[0]["round"]
+    assert el["tokens_lost"]["r1-a100"] == sum(e["tokens_lost"].get("r1-a100", 0) for e in events
+                                               if e["type"] == "round")  # fmt: skip
+    assert el["tokens_lost"]["r1-a100"] == leaves[0].get("tokens_lost", 0)
+    assert summary["tokens"] >= 7680 * 2 and summary["final_val_loss"] is not None
+    checksums = summary["param_checksums"]
+    assert list(checksums) == ["r0-h100", "r2-t4"] and len(set(checksums.values())) == 1
+    assert not processes(tag)
+
+
+def test_a_restarted_region_rejoins_with_the_live_state(tmp_path, small_corpus):
+    path = scenario(tmp_path, small_corpus, slowdown=3.0)
+    out, tag = tmp_path / "run", uuid.uuid4().hex
+    proc = start(argv(path, out, 7680 * 5), tag, out)  # 20 rounds
+    restarted = []
+    try:
+        wait_for_round(out, proc, 2)
+        for p in kill_region(tag, "r2-t4"):  # then start it again, exactly as it was started
+            restarted.append(subprocess.Popen(p["cmd"], env=p["env"], cwd=p["cwd"], stdout=subprocess.PIPE,
+                                              stderr=subprocess.STDOUT, text=True))  # fmt: skip
+        stdout, stderr = proc.communicate(timeout=300)
+        logs = [r.communicate(timeout=120)[0] for r in restarted]
+    finally:
+        proc.kill()
+        for r in restarted:
+            r.kill()
+    assert proc.returncode == 0, stderr[-3000:]
+    assert [r.returncode for r in restarted] == [0], logs[0][-3000:]
+    assert "joined at round" in logs[0]
+    summary = json.loads((out / "summary.json").read_text())
+    events = read_events(out / "events.jsonl")
+    leave = [e for e in events if e["type"] == "leave"]
+    join = [e for e in events if e["type"] == "join"]
+    assert [e["region"] for e in leave] == ["r2-t4"] and [e["region"] for e in join] == ["r2-t4"]
+    assert join[0]["round"] > leave[0]["round"]
+    rounds = [e for e in events if e["type"] == "round"]
+    assert "r2-t4" in rounds[-1]["members"]  # planned and exchanging again
+    plans = [e for e in events if e["type"] == "plan"]
+    assert [p["members"] for p in plans][-1] == ["r0-h100", "r1-a100", "r2-t4"]
+    el = summary["elastic"]
+    assert el["regions_at_end"] == ["r0-h100", "r1-a100", "r2-t4"] and el["joins"] == 1
+    assert el["rounds_without"]["r2-t4"] == join[0]["round"] - leave[0]["round"]
+    checksums = summary["param_checksums"]  # every region's θ at the end, the rejoined one's too
+    assert len(checksums) == 3 and len(set(checksums.values())) == 1
+
+
+def test_scenario_faults_on_real_processes(tmp_path, small_corpus):
+    """slowdown, bandwidth, nan, corrupt and a scheduled leave/join, recorded as the emulated runtime does."""
+    faults = [{"at_round": 1, "region": "r0-h100", "kind": "slowdown", "factor": 2.0},
+              {"at_round": 1, "region": "r2-t4", "kind": "bandwidth", "factor": 0.5},
+              {"at_round": 2, "region": "r1-a100", "kind": "nan"},
+              {"at_round": 3, "region": "r2-t4", "kind": "corrupt"},
+              {"at_round": 4, "region": "r1-a100", "kind": "leave"},
+              {"at_round": 6, "region": "r1-a100", "kind": "join"}]  # fmt: skip
+    path = scenario(tmp_path, small_corpus, faults=faults)
+    out = tmp_path / "run"
+    args = cli_launch.build_parser().parse_args(argv(path, out, 7680 * 2))
+    result = cli_launch.launch(args, extra_env={"OMP_NUM_THREADS": "1"})
+    assert result.code == 0, result.message
+    summary = result.summary
+    kinds = [(f["kind"], f["region"], f["round"]) for f in summary["faults"]]
+    assert kinds == [("slowdown", "r0-h100", 1), ("bandwidth", "r2-t4", 1), ("nan", "r1-a100", 2),
+                     ("corrupt", "r2-t4", 3), ("leave", "r1-a100", 4), ("join", "r1-a100", 6)]  # fmt: skip
+    by_kind = {f["kind"]: f for f in summary["faults"]}
+    one_round = 4 * 5 * 32  # b=4, H=5, 32 tokens per sequence
+    assert by_kind["nan"]["tokens_lost"] == one_round and by_kind["corrupt"]["tokens_lost"] == one_round
+    assert summary["dropped_updates"] == 1 and summary["rejected_payloads"] == 1
+    events = read_events(out / "events.jsonl")
+    assert [(e["region"], e["round"]) for e in events if e["type"] == "leave"] == [("r1-a100", 5)]
+    assert [(e["region"], e["round"]) for e in events if e["type"] == "join"] == [("r1-a100", 7)]
+    assert summary["elastic"]["rounds_without"]["r1-a100"] == 2
+    assert [e["kind"] for e in events if e["type"] == "fault"] == [k for k, _, _ in kinds]
+    assert len(set(summary["param_checksums"].values())) == 1
+
+
+def test_elastic_run_without_faults_equals_the_static_one(tmp_path, small_corpus):
+    """Membership through torchft changes nothing when no region is lost: the same bits as the static run."""
+    path = scenario(tmp_path, small_corpus)
+    runs = {}
+    for name, extra in (("elastic", []), ("static", ["--min-regions", "0"])):
+        args = cli_launch.build_parser().parse_args([*argv(path, tmp_path / name, 3840), *extra])
+        result = cli_launch.launch(args, extra_env={"OMP_NUM_THREADS": "1"})
+        assert result.code == 0, result.message
+        runs[name] = result.summary
+    assert "elastic" in runs["elastic"] and "elastic" not in runs["static"]
+    assert runs["elastic"]["final_val_loss"] == runs["static"]["final_val_loss"]
+    a, b = torch.load(tmp_path / "elastic" / "final_params.pt"), torch.load(tmp_path / "static" / "final_params.pt")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_bad_input_is_one_error_line_without_a_hang(tmp_path, small_corpus, capsys):
+    path = scenario(tmp_path, small_corpus)
+    # a region never reaches the quorum service
+    env = {**os.environ, "PYTHONPATH": SRC, "RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(_port()), "GEOMESH_REGION": "r0-h100", "OMP_NUM_THREADS": "1"}  # fmt: skip
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "geomesh.run", str(path), "--method", "geomesh", "--out",
+                           str(tmp_path / "x"), "--timeout", "5", "--lighthouse", f"http://127.0.0.1:{_port()}"],
+                          env=env, capture_output=True, text=True, timeout=120)  # fmt: skip
+    lines = [ln for ln in done.stderr.splitlines() if ln.startswith("error:")]
+    assert done.returncode != 0 and len(lines) == 1, done.stderr[-2000:]
+    assert "quorum service" in lines[0] and "cannot be reached" in lines[0]
+    assert "Traceback" not in done.stderr and time.monotonic() - started < 100
+    # elastic regions refuse checkpoints and network namespaces, in one line, before anything starts
+    for extra, says in ((["--checkpoint-every", "1"], "not with elastic regions"),
+                        (["--min-regions", "4"], "min_regions 4")):  # fmt: skip
+        code = cli_launch.main([*argv(path, tmp_path / "y", 3840), *extra])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert code == 2 and len(err) == 1 and says in err[0], err
+
+
+def _port() -> int:
+    from geomesh.runtime.transport import free_port
+
+    return free_port()
+
+
+@pytest.mark.parametrize("flag", ["--region"])
+def test_a_rank_must_know_its_region(tmp_path, small_corpus, flag):
+    path = scenario(tmp_path, small_corpus)
+    env = {k: v for k, v in os.environ.items() if k != "GEOMESH_REGION"}
+    env.update({"PYTHONPATH": SRC, "RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"})
+    done = subprocess.run([sys.executable, "-m", "geomesh.run", str(path), "--method", "geomesh", "--out",
+                           str(tmp_path / "x"), flag, "mars"], env=env, capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 2 and done.stderr.strip().splitlines()[-1].startswith("error: region 'mars'")
