@@ -55,7 +55,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     opts = RunOptions(out_dir=Path(out), tokens=args.tokens, seed=args.seed, target_val_loss=args.target_loss,
                       progress=not args.quiet, checkpoint_every=getattr(args, "checkpoint_every", None),
                       keep_checkpoints=getattr(args, "keep", None), resume=resume is not None,
-                      workers_parallel=args.workers_parallel)  # fmt: skip
+                      workers_parallel=args.workers_parallel, device=args.device)  # fmt: skip
     run = EmulatedRun(scenario, method, opts)
     if run.resumed_from is not None:
         print(f"resuming {out} from its checkpoint at round {run.resumed_from}", file=sys.stderr)
@@ -101,7 +101,7 @@ def _compare(args: argparse.Namespace, methods: list[str]) -> dict[str, Any]:
     log = (lambda *a: print(*a, file=sys.stderr)) if getattr(args, "json", False) else print
     return run_comparison(scenario, methods, Path(args.out), tokens=args.tokens, seed=args.seed,
                           target_val_loss=getattr(args, "target_loss", None), progress=not args.quiet, log=log,
-                          workers_parallel=args.workers_parallel)  # fmt: skip
+                          workers_parallel=args.workers_parallel, device=args.device)  # fmt: skip
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -162,6 +162,8 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--workers-parallel", type=int, default=None, metavar="N",
                         help="train the workers of a round in N processes (same results as 1; default: one per "
                              "core, up to one per worker)")  # fmt: skip
+        sp.add_argument("--device", default="cpu", help="where the proxy model trains: cpu, cuda or cuda:N (bf16 "
+                        "autocast on a GPU; the modeled clock is the same)")  # fmt: skip
 
     t = sub.add_parser("train", help="train one method on a scenario (emulated runtime)")
     common(t)

@@ -30,17 +30,18 @@ def run_comparison(
     target_val_loss: float | None = None,
     progress: bool = True,
     log=print,
-    workers_parallel: int | None = None,
+    **options: Any,
 ) -> dict[str, Any]:
-    """Train every method in ``methods``; write ``results.json``, ``table.md`` and PNG plots to ``out_dir``."""
+    """Train every method in ``methods``; write ``results.json``, ``table.md`` and PNG plots to ``out_dir``.
+
+    ``options`` are further :class:`RunOptions` fields for every run (``workers_parallel``, ``device``, ...)."""
     for name in methods:
         get_method(name)  # fail fast on a typo, before hours of training
     prepare_run_dir(out_dir)
     summaries = []
     for name in methods:
         log(f"[{len(summaries) + 1}/{len(methods)}] {name}")
-        opts = RunOptions(out_dir=out_dir / name, tokens=tokens, seed=seed, progress=progress,
-                          workers_parallel=workers_parallel)  # fmt: skip
+        opts = RunOptions(out_dir=out_dir / name, tokens=tokens, seed=seed, progress=progress, **options)
         summaries.append(EmulatedRun(scenario, get_method(name), opts).run())
     target = target_val_loss if target_val_loss is not None else scenario.training.target_val_loss
     if target is None:

@@ -75,13 +75,15 @@ def zero_shot(model: GPT, task: ChoiceTask, batch: int = 256) -> dict[str, float
     model.eval()
     items, choices, length = task.tokens.shape
     flat = task.tokens.view(items * choices, length)
+    device = next(model.parameters()).device  # the task is built on the CPU; the model may be on a GPU
     scores = []
     for seqs in flat.split(batch):
+        seqs = seqs.to(device)
         logits, _ = model(seqs[:, :-1])
         logp = torch.log_softmax(logits.float(), dim=-1)
         target = seqs[:, 1:]
         token_lp = logp.gather(-1, target.unsqueeze(-1)).squeeze(-1)
-        scores.append(token_lp[:, task.context_len - 1 :].sum(dim=1))
+        scores.append(token_lp[:, task.context_len - 1 :].sum(dim=1).cpu())
     model.train(was_training)
     ll = torch.cat(scores).view(items, choices)
     acc = (ll.argmax(dim=1) == task.answer).float().mean().item()

@@ -105,6 +105,9 @@ class Worker:
         so the plan's micro-batch (which models GPU memory) need not be the proxy's.
         """
         x, y = (stream or self.stream).next_batch(batch)
+        if self._device_type != "cpu":  # streams serve CPU tensors; the replica may live on a GPU
+            device = next(self.model.parameters()).device
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         total = 0.0
         for xs, ys in zip(x.split(self.max_proxy_micro_batch), y.split(self.max_proxy_micro_batch)):
             with self.autocast():

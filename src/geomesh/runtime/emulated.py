@@ -71,6 +71,8 @@ class RunOptions:
     # workers of a round trained at once in this many processes (runtime/parallel.py; same results as 1);
     # None: one per core, up to one per worker, where that is possible (CPU, fork), else 1
     workers_parallel: int | None = None
+    worker_threads: int | None = None  # intra-op threads of one worker's local phase; None: its share of the cores
+    device: str = "cpu"  # where the proxy trains: cpu, cuda or cuda:N (the modeled clock does not change)
 
 
 @dataclass
@@ -93,7 +95,8 @@ class Cluster:
         return {n: p.detach() for n, p in self.global_model.named_parameters()}
 
 
-def build_cluster(scenario: ScenarioConfig, seed: int, budget: int, cache_dir: Path | None = None) -> Cluster:
+def build_cluster(scenario: ScenarioConfig, seed: int, budget: int, cache_dir: Path | None = None,
+                  device: torch.device | str = "cpu") -> Cluster:  # fmt: skip
     # The corpus and the model come from hooks: the text corpus or memory-mapped token sources
     # (data.format), the built-in GPT or a transformers model (proxy.hf_*); see docs/ecosystem.md.
     import copy
@@ -102,13 +105,13 @@ def build_cluster(scenario: ScenarioConfig, seed: int, budget: int, cache_dir: P
     from ..model import build_proxy_model
 
     corpus = load_corpus(scenario.data, cache_dir=cache_dir)
-    global_model = build_proxy_model(scenario.proxy, corpus.vocab_size, seed)
+    global_model = build_proxy_model(scenario.proxy, corpus.vocab_size, seed).to(device)
     n = len(scenario.regions)
     workers = []
     for i, region in enumerate(scenario.regions):
         # a pretrained model is loaded once and copied; the others are built from the seed (bit-identical)
         replica = (copy.deepcopy(global_model) if scenario.proxy.hf_pretrained
-                   else build_proxy_model(scenario.proxy, corpus.vocab_size, seed))  # fmt: skip
+                   else build_proxy_model(scenario.proxy, corpus.vocab_size, seed)).to(device)  # fmt: skip
         stream = worker_stream(corpus, i, n, scenario.proxy.seq_len, seed * 1009 + i)
         workers.append(Worker(region.name, replica, stream, scenario.training))
     timing = scenario.timing()
@@ -123,6 +126,7 @@ def build_cluster(scenario: ScenarioConfig, seed: int, budget: int, cache_dir: P
             )
         profiles.append(profile)
     val_x, val_y = corpus.val_batches(scenario.proxy.seq_len, scenario.training.eval_sequences)
+    val_x, val_y = val_x.to(device), val_y.to(device)
     return Cluster(scenario, corpus, global_model, workers, profiles, val_x, val_y, seed, budget)
 
 
@@ -252,6 +256,35 @@ def _poisoned(worker: Worker, active: bool):
         del worker.accumulate_grad
 
 
+def _device(name: str) -> torch.device:
+    """The device a run trains on (``--device``), refused in one line when it cannot be used here."""
+    try:
+        device = torch.device(name)
+    except (RuntimeError, TypeError):
+        raise RunError(f"--device {name}: not a device; expected cpu, cuda or cuda:N") from None
+    if device.type not in ("cpu", "cuda"):
+        raise RunError(f"--device {name}: the emulated runtime trains on cpu or cuda")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise RunError(f"--device {name}: no CUDA device is available here (torch {torch.__version__}, "
+                           f"CUDA build: {torch.version.cuda or 'none'}); use --device cpu")  # fmt: skip
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        if index >= torch.cuda.device_count():
+            raise RunError(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+        device = torch.device("cuda", index)
+    return device
+
+
+class _CombineOn:
+    """A codec whose ``combine`` lands on ``device``, where θ and the outer optimizer live (fp32 there)."""
+
+    def __init__(self, codec: Any, device: torch.device):
+        self.codec, self.device = codec, device
+
+    def combine(self, payloads: list[bytes]) -> dict[str, torch.Tensor]:
+        return self.codec.combine(payloads, device=self.device)
+
+
 def _state_bytes(worker: Worker, codec: Any) -> bytes:
     """A worker's state and its codec's, serialised (a copy: nothing shared with the process it came from)."""
     buf = io.BytesIO()
@@ -302,7 +335,11 @@ class EmulatedRun:
             raise RunError(f"--checkpoint-every {self.checkpoint_every}: expected >= 0 rounds (0: no checkpoints)")
         if self.keep_checkpoints < 1:
             raise RunError(f"--keep {self.keep_checkpoints}: expected >= 1 checkpoint")
+        self.device = _device(self.options.device)
         self.workers_parallel = self._workers_parallel()
+        if o.worker_threads is not None and (isinstance(o.worker_threads, bool) or not isinstance(o.worker_threads, int)
+                                             or o.worker_threads < 1):  # fmt: skip
+            raise RunError(f"worker threads {o.worker_threads!r}: expected a whole number >= 1")
         self._key = payload_key(scenario)  # a missing or short key is a ConfigError before anything is written
         self.out_dir = self.options.out_dir
         self.resumed_from: int | None = None  # the round the run continued from (resume only)
@@ -348,9 +385,12 @@ class EmulatedRun:
         n = len(self.scenario.regions)
         asked = self.options.workers_parallel
         if asked is None:
-            return default_processes(n)
+            return default_processes(n, self.device.type)
         if isinstance(asked, bool) or not isinstance(asked, int) or asked < 1:
             raise RunError(f"--workers-parallel {asked!r}: expected a whole number of processes >= 1")
+        if asked > 1 and self.device.type != "cpu":
+            raise RunError(f"--workers-parallel {asked}: worker processes train on the CPU; on {self.device} the "
+                           f"workers share one device in this process (use --workers-parallel 1)")  # fmt: skip
         if asked > 1 and not fork_available():
             raise RunError(f"--workers-parallel {asked}: worker processes need the 'fork' start method, which "
                            f"this platform lacks; use --workers-parallel 1")  # fmt: skip
@@ -404,7 +444,8 @@ class EmulatedRun:
         started = time.perf_counter()
         torch.manual_seed(self.seed)
         try:
-            self.cluster = cluster = build_cluster(self.scenario, self.seed, self.budget, self.options.cache_dir)
+            self.cluster = cluster = build_cluster(self.scenario, self.seed, self.budget, self.options.cache_dir,
+                                                   device=self.device)  # fmt: skip
             self.setup_s = time.perf_counter() - started
             try:
                 if self._resume is None:
@@ -600,7 +641,7 @@ class EmulatedRun:
             new_plan()
             loop.last_loss = self._evaluate(cluster)
         # a worker's local phase and rejoin: run here, or in the worker's own process (runtime/parallel.py)
-        threads = worker_threads(len(cluster.workers))
+        threads = self.options.worker_threads or worker_threads(len(cluster.workers))
 
         def phase(i: int, job: tuple[int, int, int, int, bool]) -> bytes | None:
             h, batch, start, round_tokens, poison = job
@@ -724,7 +765,7 @@ class EmulatedRun:
                 k = live.index(i)
                 failed[i], lost[i] = f"payload rejected: {reason}", entries[k].batch * steps[k] * seq
                 self._warn(names[i], f"{failed[i]}; its update is dropped this round")
-            method.apply(arrived, combiner, outer)
+            method.apply(arrived, _CombineOn(combiner, self.device), outer)
             length = self._barrier_spans(compute, exchange_s)
             self.clock += length
             self.bytes_sent += loop.sent * len(live)
@@ -1055,6 +1096,7 @@ class EmulatedRun:
                         "bytes on the wire (scaled to the timing model)"],  # fmt: skip
             "wall_clock_s": wall_s,
             "setup_s": self.setup_s,
+            "device": str(self.device),
             **extra,
         }
 
