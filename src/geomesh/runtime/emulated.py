@@ -40,7 +40,7 @@ from ..data import Corpus
 from ..evaluation import evaluate, heldout_zero_shot
 from ..hardware import WorkerProfile, model_profile
 from ..methods.base import Method, OuterLoopMethod, payload_key
-from ..model import GPT
+from ..model import GPT, model_name
 from ..network import WanModel
 from ..outer import OuterNesterov
 from ..planner import OnlinePlanner, Plan, plan_uniform
@@ -1087,6 +1087,8 @@ class EmulatedRun:
             "dropped_updates": int(self.telemetry.counters.get("dropped_updates", 0)),
             "rejected_payloads": int(self.telemetry.counters.get("rejected_payloads", 0)),
             "faults": self.faults,
+            "model": model_name(self.scenario.proxy, cluster.global_model),  # as the distributed runtime names it
+            "model_params": cluster.global_model.num_params(),
             "proxy_params": cluster.global_model.num_params(),
             "timing_params": self.scenario.timing().params,
             "plan": self.plans[-1].to_json() if self.plans else None,
