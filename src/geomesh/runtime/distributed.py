@@ -41,7 +41,6 @@ import os
 import sys
 import time
 import zlib
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable  # noqa: UP035
@@ -57,9 +56,9 @@ from ..methods.base import Method, OuterLoopMethod, payload_key
 from ..outer import OuterNesterov
 from ..planner import Plan
 from ..telemetry import Telemetry, write_json_atomic
-from ..worker import Worker, inner_lr
+from ..worker import inner_lr
 from .emulated import RunError, prepare_run_dir
-from .region import RegionWorker, build_training  # noqa: F401  (RegionWorker: re-exported)
+from .region import RegionWorker, build_training
 from .transport import Transport, WanMode, WanShaper, split_gathered, tx_bytes
 
 TEST_EXIT_ENV = "GEOMESH_TEST_EXIT_AFTER_ROUND"  # "RANK:ROUND": that rank exits abruptly (tests only)
