@@ -147,6 +147,9 @@ class GeoMeshConfig:
     replan: bool = True  # online re-planning from measured compute times (beyond the paper)
     replan_threshold: float = 0.1  # re-plan when a worker's smoothed speed drifts this far (relative)
     replan_smoothing: float = 0.5  # exponential smoothing of measured/predicted compute time
+    # hide the WAN exchange behind the next round's compute (docs/overlap.md): round r's combined update is
+    # applied inside round r+1, at the inner step by which the plan says it has arrived (beyond the paper)
+    overlap: bool = False
 
 
 FAULT_KINDS = ("slowdown", "leave", "join", "bandwidth", "nan", "corrupt")
@@ -464,6 +467,13 @@ def validate(cfg: ScenarioConfig) -> ScenarioConfig:
     _require(g.scale in ("l1", "l2"), "geomesh.scale", g.scale, "expected 'l1' or 'l2'")
     _require(0 < g.replan_threshold < 10, "geomesh.replan_threshold", g.replan_threshold, "expected (0, 10)")
     _require(0 <= g.replan_smoothing < 1, "geomesh.replan_smoothing", g.replan_smoothing, "expected [0, 1)")
+    if g.overlap:  # the in-flight exchange is not part of a checkpoint, nor of an elastic quorum
+        _require(cfg.reliability.checkpoint_every_rounds == 0, "reliability.checkpoint_every_rounds",
+                 cfg.reliability.checkpoint_every_rounds, "expected 0 with geomesh.overlap: true (an overlapped "
+                 "round's exchange is in flight at every round boundary and is not checkpointed)")  # fmt: skip
+        _require(cfg.reliability.min_regions == 0, "reliability.min_regions", cfg.reliability.min_regions,
+                 "expected 0 with geomesh.overlap: true (elastic regions join a quorum per round; an "
+                 "overlapped exchange spans two rounds)")  # fmt: skip
     alive = {r.name: True for r in cfg.regions}
     for i, f in enumerate(sorted(cfg.faults, key=lambda f: f.at_round)):
         w = f"faults[{cfg.faults.index(f)}]"

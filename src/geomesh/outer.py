@@ -8,6 +8,8 @@ Pure tensor code (no I/O, no clock); the same objects run in the emulated and th
   g arrive one at a time; they accumulate in a buffer and the momentum is refreshed only every N arrivals:
   on the N-th: m ← β·m + buffer/N, θ ← θ − ε·((1 − cN + c)·β·m + g/N), buffer reset; otherwise
   θ ← θ − ε·(c·β·m + g/N). c ∈ [0, 1/N], default 0.
+- :meth:`OuterNesterov.lookahead`: where a step would take θ, without taking it (the overlapped round's
+  eager start, docs/overlap.md).
 """
 
 from __future__ import annotations
@@ -37,6 +39,21 @@ class OuterNesterov:
                     self.buf[name].mul_(self.momentum).add_(g)
                 g = g.add(self.buf[name], alpha=self.momentum)
             p.sub_(g, alpha=self.lr)
+
+    @torch.no_grad()
+    def lookahead(self, outer_grad: Tensors | None) -> Tensors:
+        """The parameters :meth:`step` would give for ``outer_grad``, changing nothing (θ and the momentum
+        stay as they are). The same operations as :meth:`step`, so for the same ``outer_grad`` the result is
+        bit-identical to the stepped θ; ``None`` stands for a zero outer gradient. The overlapped round starts
+        from this point with an estimate of the combined update (docs/overlap.md)."""
+        out: Tensors = {}
+        for name, p in self.params.items():
+            g = outer_grad[name].to(p.dtype) if outer_grad is not None else torch.zeros_like(p)
+            if self.momentum > 0:
+                buf = self.buf[name].mul(self.momentum).add_(g) if name in self.buf else g.clone()
+                g = g.add(buf, alpha=self.momentum)
+            out[name] = p.sub(g, alpha=self.lr)
+        return out
 
     def state_dict(self) -> dict:
         return {"lr": self.lr, "momentum": self.momentum, "buf": {k: v.clone() for k, v in self.buf.items()}}

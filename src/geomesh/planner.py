@@ -5,7 +5,10 @@ times in **seconds**. A worker's *plan* is ``micro_batch``, ``accum`` (micro-bat
 ``batch`` = micro_batch·accum and ``inner_steps`` H; its predicted compute time per round is
 ``c_i = H_i · profile.step_s(micro_batch_i, accum_i)`` and it contributes ``S_i = batch_i · H_i`` sequences.
 The round lasts ``round_s = max_i c_i + exchange_s``; a worker that finishes early waits
-``max_j c_j − c_i`` at the barrier (straggler wait). Everything here is pure: no I/O, no clock.
+``max_j c_j − c_i`` at the barrier (straggler wait). With overlap (``PlanConstraints.overlap``,
+docs/overlap.md) the exchange of a round runs under the next round's compute, so a round lasts
+``round_s = max(max_i c_i, exchange_s)`` and the planning rule's compute time is floored at the exchange:
+``T = max(T_rule, exchange_s)``. Everything here is pure: no I/O, no clock.
 
 Two planners:
 
@@ -164,6 +167,9 @@ class PlanConstraints:
     efficiency_weight: float = 0.5  # β in the balance score; 0: balance only, 1: useful utilisation
     fill: bool = False  # the planning rule: the round lasts the reference plan on the slowest worker
     round_compute_s: float | None = None  # an explicit compute time per round (fill it), instead of a target
+    # the exchange of a round runs under the next round's compute (docs/overlap.md): a round lasts
+    # max(compute, exchange), and a round that fills a time (the rule, round_compute_s) fills at least the exchange
+    overlap: bool = False
 
     def validate(self) -> None:
         """Raise :class:`PlanError` naming the field, the value and what is allowed."""
@@ -268,6 +274,7 @@ class Plan:
     method: str = "geomesh"  # "geomesh" (balanced) or "uniform"
     target_sequences: int | None = None
     rule: str = ""  # how the round's length was chosen, in words
+    overlap: bool = False  # the exchange runs under the next round's compute: round_s = max(compute, exchange)
 
     def worker(self, name: str) -> WorkerPlan:
         for w in self.workers:
@@ -289,6 +296,7 @@ class Plan:
             "straggler_idle_frac": self.straggler_idle_frac,
             "dropped": dict(self.dropped),
             "rule": self.rule,
+            "overlap": self.overlap,
         }
 
     @classmethod
@@ -326,6 +334,7 @@ class Plan:
                 method=str(data.get("method", "geomesh")),
                 target_sequences=None if target is None else int(target),
                 rule=str(data.get("rule", "")),
+                overlap=bool(data.get("overlap", False)),
             )
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise ValueError(f"bad plan: {exc}") from None
@@ -456,15 +465,17 @@ def _usable(profiles: Sequence[WorkerProfile], allow_drop: bool) -> tuple[list[W
     return kept, dropped
 
 
-def _assemble(profiles, choices, exchange_bytes, exchange_s, method, target, dropped, rule: str = "") -> Plan:
-    """A Plan from per-worker (micro_batch, accum, inner_steps) choices."""
+def _assemble(profiles, choices, exchange_bytes, exchange_s, method, target, dropped, rule: str = "",
+              overlap: bool = False) -> Plan:  # fmt: skip
+    """A Plan from per-worker (micro_batch, accum, inner_steps) choices; with ``overlap`` the exchange runs
+    under the next round's compute, so the round lasts max(compute, exchange) instead of their sum."""
     if exchange_s < 0 or not math.isfinite(exchange_s):
         raise PlanError(f"exchange_s={exchange_s!r}: must be finite and >= 0")
     if exchange_bytes < 0:
         raise PlanError(f"exchange_bytes={exchange_bytes!r}: must be >= 0")
     computes = [h * p.step_s(m, a) for p, (m, a, h) in zip(profiles, choices)]
     top = max(computes)
-    round_s = top + exchange_s
+    round_s = max(top, exchange_s) if overlap else top + exchange_s
     n = len(profiles)
     workers = [
         WorkerPlan(p.name, p.gpu, m, a, m * a, h, c, top - c) for p, (m, a, h), c in zip(profiles, choices, computes)
@@ -482,6 +493,7 @@ def _assemble(profiles, choices, exchange_bytes, exchange_s, method, target, dro
         method=method,
         target_sequences=target,
         rule=rule,
+        overlap=overlap,
     )
 
 
@@ -497,8 +509,10 @@ def plan_uniform(
     exchange_s: float = 0.0,
     *,
     allow_drop: bool = False,
+    overlap: bool = False,
 ) -> Plan:
-    """Everyone ``batch`` sequences per step and ``inner_steps`` steps (DiLoCo); see :func:`split_batch`."""
+    """Everyone ``batch`` sequences per step and ``inner_steps`` steps (DiLoCo); see :func:`split_batch`.
+    ``overlap`` only changes the round's length (max(compute, exchange)): the uniform plan is the plan."""
     if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
         raise PlanError(f"batch={batch!r}: must be an integer >= 1")
     if isinstance(inner_steps, bool) or not isinstance(inner_steps, int) or inner_steps < 1:
@@ -506,8 +520,10 @@ def plan_uniform(
     kept, dropped = _usable(profiles, allow_drop)
     choices = [(*split_batch(batch, p.max_micro_batch), inner_steps) for p in kept]
     rule = f"uniform: every worker {inner_steps} steps of {batch} sequences"
+    if overlap:
+        rule += "; the exchange runs under the next round's compute"
     return _assemble(kept, choices, exchange_bytes, exchange_s, "uniform", batch * inner_steps * len(kept), dropped,
-                     rule)  # fmt: skip
+                     rule, overlap)  # fmt: skip
 
 
 def reference_round_s(profiles: Sequence[WorkerProfile], batch: int, inner_steps: int) -> tuple[float, str]:
@@ -865,7 +881,9 @@ def plan_balanced(
         m, a = w.splits[w.bs.index(b)]
         choices.append((m, a, h))
     rule = f"sequences per round: {target} (tolerance {constraints.tolerance:.0%})"
-    plan = _assemble(kept, choices, exchange_bytes, exchange_s, "geomesh", target, dropped, rule)
+    if constraints.overlap:
+        rule += "; the exchange runs under the next round's compute"
+    plan = _assemble(kept, choices, exchange_bytes, exchange_s, "geomesh", target, dropped, rule, constraints.overlap)
     _warn_if_unbalanced(plan, ws, state)
     return plan
 
@@ -900,6 +918,14 @@ def _plan_fill(kept, dropped, constraints: PlanConstraints, exchange_bytes: int,
         deadline, slowest = reference_round_s(kept, c.ref_batch, c.ref_inner_steps)
         rule = (f"fill the slowest worker's reference round: {c.ref_inner_steps} steps of {c.ref_batch} sequences "
                 f"on {slowest} = {deadline:.3g} s of compute; every worker fills it")  # fmt: skip
+    if c.overlap:
+        # the exchange runs under the next round's compute: a round shorter than the exchange would leave the
+        # workers waiting for it, so the compute fills at least the exchange (docs/overlap.md)
+        if exchange_s > deadline:
+            rule += f"; stretched to the exchange it hides ({exchange_s:.3g} s, overlap)"
+            deadline = float(exchange_s)
+        else:
+            rule += f"; the exchange ({exchange_s:.3g} s) runs under the next round's compute (overlap)"
     ws = [_Worker(p, c, min_h) for p in kept]
     for w in ws:
         w.set_batches(_upper(w.knee_upper, w.rate, deadline, c))
@@ -908,7 +934,7 @@ def _plan_fill(kept, dropped, constraints: PlanConstraints, exchange_bytes: int,
     for w, (_, _, b, h, _) in zip(ws, state):
         m, a = w.splits[w.bs.index(b)]
         choices.append((m, a, h))
-    plan = _assemble(kept, choices, exchange_bytes, exchange_s, "geomesh", None, dropped, rule)
+    plan = _assemble(kept, choices, exchange_bytes, exchange_s, "geomesh", None, dropped, rule, c.overlap)
     _warn_if_unbalanced(plan, ws, state)
     return plan
 

@@ -153,22 +153,37 @@ def plot_idle_bars(summaries: list[dict[str, Any]], path: Path) -> None:
     plt.close(fig)
 
 
+EXCHANGE_COLOR = "#1d3557"  # an exchange in flight while the worker computes (overlapped rounds)
+
+
 def plot_timeline(events_path: Path, path: Path, title: str, max_rounds: int = 3) -> None:
-    """Per-worker spans of the first ``max_rounds`` rounds (or steps, for DDP)."""
+    """Per-worker spans of the first ``max_rounds`` rounds (or steps, for DDP). With overlapped rounds
+    (docs/overlap.md) each exchange in flight is drawn as a thin hatched bar under the worker's spans: it runs
+    concurrently with the next round's compute."""
     plt = _pyplot()
-    spans = [e for e in read_events(events_path) if e["type"] == "span" and e["round"] < max_rounds]
+    events = read_events(events_path)
+    spans = [e for e in events if e["type"] == "span" and e["round"] < max_rounds]
+    flights = [e for e in events if e["type"] == "exchange" and e["round"] < max_rounds]
     workers = list(dict.fromkeys(e["worker"] for e in spans))
     fig, ax = plt.subplots(figsize=(8, 0.6 + 0.5 * len(workers)))
     for i, w in enumerate(workers):
         for kind, color in SPAN_COLORS.items():
             bars = [(e["start"], e["end"] - e["start"]) for e in spans if e["worker"] == w and e["kind"] == kind]
             if bars:
-                ax.broken_barh(bars, (i - 0.35, 0.7), color=color, label=kind if i == 0 else None)
+                ax.broken_barh(bars, (i - 0.35, 0.5), color=color, label=kind if i == 0 else None)
+        bars = [(e["start"], e["end"] - e["start"]) for e in flights if w in e["workers"]]
+        if bars:
+            ax.broken_barh(bars, (i + 0.18, 0.17), facecolor="white", edgecolor=EXCHANGE_COLOR, hatch="////",
+                           linewidth=0.6)  # fmt: skip
     ax.set_yticks(range(len(workers)), workers)
     ax.invert_yaxis()
     ax.set_xlabel("modeled time (s)")
     ax.set_title(title)
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in SPAN_COLORS.values()][:3]
-    ax.legend(handles, list(SPAN_COLORS)[:3], loc="upper center", bbox_to_anchor=(0.5, -0.35), ncol=3, fontsize=8)
+    labels = list(SPAN_COLORS)[:3]
+    if flights:
+        handles.append(plt.Rectangle((0, 0), 1, 1, facecolor="white", edgecolor=EXCHANGE_COLOR, hatch="////"))
+        labels.append("exchange in flight (overlapped)")
+    ax.legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, -0.35), ncol=len(labels), fontsize=8)
     fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)

@@ -7,7 +7,9 @@ time) and *how bytes move* (in memory or over torch.distributed).
 Round-based methods (DiLoCo, GeoMesh and its ablations) are one class, :class:`OuterLoopMethod`, told apart
 by three switches: ``balanced`` (GeoMesh planner vs one b and H for all), ``codec`` ("sign": 1 bit per
 parameter + magnitudes + token count, exchanged with an all-gather; "dense": fp32, all-reduced) and
-``weighting`` ("tokens" or "equal").
+``weighting`` ("tokens" or "equal"). A fourth, ``overlap`` (or the scenario's ``geomesh.overlap``), runs the
+exchange of round r under the compute of round r+1 (:meth:`OuterLoopMethod.local_phase_overlapped`,
+methods/overlap.py, docs/overlap.md).
 """
 
 from __future__ import annotations
@@ -42,6 +44,11 @@ class OuterLoopMethod(Method):
     balanced: bool = False
     codec: Literal["sign", "dense"] = "dense"
     weighting: Literal["equal", "tokens"] = "equal"
+    overlap: bool = False  # always overlapped; otherwise the scenario's geomesh.overlap decides
+
+    def overlapped(self, scenario: ScenarioConfig) -> bool:
+        """Whether this method's rounds overlap their exchange with the next round's compute on ``scenario``."""
+        return self.overlap or bool(scenario.geomesh.overlap)
 
     @property
     def collective(self) -> Literal["all_gather", "all_reduce"]:
@@ -75,16 +82,17 @@ class OuterLoopMethod(Method):
         tr = scenario.training
         if not self.balanced:
             return plan_uniform(profiles, tr.batch, tr.inner_steps, exchange_bytes=exchange_bytes,
-                                exchange_s=exchange_s, allow_drop=allow_drop)  # fmt: skip
+                                exchange_s=exchange_s, allow_drop=allow_drop,
+                                overlap=self.overlapped(scenario))  # fmt: skip
         return plan_balanced(profiles, self.constraints(scenario, len(profiles), allow_drop),
                              exchange_bytes=exchange_bytes, exchange_s=exchange_s)  # fmt: skip
 
-    @staticmethod
-    def constraints(scenario: ScenarioConfig, n_workers: int, allow_drop: bool = False) -> PlanConstraints:
+    def constraints(self, scenario: ScenarioConfig, n_workers: int, allow_drop: bool = False) -> PlanConstraints:
         """The planner's constraints. By default the planning rule: the round lasts what DiLoCo's plan
         (training.batch, training.inner_steps) takes on the slowest live worker, and every worker fills it;
         ``geomesh.round_time_s`` sets that time explicitly; ``geomesh.round_sequences_factor`` (an
-        alternative no preset uses) targets factor·N·b·H sequences per round instead."""
+        alternative no preset uses) targets factor·N·b·H sequences per round instead. Overlapped, a round that
+        fills a time fills at least its exchange (docs/overlap.md)."""
         tr, g = scenario.training, scenario.geomesh
         if g.round_sequences_factor is not None:
             target = {"target_sequences": round(n_workers * tr.batch * tr.inner_steps * g.round_sequences_factor)}
@@ -99,6 +107,7 @@ class OuterLoopMethod(Method):
             min_inner_steps=g.min_inner_steps,
             max_inner_steps=g.max_inner_steps,
             allow_drop=allow_drop,
+            overlap=self.overlapped(scenario),
         )
 
     # ---- the round, written once for both runtimes --------------------------------------------
@@ -107,6 +116,39 @@ class OuterLoopMethod(Method):
         """Inner steps from θ, then the payload (None when the worker's update is non-finite)."""
         worker.load_global(global_params)
         result = worker.train(steps, batch, lr_at_step)
+        if not result.finite:
+            warnings.warn(f"worker {worker.name}: non-finite loss or parameters; its update is dropped this round")
+            return None, result
+        delta = worker.pseudo_gradient(global_params)
+        try:
+            return codec.encode(delta, result.tokens), result
+        except ValueError as exc:  # NaN/inf in the pseudo-gradient
+            warnings.warn(f"worker {worker.name}: {exc}; its update is dropped this round")
+            return None, result
+
+    def local_phase_overlapped(self, worker: Worker, steps: int, batch: int, start: Tensors, apply_at: int,
+                               arrive: Callable[[], Tensors], codec: Codec,
+                               lr_at_step: Callable[[int], float]) -> tuple[bytes | None, InnerResult]:  # fmt: skip
+        """The overlapped round (docs/overlap.md): the previous round's exchange is still in flight when this
+        round starts, so the worker starts from its eager ``start`` (:func:`~geomesh.methods.overlap.eager_start`),
+        runs ``apply_at`` inner steps, then ``arrive()`` waits for the combined update, takes the outer step and
+        returns θ (the same on every worker); the steps already trained are moved onto θ
+        (:func:`~geomesh.methods.overlap.rebase`) and the rest of the round runs from there. The payload is
+        the round's pseudo-gradient against θ, as in :meth:`local_phase`. With ``apply_at`` 0 (nothing in
+        flight, or an exchange that takes no time) this is :meth:`local_phase` exactly."""
+        from .overlap import merge_results, rebase
+
+        first, k0 = None, max(0, min(apply_at, steps))
+        if k0 == 0:
+            global_params = arrive()
+            worker.load_global(global_params)
+        else:
+            worker.load_global(start)
+            first = worker.train(k0, batch, lr_at_step)
+            global_params = arrive()
+            rebase(worker, start, global_params)
+        rest = worker.train(steps - k0, batch, lambda k: lr_at_step(k + k0))
+        result = merge_results(first, rest)
         if not result.finite:
             warnings.warn(f"worker {worker.name}: non-finite loss or parameters; its update is dropped this round")
             return None, result

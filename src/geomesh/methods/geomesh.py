@@ -4,7 +4,8 @@ GeoMesh = the workload planner (each worker its own batch size b_i and inner ste
 times match) + 1-bit sign pseudo-gradients with a lightweight magnitude and a token count, combined
 weighted by tokens: Δ = Σ_i (n_i / Σ_j n_j) · s_i ⊙ sign(Δ_i), then outer Nesterov. The ablations switch
 one half off: ``geomesh-balance-only`` sends fp32 (token-weighted), ``geomesh-sign-only`` keeps DiLoCo's
-uniform plan.
+uniform plan. ``geomesh-overlap`` is GeoMesh whose exchange of round r runs under the compute of round r+1
+(eager start, correction when the update arrives: methods/overlap.py, docs/overlap.md).
 """
 
 from __future__ import annotations
@@ -39,5 +40,17 @@ GEOMESH_SIGN_ONLY = register(
         balanced=False,
         codec="sign",
         weighting="tokens",
+    )
+)
+GEOMESH_OVERLAP = register(
+    OuterLoopMethod(
+        name="geomesh-overlap",
+        description="geomesh with the exchange of round r hidden behind the compute of round r+1 (eager start, "
+        "corrected when the update arrives)",
+        kind="outer",
+        balanced=True,
+        codec="sign",
+        weighting="tokens",
+        overlap=True,
     )
 )

@@ -335,6 +335,9 @@ class EmulatedRun:
             raise RunError(f"--checkpoint-every {self.checkpoint_every}: expected >= 0 rounds (0: no checkpoints)")
         if self.keep_checkpoints < 1:
             raise RunError(f"--keep {self.keep_checkpoints}: expected >= 1 checkpoint")
+        if isinstance(method, OuterLoopMethod) and method.overlapped(scenario) and (self.checkpoint_every > 0 or o.resume):
+            raise RunError(f"{method.name} with overlap: checkpoints and --resume are not supported (an overlapped "
+                           "round's exchange is still in flight at every round boundary); run without them")  # fmt: skip
         self.device = _device(self.options.device)
         self.workers_parallel = self._workers_parallel()
         if o.worker_threads is not None and (isinstance(o.worker_threads, bool) or not isinstance(o.worker_threads, int)
@@ -399,9 +402,9 @@ class EmulatedRun:
     def _names(self) -> list[str]:
         return [r.name for r in self.scenario.regions]
 
-    def _evaluate(self, cluster: Cluster) -> float:
+    def _evaluate(self, cluster: Cluster, at: float | None = None) -> float:
         loss = evaluate(cluster.global_model, cluster.val_x, cluster.val_y)
-        self.telemetry.evaluation(self.clock, self.tokens_done, self.rounds, loss)
+        self.telemetry.evaluation(self.clock if at is None else at, self.tokens_done, self.rounds, loss)
         return loss
 
     def _barrier_spans(self, compute: dict[int, float] | list[float], exchange_s: float) -> float:
@@ -632,9 +635,15 @@ class EmulatedRun:
         def extra() -> dict[str, Any]:
             return {"payload_bytes_per_worker": modeled_payload, "proxy_payload_bytes": proxy_payload,
                     "exchange_s_per_round": loop.exchange_s, "collective": method.collective,
-                    "replans": int(self.telemetry.counters.get("replans", 0)), "faults": self.faults}  # fmt: skip
+                    "replans": int(self.telemetry.counters.get("replans", 0)), "faults": self.faults,
+                    "overlap": overlap is not None}  # fmt: skip
 
         self._extra_fn = extra
+        overlap = None  # the overlapped round's state (runtime/overlap.py, docs/overlap.md)
+        if method.overlapped(self.scenario):
+            from .overlap import EmulatedOverlap
+
+            overlap = EmulatedOverlap(params, len(cluster.workers), share=self.workers_parallel > 1)
         if self._resume is not None:
             self._restore(cluster, loop, outer=outer, codecs=codecs, make_online=make_online)
         else:
@@ -644,14 +653,17 @@ class EmulatedRun:
         threads = self.options.worker_threads or worker_threads(len(cluster.workers))
 
         def phase(i: int, job: tuple[int, int, int, int, bool]) -> bytes | None:
-            h, batch, start, round_tokens, poison = job
+            h, batch, start, round_tokens, poison = job[:5]
 
             def lr_at(k: int) -> float:
                 return inner_lr(start + k / h * round_tokens, self.budget, tr)
 
             worker = cluster.workers[i]
             with _poisoned(worker, poison):
-                payload, _ = method.local_phase(worker, h, batch, params, codecs[i], lr_at)
+                if overlap is not None:
+                    payload, _ = overlap.local_phase(method, i, worker, job, params, codecs[i], lr_at)
+                else:
+                    payload, _ = method.local_phase(worker, h, batch, params, codecs[i], lr_at)
             if payload is None:  # local_phase has warned; the worker's AdamW moments may now hold NaN
                 self._heal(worker)
             return payload
@@ -662,7 +674,7 @@ class EmulatedRun:
         finished = False
         try:
             self._outer_rounds(cluster, loop, outer, codecs, combiner, calls, pool, threads, new_plan,
-                               modeled_payload)  # fmt: skip
+                               modeled_payload, overlap)  # fmt: skip
             finished = True
         finally:
             if pool is not None:
@@ -700,8 +712,9 @@ class EmulatedRun:
 
     def _outer_rounds(self, cluster: Cluster, loop: _Loop, outer: OuterNesterov, codecs: list[Any], combiner: Any,
                       calls: dict[str, Any], pool: Any, threads: int, new_plan: Callable[[], None],
-                      modeled_payload: int) -> None:  # fmt: skip
-        """The rounds of a round-based method until the token budget is spent."""
+                      modeled_payload: int, overlap: Any = None) -> None:  # fmt: skip
+        """The rounds of a round-based method until the token budget is spent (``overlap``: the overlapped
+        schedule's state, runtime/overlap.py)."""
         method: OuterLoopMethod = self.method  # type: ignore[assignment]
         tr = self.scenario.training
         names = self._names()
@@ -741,6 +754,8 @@ class EmulatedRun:
             lost: dict[int, int] = {}  # worker -> tokens it trained that did not reach the global model
             jobs = [(i, (h, wp.batch, self.tokens_done, round_tokens, "nan" in effects.once.get(i, ())))
                     for i, wp, h in zip(live, entries, steps)]  # fmt: skip
+            if overlap is not None:
+                jobs = overlap.with_apply_steps(jobs, entries, steps)
             payloads = run_calls("phase", jobs)
             for i, wp, h, payload in zip(live, entries, steps, payloads):
                 once = effects.once.get(i, set())
@@ -765,8 +780,14 @@ class EmulatedRun:
                 k = live.index(i)
                 failed[i], lost[i] = f"payload rejected: {reason}", entries[k].batch * steps[k] * seq
                 self._warn(names[i], f"{failed[i]}; its update is dropped this round")
-            method.apply(arrived, _CombineOn(combiner, self.device), outer)
-            length = self._barrier_spans(compute, exchange_s)
+            if overlap is not None:  # next round's eager starts from θ_r, then the outer step
+                overlap.finish(method, outer, combiner, arrived, dict(zip(live, payloads)), names, entries, steps)
+            else:
+                method.apply(arrived, _CombineOn(combiner, self.device), outer)
+            if overlap is not None:
+                length = overlap.spans(self, compute, exchange_s)
+            else:
+                length = self._barrier_spans(compute, exchange_s)
             self.clock += length
             self.bytes_sent += loop.sent * len(live)
             self.tokens_done += round_tokens
@@ -783,10 +804,14 @@ class EmulatedRun:
                     self._record_plan(replanned)
                     self.telemetry.count("replans")
             if self.rounds % tr.eval_every_rounds == 0 or self.tokens_done >= self.budget:
-                loop.last_loss = self._evaluate(cluster)
+                # overlapped, the round's update exists once its exchange has arrived
+                at = self.clock + overlap.in_flight_s if overlap is not None else None
+                loop.last_loss = self._evaluate(cluster, at)
             self._progress(loop.last_loss)
             self._end_round(length, round_tokens - sum(lost.values()), lost, live, failed)
             self._maybe_checkpoint(checkpoint_state)
+        if overlap is not None:  # the last round's exchange: nothing left to hide it under
+            self.clock += overlap.drain(self, loop.cluster.live())
 
     def _rejoin(self, i: int, worker: Worker, codec: Any, params: dict[str, torch.Tensor]) -> None:
         """A worker that comes back is a restarted process: it receives the current global parameters (the

@@ -1,0 +1,112 @@
+"""The overlapped round: hide round r's WAN exchange behind round r+1's compute (docs/overlap.md).
+
+Pure pieces of the schedule, used by both runtimes (no clock, no I/O; a runtime only decides *when* the
+exchange really arrives and how its bytes move):
+
+1. Round r ends: worker i has trained from θ_r, sends its payload (pseudo-gradient Δ_i against θ_r), and
+   does not wait. Its next round starts at once from its **eager start** (:func:`eager_start`): the outer
+   step θ_r would take with the estimate Δ̂_i = w_i·D_i + (1 − w_i)·Δ_{r−1} of the combined update still on
+   the wire, where D_i is its own payload as the others will decode it, w_i its weight in the combination
+   (token share of the plan, or 1/N) and Δ_{r−1} the last combined update (the others' most recent
+   direction). This is the *eager update* of Kale et al. 2025 ("Eager updates for overlapped communication
+   and computation in DiLoCo"): the fresh local part at its own weight, the non-local part from one round
+   back. The outer optimizer's state is not touched (:meth:`~geomesh.outer.OuterNesterov.lookahead`).
+2. Round r+1 runs ``apply_at`` inner steps (:func:`apply_step`: the first step boundary by which the plan
+   says the exchange has arrived; Streaming DiLoCo's τ, Douillard et al. 2025, in steps of this worker).
+3. The combined update Δ_r arrives; every worker takes the *same* outer step θ_{r+1} = Nesterov(θ_r, Δ_r)
+   (so every worker holds the same global parameters after each outer step), and **rebases** the steps it
+   already trained onto it (:func:`rebase`): local ← θ_{r+1} + (local − start). The estimate's error is
+   corrected exactly; the steps' progress is kept.
+4. The rest of round r+1 runs from there, and its pseudo-gradient is taken against θ_{r+1}: the global
+   recursion θ_{r+1} = Nesterov(θ_r, combine(payloads of round r)) is the plain round's. Only the first
+   ``apply_at`` steps of a round see a point a little off θ_{r+1}. With ``apply_at`` 0 (no exchange in
+   flight, or one that takes no time) the overlapped round *is* the plain round, bit for bit.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from ..outer import OuterNesterov
+from ..worker import InnerResult, Worker
+
+Tensors = dict[str, torch.Tensor]
+
+
+def apply_step(exchange_s: float, planned_step_s: float, steps: int) -> int:
+    """The inner step of the next round before which the in-flight combined update is applied: the first
+    step boundary at or after the exchange's arrival, as the plan predicts it (``ceil(exchange_s /
+    planned_step_s)``), at most the round's ``steps``; 0 when nothing is in flight (``exchange_s`` 0).
+
+    Both runtimes take it from the plan, so they apply the update at the same step and end with the same
+    parameters; when the real exchange is slower, the worker waits at that step (``comm_wait``)."""
+    if steps <= 0 or exchange_s <= 0:
+        return 0
+    if not planned_step_s > 0 or not math.isfinite(exchange_s / planned_step_s):
+        return steps
+    return max(1, min(steps, math.ceil(exchange_s / planned_step_s - 1e-9)))
+
+
+def eager_weights(tokens: Mapping[str, int], weighting: str) -> dict[str, float]:
+    """Each worker's weight w_i in the combined update as the plan predicts it: its share of the round's
+    planned tokens (``weighting`` "tokens"), or 1/N ("equal")."""
+    if not tokens:
+        return {}
+    if weighting == "tokens":
+        total = sum(tokens.values())
+        return {k: (v / total if total > 0 else 1 / len(tokens)) for k, v in tokens.items()}
+    return {k: 1 / len(tokens) for k in tokens}
+
+
+@torch.no_grad()
+def eager_estimate(own: Tensors | None, last: Tensors | None, weight: float) -> Tensors | None:
+    """Δ̂ = w·own + (1 − w)·last: the worker's own fresh (decoded) update at its weight, the rest of the
+    combination filled with the last combined update. A missing part counts as zero (round 0 has no
+    ``last``; a worker whose update was dropped has no ``own``); None when both are missing."""
+    if own is None and last is None:
+        return None
+    names = own.keys() if own is not None else last.keys()  # type: ignore[union-attr]
+    out: Tensors = {}
+    for name in names:
+        if own is None:
+            out[name] = last[name].mul(1 - weight)  # type: ignore[index]
+        elif last is None:
+            out[name] = own[name].mul(weight)
+        else:
+            out[name] = own[name].mul(weight).add_(last[name], alpha=1 - weight)
+    return out
+
+
+def eager_start(outer: OuterNesterov, own: Tensors | None, last: Tensors | None, weight: float) -> Tensors:
+    """Where the worker starts the next round while the combined update is on the wire: the outer step
+    from the current θ with :func:`eager_estimate` in place of the combined update (θ and the outer
+    momentum unchanged). Called before the in-flight update is applied."""
+    return outer.lookahead(eager_estimate(own, last, weight))
+
+
+@torch.no_grad()
+def rebase(worker: Worker, start: Tensors, global_params: Tensors) -> None:
+    """Move the steps the worker trained since ``start`` onto the new global parameters:
+    local ← θ + (local − start) (computed as θ − (start − local), bit-identical). The worker's inner
+    optimizer state carries on, as it does across plain rounds."""
+    drift = worker.pseudo_gradient(start)  # start − local (whole tensors, also for a sharded region)
+    worker.load_global({name: global_params[name] - d for name, d in drift.items()})
+
+
+def merge_results(first: InnerResult | None, rest: InnerResult) -> InnerResult:
+    """One round's :class:`InnerResult` from its two parts (before and after the update arrived)."""
+    if first is None or first.steps == 0:
+        return rest
+    if rest.steps == 0:
+        return InnerResult(first.steps, first.tokens, first.mean_loss, first.finite and rest.finite)
+    steps = first.steps + rest.steps
+    mean = (first.mean_loss * first.steps + rest.mean_loss * rest.steps) / steps
+    return InnerResult(steps, first.tokens + rest.tokens, mean, first.finite and rest.finite)
+
+
+def planned_tokens(plan_workers: Sequence, steps: Sequence[int]) -> dict[str, int]:
+    """Sequences each worker of a round trains (batch × its steps this round), by name."""
+    return {w.name: w.batch * h for w, h in zip(plan_workers, steps)}

@@ -1,0 +1,235 @@
+"""The overlapped round (docs/overlap.md): the exchange of round r runs under the compute of round r+1.
+
+Pure pieces (the look-ahead step, the apply step, the rebase), the emulated runtime (zero exchange time is
+the plain round bit for bit; otherwise every exchange but the last is hidden and the clock says so; worker
+processes give the same bits), the planner's floor, the refusals, and the distributed runtime against the
+emulated one (3 ranks, one per region, over the WAN shaper).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from conftest import tiny_scenario_dict
+
+from geomesh.config import ConfigError, load_scenario
+from geomesh.methods.base import OuterLoopMethod, get_method
+from geomesh.methods.overlap import apply_step, eager_estimate, eager_weights, merge_results, rebase
+from geomesh.outer import OuterNesterov
+from geomesh.runtime.emulated import EmulatedRun, RunError, RunOptions
+from geomesh.telemetry import read_events
+from geomesh.worker import InnerResult
+
+TOKENS = 3 * 19360  # 3 full rounds of the tiny scenario's plan (19,360 tokens each)
+
+
+def write(folder: Path, paths: list[str], gbps: float = 1.0, **geomesh) -> Path:
+    data = tiny_scenario_dict(paths)
+    data["wan"]["bandwidth_gbps"] = gbps
+    data["geomesh"].update(geomesh)
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "scenario.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def run(path: Path, method: str, out: Path | None = None, tokens: int = TOKENS, **options):
+    r = EmulatedRun(load_scenario(path), get_method(method),
+                    RunOptions(out_dir=out, tokens=tokens, progress=False, **{"workers_parallel": 1, **options}))  # fmt: skip
+    summary = r.run()
+    return summary, {k: v.clone() for k, v in r.cluster.global_model.state_dict().items()}
+
+
+# ---- pure pieces ------------------------------------------------------------------------------------
+
+
+def test_lookahead_is_the_step_it_would_take_and_changes_nothing():
+    torch.manual_seed(0)
+    params = {"a": torch.randn(50), "b": torch.randn(3, 4)}
+    outer = OuterNesterov({k: v.clone() for k, v in params.items()}, lr=0.7, momentum=0.9)
+    for _ in range(2):
+        g = {k: torch.randn_like(v) for k, v in params.items()}
+        before = {k: v.clone() for k, v in outer.params.items()}
+        buf = {k: v.clone() for k, v in outer.buf.items()}
+        ahead = outer.lookahead(g)
+        assert all(torch.equal(outer.params[k], before[k]) for k in params)  # θ untouched
+        assert all(torch.equal(outer.buf[k], buf[k]) for k in buf)  # momentum untouched
+        outer.step(g)
+        assert all(torch.equal(ahead[k], outer.params[k]) for k in params)  # bit-identical to the step
+    zero = outer.lookahead(None)  # no estimate at all: momentum only
+    expect = {k: outer.params[k] - 0.7 * 0.9 * 0.9 * outer.buf[k] for k in params}
+    for k in params:
+        torch.testing.assert_close(zero[k], expect[k])
+
+
+def test_apply_step_is_the_first_step_boundary_after_arrival():
+    assert apply_step(0.0, 0.5, 10) == 0  # nothing in flight: the plain round
+    assert apply_step(1.0, 0.5, 10) == 2
+    assert apply_step(1.01, 0.5, 10) == 3
+    assert apply_step(0.001, 0.5, 10) == 1
+    assert apply_step(100.0, 0.5, 10) == 10  # an exchange longer than the round: applied at its end
+    assert apply_step(1.0, 0.5, 0) == 0
+
+
+def test_eager_estimate_mixes_own_and_last_by_weight():
+    own, last = {"x": torch.tensor([1.0, 2.0])}, {"x": torch.tensor([10.0, 20.0])}
+    assert torch.equal(eager_estimate(own, last, 0.25)["x"], torch.tensor([0.25 + 7.5, 0.5 + 15.0]))
+    assert torch.equal(eager_estimate(own, None, 0.25)["x"], torch.tensor([0.25, 0.5]))
+    assert torch.equal(eager_estimate(None, last, 0.25)["x"], torch.tensor([7.5, 15.0]))
+    assert eager_estimate(None, None, 0.5) is None
+    assert eager_weights({"a": 30, "b": 10}, "tokens") == {"a": 0.75, "b": 0.25}
+    assert eager_weights({"a": 30, "b": 10}, "equal") == {"a": 0.5, "b": 0.5}
+
+
+class _Replica:
+    """The two methods of a worker that :func:`rebase` uses, on a dict of tensors."""
+
+    def __init__(self, params):
+        self.params = params
+
+    def pseudo_gradient(self, ref):
+        return {k: ref[k] - v for k, v in self.params.items()}
+
+    def load_global(self, g):
+        self.params = {k: v.clone() for k, v in g.items()}
+
+
+def test_rebase_keeps_the_progress_and_moves_it_onto_theta():
+    start = {"w": torch.tensor([1.0, 1.0, 1.0])}
+    replica = _Replica({"w": torch.tensor([1.5, 0.75, 1.0])})  # trained from start
+    theta = {"w": torch.tensor([2.0, -1.0, 0.0])}
+    rebase(replica, start, theta)
+    assert torch.equal(replica.params["w"], torch.tensor([2.5, -1.25, 0.0]))
+    untouched = _Replica({"w": start["w"].clone()})  # nothing trained yet: lands exactly on θ
+    rebase(untouched, start, theta)
+    assert torch.equal(untouched.params["w"], theta["w"])
+
+
+def test_merge_results_weights_the_two_parts():
+    merged = merge_results(InnerResult(2, 64, 3.0, True), InnerResult(6, 192, 1.0, True))
+    assert (merged.steps, merged.tokens, merged.mean_loss, merged.finite) == (8, 256, 1.5, True)
+    assert not merge_results(InnerResult(2, 64, 3.0, False), InnerResult(1, 32, 1.0, True)).finite
+
+
+# ---- the emulated runtime -----------------------------------------------------------------------------
+
+
+def test_zero_exchange_time_is_the_plain_round_bit_for_bit(tmp_path, small_corpus, monkeypatch):
+    """With an exchange that takes no time nothing is in flight when a round starts: every apply step is 0
+    and the overlapped run is the plain one (same parameters, losses and clock)."""
+    original = OuterLoopMethod.exchange
+    monkeypatch.setattr(OuterLoopMethod, "exchange", lambda self, wan, nbytes: (0.0, original(self, wan, nbytes)[1]))
+    path = write(tmp_path, small_corpus)
+    plain, p_params = run(path, "geomesh")
+    over, o_params = run(path, "geomesh-overlap")
+    assert plain["rounds"] == over["rounds"] >= 3
+    assert all(torch.equal(p_params[k], o_params[k]) for k in p_params)
+    assert over["curve"] == plain["curve"] and over["modeled_time_s"] == plain["modeled_time_s"]
+    assert over["overlap"] is True and plain["overlap"] is False
+
+
+def test_overlap_hides_every_exchange_but_the_last(tmp_path, small_corpus):
+    path = write(tmp_path, small_corpus, gbps=1.0)
+    plain, p_params = run(path, "geomesh", tmp_path / "plain")
+    over, o_params = run(path, "geomesh-overlap", tmp_path / "over")
+    x = plain["exchange_s_per_round"]
+    rounds = plain["rounds"]
+    assert over["rounds"] == rounds >= 3 and over["tokens"] == plain["tokens"]
+    assert 0 < x < over["plan"]["compute_s"]  # an exchange shorter than a round: it can hide
+    assert over["plan"]["workers"] == plain["plan"]["workers"]  # fast link: the same plan
+    # each round is the exchange shorter, except the last, whose exchange is waited for at the end
+    assert over["modeled_time_s"] == pytest.approx(plain["modeled_time_s"] - (rounds - 1) * x, rel=1e-9)
+    per = over["per_worker"]
+    assert sum(w["comm_wait"] for w in per.values()) == pytest.approx(len(per) * x)  # the drain only
+    assert over["wan_idle_frac"] < plain["wan_idle_frac"] / 2
+    assert not all(torch.equal(p_params[k], o_params[k]) for k in p_params)  # an overlapped trajectory
+    assert over["final_val_loss"] == pytest.approx(plain["final_val_loss"], rel=0.05)
+    events = read_events(tmp_path / "over" / "events.jsonl")
+    flights = [e for e in events if e["type"] == "exchange"]
+    assert len(flights) == rounds and all(e["end"] - e["start"] == pytest.approx(x) for e in flights)
+    spans = [e for e in events if e["type"] == "span"]
+    for worker in per:
+        mine = sorted((e for e in spans if e["worker"] == worker), key=lambda e: e["start"])
+        assert mine[0]["start"] == 0.0 and mine[-1]["end"] == pytest.approx(over["modeled_time_s"])
+        for a, b in itertools.pairwise(mine):  # the spans tile the worker's timeline
+            assert b["start"] == pytest.approx(a["end"], abs=1e-9)
+        # every exchange but the last runs while this worker computes the next round
+        for f in flights[:-1]:
+            assert any(e["kind"] == "compute" and e["start"] <= f["start"] + 1e-9 and e["end"] >= f["end"] - 1e-9
+                       for e in mine), (worker, f)  # fmt: skip
+    # an evaluation is stamped when its update has arrived
+    evals = [e for e in events if e["type"] == "eval"]
+    assert evals[-1]["time"] == pytest.approx(over["modeled_time_s"])
+    from geomesh.report import plot_timeline
+
+    plot_timeline(tmp_path / "over" / "events.jsonl", tmp_path / "timeline.png", "overlap")
+    assert (tmp_path / "timeline.png").stat().st_size > 0
+
+
+def test_scenario_switch_overlaps_any_outer_method(tmp_path, small_corpus):
+    path = write(tmp_path, small_corpus, overlap=True)
+    summary, _ = run(path, "diloco", tokens=12000)
+    assert summary["overlap"] is True and summary["plan"]["overlap"] is True
+
+
+def test_worker_processes_give_the_same_bits(tmp_path, small_corpus):
+    from geomesh.runtime.parallel import fork_available
+
+    if not fork_available():
+        pytest.skip("worker processes need fork")
+    path = write(tmp_path, small_corpus)
+    one, a = run(path, "geomesh-overlap")
+    two, b = run(path, "geomesh-overlap", workers_parallel=2)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert one["curve"] == two["curve"]
+
+
+# ---- the planner ---------------------------------------------------------------------------------------
+
+
+def test_planner_stretches_a_round_to_the_exchange_it_hides(tmp_path, small_corpus):
+    """On a link slower than the round, the overlapped plan fills the exchange with compute instead of
+    waiting; on a fast link it is the plain plan."""
+    sc = load_scenario(write(tmp_path, small_corpus, gbps=0.02))
+    profiles = sc.worker_profiles()
+    plans = {}
+    for name in ("geomesh", "geomesh-overlap"):
+        m = get_method(name)
+        nbytes = m.modeled_payload_bytes(sc)
+        x, _ = m.exchange(sc.wan_model(), nbytes)
+        plans[name] = m.plan(sc, profiles, exchange_bytes=nbytes, exchange_s=x)
+    plain, over = plans["geomesh"], plans["geomesh-overlap"]
+    assert over.exchange_s > plain.compute_s  # the slow link: the exchange is longer than the rule's round
+    assert over.compute_s == pytest.approx(over.exchange_s, rel=0.05) and over.compute_s <= over.exchange_s * 1.01
+    assert over.round_s == pytest.approx(max(over.compute_s, over.exchange_s))
+    assert plain.round_s == pytest.approx(plain.compute_s + plain.exchange_s)
+    assert over.sequences_per_round > plain.sequences_per_round
+    assert "stretched to the exchange" in over.rule and over.to_json()["overlap"] is True
+
+
+# ---- refusals ------------------------------------------------------------------------------------------
+
+
+def test_overlap_with_checkpoints_is_refused(tmp_path, small_corpus, capsys):
+    data = tiny_scenario_dict(small_corpus)
+    data["geomesh"]["overlap"] = True
+    data["reliability"] = {"checkpoint_every_rounds": 2}
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(data))
+    with pytest.raises(ConfigError, match="checkpoint_every_rounds"):
+        load_scenario(path)
+    good = write(tmp_path / "good", small_corpus)
+    with pytest.raises(RunError, match="overlap"):
+        EmulatedRun(load_scenario(good), get_method("geomesh-overlap"),
+                    RunOptions(out_dir=tmp_path / "r", checkpoint_every=1, progress=False))  # fmt: skip
+    from geomesh.cli import main
+
+    code = main(["train", str(good), "--method", "geomesh-overlap", "--out", str(tmp_path / "c"),
+                 "--checkpoint-every", "1", "--quiet"])  # fmt: skip
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and err[0].startswith("error: ") and "overlap" in err[0]
