@@ -227,6 +227,46 @@ def test_bad_input_is_one_error_line_without_a_hang(tmp_path, small_corpus, caps
         assert code == 2 and len(err) == 1 and says in err[0], err
 
 
+def test_regions_running_different_jobs_stop_with_one_error_each(tmp_path, small_corpus):
+    """Two regions started by hand (as two torchruns would) with different seeds: the header exchange over the
+    quorum compares a hash of scenario, method, seed and budget; the odd region stops with one line, and the
+    other, now short of min_regions, stops when its quorum times out. Nothing hangs."""
+    from geomesh.runtime.membership import start_lighthouse
+
+    path = scenario(tmp_path, small_corpus)
+    lighthouse = start_lighthouse(2, 20.0)
+    port = lighthouse.address().rsplit(":", 1)[-1]
+    procs = []
+    try:
+        for region, seed in (("r0-h100", "0"), ("r1-a100", "7")):
+            env = {**os.environ, "PYTHONPATH": SRC, "RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+                   "MASTER_PORT": str(_port()), "GEOMESH_REGION": region, "OMP_NUM_THREADS": "1",
+                   "TORCHFT_LIGHTHOUSE": f"http://127.0.0.1:{port}", "GEOMESH_ADVERTISE_HOST": "127.0.0.1"}  # fmt: skip
+            procs.append(subprocess.Popen([sys.executable, "-m", "geomesh.run", str(path), "--method", "geomesh",
+                                           "--out", str(tmp_path / region), "--seed", seed, "--timeout", "20",
+                                           "--quiet"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                          text=True))  # fmt: skip
+        outs = [p.communicate(timeout=150)[1] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+        lighthouse.shutdown()
+    errors = [[ln for ln in err.splitlines() if ln.startswith("error:")] for err in outs]
+    assert [p.returncode != 0 for p in procs] == [True, True], outs
+    assert all(len(e) == 1 for e in errors), errors
+    assert "region r1-a100 runs a different scenario, method, seed or token budget" in errors[1][0]
+    assert "no quorum of at least 2 region(s)" in errors[0][0]
+    assert not any("Traceback" in err for err in outs), outs
+
+
+def test_a_region_that_cannot_fit_the_model_is_one_error(tmp_path, small_corpus):
+    path = scenario(tmp_path, small_corpus)
+    result = cli_launch.launch(cli_launch.build_parser().parse_args(
+        [*argv(path, tmp_path / "run", 3840), "--set", "timing_model.n_layers=24", "--set", "timing_model.hidden=2048"]),
+        extra_env={"OMP_NUM_THREADS": "1"})  # fmt: skip
+    assert result.code == 2 and result.message.startswith("region r2-t4: the timing model does not fit"), result.message
+
+
 def _port() -> int:
     from geomesh.runtime.transport import free_port
 

@@ -153,6 +153,7 @@ def _main(args: argparse.Namespace) -> int:
         from .config import ConfigError, load_scenario
         from .methods.base import get_method
         from .runtime.distributed import DistOptions, DistributedRun, parse_ranks_per_region, rank_layout
+        from .runtime.membership import MembershipError
 
         scenario = load_scenario(args.scenario, _overrides(args.set))
         method = get_method(args.method)
@@ -205,6 +206,9 @@ def _main(args: argparse.Namespace) -> int:
             summary = run.run()
         except USER_ERRORS:
             raise
+        except MembershipError as exc:  # elastic regions: no quorum in time (too few regions, no quorum service)
+            print(f"error: {who}: {exc}", file=sys.stderr)
+            return 1
         except Exception as exc:
             if _comm_failure(exc):
                 op = run.transport.op

@@ -29,6 +29,7 @@ import pickle
 import socket
 import sys
 import time
+import warnings
 from datetime import timedelta
 from typing import Any, Callable
 
@@ -88,6 +89,7 @@ class Membership:
         import logging
 
         logging.getLogger("torchft").setLevel(logging.ERROR)
+        warnings.filterwarnings("ignore", message="The 'warn' method is deprecated")  # torchft's own logger
         from torchft.manager import Manager
         from torchft.process_group import ProcessGroupGloo
 
@@ -125,9 +127,10 @@ class Membership:
         try:
             self.manager.start_quorum(timeout=self.quorum_timeout)
         except Exception as exc:  # noqa: BLE001 - torchft raises RuntimeError/TimeoutError from its RPCs
+            why = "timed out" if "Timeout" in str(exc) or "timed out" in str(exc) else _short(exc)
             raise MembershipError(f"no quorum of at least {self.min_regions} region(s) within "
                                   f"{self.quorum_timeout.total_seconds():g}s (quorum service {self.lighthouse}): "
-                                  f"{_short(exc)}") from None  # fmt: skip
+                                  f"{why}; fewer regions are alive than reliability.min_regions") from None  # fmt: skip
         err = self.manager.errored()
         if err is not None:
             raise ExchangeFailed(f"reconfiguring for the quorum failed: {_short(err.original_exception)}")
