@@ -501,3 +501,27 @@ def test_a_rank_under_plain_torchrun_sets_its_region_env(monkeypatch, tmp_path, 
     assert run._main(args) == 0
     assert os.environ["GEOMESH_REGION"] == "r0-h100"
     assert json.loads((tmp_path / "r" / "summary.json").read_text())["model"] == "nano (built-in)"
+
+
+def test_precision_bf16_autocasts_the_forward_and_keeps_fp32_master_weights(tiny_scenario):
+    """training.precision is honoured by the Worker itself, so by both runtimes (here on CPU)."""
+    import dataclasses
+
+    from geomesh.data import BatchStream
+    from geomesh.model import build_model, model_config
+    from geomesh.worker import Worker
+
+    s = tiny_scenario()
+    tokens = torch.randint(0, 512, (4000,), generator=torch.Generator().manual_seed(0))
+    after = {}
+    for precision in ("fp32", "bf16"):
+        model = build_model(model_config("nano", vocab_size=512, seq_len=32), seed=0)
+        cfg = dataclasses.replace(s.training, precision=precision)
+        worker = Worker("w", model, BatchStream(tokens, 32, seed=1), cfg)
+        with worker.autocast():
+            logits, _ = model(tokens[:32].view(1, 32))
+        assert logits.dtype == (torch.bfloat16 if precision == "bf16" else torch.float32)
+        loss, _ = worker.inner_step(4, 1e-3)
+        assert loss == loss and all(p.dtype == torch.float32 for p in model.parameters())  # finite, fp32 masters
+        after[precision] = {k: v.clone() for k, v in model.state_dict().items()}
+    assert any(not torch.equal(after["fp32"][k], after["bf16"][k]) for k in after["fp32"])
