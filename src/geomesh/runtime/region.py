@@ -62,7 +62,10 @@ def build_training(scenario: ScenarioConfig, region: int, seed: int, device: tor
     name = model_name(sc.proxy, global_model)
     stream = worker_stream(corpus, region, len(sc.regions), sc.proxy.seq_len, seed * 1009 + region)
     if sc.regions[region].activation_checkpointing:
-        enable_activation_checkpointing(replica)
+        try:
+            enable_activation_checkpointing(replica)
+        except ValueError as exc:
+            raise ConfigError(f"regions[{region}].activation_checkpointing: true is not allowed for this model: {exc}") from None
     return RegionTraining(corpus, global_model.to(device), replica.to(device), stream, name)
 
 
