@@ -220,9 +220,13 @@ def test_bad_input_is_one_error_line_without_a_hang(tmp_path, small_corpus, caps
     assert "quorum service" in lines[0] and "cannot be reached" in lines[0]
     assert "Traceback" not in done.stderr and time.monotonic() - started < 100
     # elastic regions refuse checkpoints and network namespaces, in one line, before anything starts
-    for extra, says in ((["--checkpoint-every", "1"], "not with elastic regions"),
-                        (["--min-regions", "4"], "min_regions 4")):  # fmt: skip
-        code = cli_launch.main([*argv(path, tmp_path / "y", 3840), *extra])
+    (tmp_path / "f").mkdir()
+    faulty = scenario(tmp_path / "f", small_corpus, faults=[{"at_round": 1, "region": "r1-a100", "kind": "nan"}])
+    for scen, extra, says in ((path, ["--checkpoint-every", "1"], "not with elastic regions"),
+                              (path, ["--min-regions", "4"], "min_regions 4"),
+                              (faulty, ["--min-regions", "0"], "faults are injected into real processes with elastic "
+                                                               "regions")):  # fmt: skip
+        code = cli_launch.main([*argv(scen, tmp_path / "y", 3840), *extra])
         err = capsys.readouterr().err.strip().splitlines()
         assert code == 2 and len(err) == 1 and says in err[0], err
 

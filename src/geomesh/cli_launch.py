@@ -126,6 +126,10 @@ def _check(args: argparse.Namespace):
         raise ConfigError(f"--checkpoint-every {args.checkpoint_every}: expected >= 0 rounds (0: no checkpoints)")
     if args.keep is not None and args.keep < 1:
         raise ConfigError(f"--keep {args.keep}: expected >= 1 checkpoint")
+    if scenario.faults and not _elastic(args, scenario) and method.kind == "outer":
+        from .runtime.distributed import STATIC_FAULTS
+
+        raise ConfigError(STATIC_FAULTS)
     if _elastic(args, scenario):
         if args.wan == "netns":
             raise ConfigError("--wan netns: not with elastic regions (min_regions >= 1); use --wan shaper or none")

@@ -65,6 +65,11 @@ TEST_EXIT_ENV = "GEOMESH_TEST_EXIT_AFTER_ROUND"  # "RANK:ROUND": that rank exits
 WIRE_IFACE_ENV = "GEOMESH_WIRE_IFACE"  # a network interface whose tx bytes measure what really went out
 
 
+STATIC_FAULTS = ("the scenario's faults are injected into real processes with elastic regions: set "
+                 "reliability.min_regions (or --min-regions N) to at least 1; without them one lost region stops "
+                 "the whole run")
+
+
 class RankFailure(RuntimeError):
     """A peer rank died or hung past the timeout, or the ranks disagree; the message says which."""
 
@@ -463,6 +468,8 @@ class DistributedRun:
     def _run_outer(self) -> dict[str, Any]:
         method: OuterLoopMethod = self.method  # type: ignore[assignment]
         sc, tr = self.scenario, self.scenario.training
+        if sc.faults:
+            raise RunError(STATIC_FAULTS)
         model = self.global_model
         params = {k: p.detach() for k, p in model.named_parameters()}
         manifest = Manifest.from_tensors(params)
