@@ -126,6 +126,27 @@ def test_a_killed_region_is_left_out_and_the_survivors_finish(tmp_path, small_co
     assert not processes(tag)
 
 
+def test_a_region_dying_mid_round_loses_that_round_s_tokens(tmp_path, small_corpus):
+    """A region's processes die with their payload unsent (SIGKILL from the test hook): the survivors' exchange
+    fails, they form a new quorum and exchange what they have; the dead region's round is lost tokens."""
+    path = scenario(tmp_path, small_corpus)
+    out = tmp_path / "run"
+    args = cli_launch.build_parser().parse_args(argv(path, out, 7680))
+    result = cli_launch.launch(args, extra_env={"OMP_NUM_THREADS": "1", "GEOMESH_TEST_KILL_MID_ROUND": "r2-t4:2"})
+    assert result.code == 0, result.message
+    assert [r.describe() for r in result.ranks] == ["exit code 0", "exit code 0", "killed by SIGKILL"]
+    events = read_events(out / "events.jsonl")
+    leave = [e for e in events if e["type"] == "leave"]
+    one_round = 4 * 5 * 32  # b=4, H=5, 32 tokens per sequence
+    assert [(e["region"], e["round"], e["tokens_lost"]) for e in leave] == [("r2-t4", 2, one_round)]
+    rounds = [e for e in events if e["type"] == "round"]
+    assert rounds[1]["members"] == ["r0-h100", "r1-a100"] and rounds[1]["tokens_lost"] == {"r2-t4": one_round}
+    el = result.summary["elastic"]
+    assert el["tokens_lost"]["r2-t4"] == one_round and el["rounds_without"]["r2-t4"] == len(rounds) - 1
+    # the budget counts tokens that reached θ: the survivors trained more rounds (the last one is shortened)
+    assert 7680 <= result.summary["tokens"] < 7680 + one_round
+
+
 def test_a_restarted_region_rejoins_with_the_live_state(tmp_path, small_corpus):
     path = scenario(tmp_path, small_corpus, slowdown=3.0)
     out, tag = tmp_path / "run", uuid.uuid4().hex

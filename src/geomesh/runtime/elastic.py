@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,6 +54,7 @@ from .membership import LIGHTHOUSE_ENV, ExchangeFailed, Membership, MembershipEr
 from .transport import WanShaper
 
 ONE_ROUND = ("nan", "corrupt")
+TEST_KILL_ENV = "GEOMESH_TEST_KILL_MID_ROUND"  # "REGION:ROUND": its ranks SIGKILL themselves before that exchange
 FAULT_KINDS = ("slowdown", "leave", "join", "bandwidth", "nan", "corrupt")
 
 
@@ -170,6 +172,8 @@ class ElasticLoop:
         self.written = -1  # records already in events.jsonl (-1: this leader has not written it)
         self.healed_state: dict | None = None
         self.membership: Membership | None = None
+        region, _, at = os.environ.get(TEST_KILL_ENV, "").partition(":")
+        self._kill_at = (region, int(at)) if at.isdigit() else None
 
     # ---- torchft's recovery: what a live region sends, and how a joiner loads it ---------------------
     def state_dict(self) -> dict[str, Any]:
@@ -409,6 +413,8 @@ class ElasticLoop:
                     payload = corrupt_payload(payload)
             run._mark("compute")
             compute_s = run._cursor - round_start
+            if self._kill_at == (self.names[self.me], run.rounds + 1):  # tests: die with the payload unsent
+                os.kill(os.getpid(), signal.SIGKILL)
             # 3. exchange over the quorum's leaders
             result = None
             if run.is_leader:
