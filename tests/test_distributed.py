@@ -357,13 +357,11 @@ def test_ddp_all_reduces_every_step_across_regions(tmp_path, small_corpus, capsy
 
 
 def test_fsdp_inside_a_region_trains_as_ddp(tmp_path, small_corpus):
-    """One region of 2 ranks: FSDP2 (fully_shard over Gloo) ends with DDP's global parameters; bf16 autocast
-    with activation checkpointing also trains (fp32 master weights: the result stays close)."""
+    """One region of 2 ranks: FSDP2 (fully_shard over Gloo) ends with DDP's global parameters. (FSDP with bf16
+    and activation checkpointing: test_gpu_check_script_runs_at_cpu_size.)"""
     finals = {}
-    for name, region, training in [("ddp", {"strategy": "ddp"}, {}), ("fsdp", {"strategy": "fsdp"}, {}),
-                                   ("bf16", {"strategy": "fsdp", "activation_checkpointing": True},
-                                    {"precision": "bf16"})]:  # fmt: skip
-        scenario = write_scenario(tmp_path / name, small_corpus, ("A100",), counts=[2], **training)
+    for name, region in [("ddp", {"strategy": "ddp"}), ("fsdp", {"strategy": "fsdp"})]:
+        scenario = write_scenario(tmp_path / name, small_corpus, ("A100",), counts=[2])
         data = yaml.safe_load(scenario.read_text())
         data["regions"][0].update(region)
         scenario.write_text(yaml.safe_dump(data))
@@ -373,10 +371,6 @@ def test_fsdp_inside_a_region_trains_as_ddp(tmp_path, small_corpus):
         assert len(set(result.summary["param_checksums"])) == 1
         finals[name] = (torch.load(tmp_path / name / "run" / "final_params.pt"), result.summary)
     assert_same_params(finals["fsdp"][0], finals["ddp"][0], rtol=1e-4, atol=1e-5)
-    bf16, summary = finals["bf16"]
-    assert summary["final_val_loss"] < summary["curve"][0][2]  # it learned
-    assert_same_params(bf16, finals["ddp"][0], rtol=0.0, atol=2e-2)
-    assert any(not torch.equal(bf16[k], finals["ddp"][0][k]) for k in bf16)  # and really ran in bf16
 
 
 def test_ddp_method_refuses_sharded_regions(tmp_path, small_corpus, capsys):
