@@ -9,7 +9,9 @@ collective for the bytes really sent; ``netns``: kernel rate limits between netw
 regions share one measured CPU profile (``geomesh profile``, one thread) with ``slowdown`` 1, 1.5 and 2
 (inner steps padded with sleep), so the CPU cluster is heterogeneous and the planner balances real compute
 (``--cost-model``: plan from the A100 cost model instead). Both methods train the same proxy model for
-the same token budget (``--rounds`` of DiLoCo).
+the same token budget (``--rounds`` of DiLoCo). ``--methods diloco,geomesh,geomesh-overlap`` adds GeoMesh
+with the exchange overlapped with the next round's inner steps (docs/overlap.md) and a
+``geomesh / geomesh-overlap`` comparison line (wall seconds per round, WAN wait, final loss).
 
 One JSON object per line per method: rounds, tokens, payload_bytes (one worker's payload),
 bytes_per_round (bytes all ranks handed to the cross-region collective), ring_wire_bytes_per_round (what a
@@ -139,6 +141,21 @@ def main(argv: list[str] | None = None) -> int:
             "comm_s_ratio": d["comm_s_per_round"] / g["comm_s_per_round"],
             "wall_s_per_round_ratio": d["wall_s_per_round"] / g["wall_s_per_round"],
             "tokens_per_s": {m: by[m]["tokens"] / (by[m]["wall_s_per_round"] * by[m]["rounds"]) for m in by},
+        }
+        rows.append(comparison)
+        print(json.dumps(comparison), flush=True)
+    if "geomesh" in by and "geomesh-overlap" in by:  # the exchange hidden under the next round (docs/overlap.md)
+        g, o = by["geomesh"], by["geomesh-overlap"]
+        comparison = {
+            "comparison": "geomesh / geomesh-overlap",
+            "same_plan": g["plan"] == o["plan"],
+            "wall_s_per_round": {"geomesh": g["wall_s_per_round"], "geomesh-overlap": o["wall_s_per_round"]},
+            "wall_s_per_round_ratio": g["wall_s_per_round"] / o["wall_s_per_round"],
+            "comm_s_per_round": {"geomesh": g["comm_s_per_round"], "geomesh-overlap": o["comm_s_per_round"]},
+            "wan_idle_frac": {"geomesh": g["wan_idle_frac"], "geomesh-overlap": o["wan_idle_frac"]},
+            "final_val_loss": {"geomesh": g["final_val_loss"], "geomesh-overlap": o["final_val_loss"]},
+            "tokens_per_s": {m: by[m]["tokens"] / (by[m]["wall_s_per_round"] * by[m]["rounds"]) for m in (
+                "geomesh", "geomesh-overlap")},
         }
         rows.append(comparison)
         print(json.dumps(comparison), flush=True)

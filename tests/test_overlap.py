@@ -233,3 +233,55 @@ def test_overlap_with_checkpoints_is_refused(tmp_path, small_corpus, capsys):
                  "--checkpoint-every", "1", "--quiet"])  # fmt: skip
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and err[0].startswith("error: ") and "overlap" in err[0]
+
+
+# ---- the distributed runtime ---------------------------------------------------------------------------
+
+
+def test_distributed_overlap_equals_emulated_and_every_rank_agrees(tmp_path, small_corpus):
+    """3 ranks, one per region, over the WAN shaper: the collective runs asynchronously under the next
+    round's inner steps, the update is applied at the plan's apply step, and the run ends where the emulated
+    runtime ends (same plan, same apply steps, same operations)."""
+    from test_distributed import launch
+
+    path = write(tmp_path, small_corpus, max_batch=16)
+    out = tmp_path / "run"
+    result = launch([str(path), "--nproc", "3", "--method", "geomesh-overlap", "--out", str(out), "--tokens",
+                     str(TOKENS), "--save-params", "--quiet", "--timeout", "60"])  # fmt: skip
+    assert result.code == 0, result.message
+    summary = result.summary
+    assert summary["overlap"] is True and summary["rounds"] >= 3
+    assert len(set(summary["param_checksums"])) == 1  # every rank holds the same θ (checked every round too)
+    emulated, params = run(path, "geomesh-overlap")
+    final = torch.load(out / "final_params.pt")
+    for k, v in params.items():
+        torch.testing.assert_close(final[k], v, rtol=1e-5, atol=1e-6)
+    assert summary["plan"] == emulated["plan"] and summary["tokens"] == emulated["tokens"]
+    assert summary["final_val_loss"] == pytest.approx(emulated["final_val_loss"], rel=1e-5)
+    events = read_events(out / "events.jsonl")
+    flights = [e for e in events if e["type"] == "exchange"]
+    assert len(flights) == summary["rounds"] and all(e["end"] >= e["start"] for e in flights)
+    assert sum(e["type"] == "eval" for e in events) == summary["rounds"] + 1  # θ_0, then each update
+
+
+def test_distributed_overlap_refuses_checkpoints(tmp_path, small_corpus):
+    from test_distributed import launch
+
+    path = write(tmp_path, small_corpus)
+    result = launch([str(path), "--nproc", "3", "--method", "geomesh-overlap", "--out", str(tmp_path / "r"),
+                     "--checkpoint-every", "1", "--quiet", "--timeout", "60", "--wan", "none"])  # fmt: skip
+    assert result.code != 0 and "overlap" in result.message and "\n" not in result.message.strip()
+
+
+def test_regions_of_two_ranks_share_the_overlapped_update(tmp_path, small_corpus):
+    """The leader completes the exchange at the apply step and broadcasts it inside its region; DDP keeps
+    running in between: every rank ends with the same θ."""
+    from test_distributed import launch, write_scenario
+
+    path = write_scenario(tmp_path, small_corpus, ("A100", "T4"), counts=[2, 2], geomesh={"overlap": True})
+    result = launch([str(path), "--nproc", "4", "--method", "geomesh", "--out", str(tmp_path / "run"), "--tokens",
+                     "20000", "--quiet", "--timeout", "60", "--wan", "none"])  # fmt: skip
+    assert result.code == 0, result.message
+    s = result.summary
+    assert s["overlap"] is True and s["rounds"] >= 2 and s["intra_region_bytes"] > 0
+    assert len(s["param_checksums"]) == 4 and len(set(s["param_checksums"])) == 1

@@ -386,6 +386,12 @@ class DistributedRun:
             if self.method.kind != "outer" and self.options.checkpoint_every:
                 raise RunError(f"--checkpoint-every: method {self.method.name} is not checkpointed by the "
                                "distributed runtime (round-based methods are)")  # fmt: skip
+            if isinstance(self.method, OuterLoopMethod) and self.method.overlapped(self.scenario):
+                o = self.options
+                if o.checkpoint_every or o.resume or o.elastic_region is not None or o.min_regions:
+                    raise RunError(f"{self.method.name} with overlap: checkpoints, --resume and elastic regions are "
+                                   "not supported (an overlapped round's exchange is still in flight at every round "
+                                   "boundary); run without them")  # fmt: skip
             self._resume_from = self._prepare_resume() if self.options.resume else None
             self._setup()
             if self.rank == 0:  # the scenario's TensorBoard / W&B sinks, on the rank that writes the records
@@ -496,6 +502,12 @@ class DistributedRun:
         shaper_s = shaper.allreduce_s(wan_nbytes) if dense else shaper.allgather_s(wan_nbytes)
         names = [r.name for r in sc.regions]
         seq = sc.proxy.seq_len
+        overlap = None  # the overlapped round (runtime/dist_overlap.py, docs/overlap.md)
+        if method.overlapped(sc):
+            from .dist_overlap import RankOverlap
+
+            overlap = RankOverlap(self, method, combiner, outer, params, manifest, shaper, shaper_s, dense,
+                                  proxy_payload)  # fmt: skip
         if self.rank == 0 and self._resume_from is None:
             self.telemetry.emit({
                 "type": "run", "runtime": "distributed", "method": method.name, "scenario": sc.name,
@@ -535,9 +547,14 @@ class DistributedRun:
             def lr_at(k: int, h: int = h, start: int = start, total: int = round_tokens) -> float:
                 return inner_lr(start + k / h * total, self.budget, tr)
 
-            payload, _ = method.local_phase(self.worker, h, wp.batch, params, codec, lr_at)
+            if overlap is not None:  # the previous round's update is applied inside this one, when it arrives
+                payload, _ = method.local_phase_overlapped(self.worker, h, wp.batch, overlap.start,
+                                                           overlap.apply_at(wp, h), overlap.arrive, codec, lr_at)
+                overlap.prepare_next(payload, plan, steps, plan.exchange_s)
+            else:
+                payload, _ = method.local_phase(self.worker, h, wp.batch, params, codec, lr_at)
             self._mark("compute")
-            compute_s = self._cursor - round_start
+            compute_s = self._cursor - round_start - (overlap.waited_s if overlap is not None else 0.0)
             sent_before, wire_before = self.transport.wan_bytes, tx_bytes(self._iface)
             comm_start = self._cursor
             exchanged: torch.Tensor | None = None
@@ -546,7 +563,9 @@ class DistributedRun:
                 self._mark("straggler_wait")
                 comm_start = self._cursor
                 since = time.perf_counter()
-                if dense:
+                if overlap is not None:  # launched, not waited for: it arrives inside the next round
+                    overlap.launch(payload, since)
+                elif dense:
                     flat = torch.zeros(d + 1, dtype=torch.float32, device=self.device)
                     if payload is not None:
                         decoded = combiner.decode(payload, device=self.device)
@@ -557,8 +576,9 @@ class DistributedRun:
                     exchanged = self.transport.all_reduce_sum(flat, self.leaders_group)
                 else:
                     exchanged = self.transport.all_gather_bytes(payload, proxy_payload, self.leaders_group, n)
-                shaper.hold(shaper_s, since)
-            if self.region_group is not None:
+                if overlap is None:
+                    shaper.hold(shaper_s, since)
+            if self.region_group is not None and overlap is None:
                 if exchanged is None:
                     exchanged = (torch.empty(d + 1, dtype=torch.float32, device=self.device) if dense
                                  else torch.empty(n * proxy_payload, dtype=torch.uint8))  # fmt: skip
@@ -566,8 +586,10 @@ class DistributedRun:
             self._mark("comm_wait")
             comm_s = self._cursor - comm_start
             wire_after = tx_bytes(self._iface)
-            # the outer step, on every rank from the same bytes
-            if dense:
+            # the outer step, on every rank from the same bytes (overlapped: when the exchange arrives)
+            if overlap is not None:
+                comm_s += overlap.take_waited()
+            elif dense:
                 if float(exchanged[d]) > 0:
                     flat = exchanged[:d].div(exchanged[d])
                     outer.step({s.name: flat[o : o + s.numel].view(s.shape)
@@ -577,6 +599,9 @@ class DistributedRun:
                 method.apply([p for p in slots if p is not None], _OnDevice(combiner, self.device), outer)
             self.tokens_done += round_tokens
             self.rounds += 1
+            if overlap is not None and self.tokens_done >= self.budget:
+                overlap.drain()  # the last round's exchange: nothing is left to hide it under
+                comm_s += overlap.take_waited()
             checksum = params_checksum(params)
             self._mark("other")
             info = {
@@ -596,8 +621,8 @@ class DistributedRun:
                 raise RankFailure(f"round {self.rounds}: the ranks hold different global parameters ({detail})")
             if self.rank == 0:
                 self._record_round(infos, names)
-                if self.rounds % tr.eval_every_rounds == 0 or self.tokens_done >= self.budget:
-                    self._evaluate(self._now())
+                if overlap is None and (self.rounds % tr.eval_every_rounds == 0 or self.tokens_done >= self.budget):
+                    self._evaluate(self._now())  # (overlapped: evaluated when the update arrives)
             if saver is not None and every > 0 and self.rounds % every == 0:
                 self._mark("other")
                 self.transport.op = f"writing the checkpoint of round {self.rounds}"
@@ -629,6 +654,7 @@ class DistributedRun:
             "exchange_s_per_round": self.totals["comm_s"] / max(self.rounds, 1),
             "shaper_s_per_round": shaper_s,
             "collective": method.collective,
+            "overlap": overlap is not None,
         }
 
     def _write_spans(self, worker: str, spans: list) -> None:

@@ -1,0 +1,155 @@
+"""The overlapped round on one rank of the distributed runtime (docs/overlap.md; the algorithm is
+:mod:`geomesh.methods.overlap`, the same code the emulated runtime runs).
+
+When its round ends, a region leader passes the straggler barrier and *launches* the exchange
+(``async_op=True``: Gloo or NCCL moves the bytes on its own threads) and returns to training at once; every
+rank of the region computes its eager start for the next round (:meth:`RankOverlap.prepare_next`). At the
+apply step of the next round (:func:`~geomesh.methods.overlap.apply_step`, from the plan, so every rank and
+the emulated runtime apply it at the same step), :meth:`RankOverlap.arrive` completes it: the leader waits
+for the collective and the WAN shaper's hold (the exchange lasts max(measured, modeled) from its launch, as
+in the plain round), broadcasts the bytes inside its region, and every rank takes the same outer step; the
+worker then rebases the steps it trained onto θ. Time spent waiting there is ``comm_wait``; the exchange's
+time in flight is an ``exchange`` event (rank 0's view) in ``events.jsonl``. The last round's exchange is
+completed right after the round (:meth:`RankOverlap.drain`): nothing is left to hide it under.
+
+Rank 0 evaluates θ when it is formed, i.e. inside :meth:`arrive`, labelled with the tokens it contains.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..methods.overlap import apply_step, eager_start, eager_weights, planned_tokens
+from .transport import split_gathered
+
+Tensors = dict[str, torch.Tensor]
+
+
+class RankOverlap:
+    """The overlapped schedule's state on one rank: its eager start, the last combined update, the exchange
+    in flight (the leader's collective handle), and what it cost."""
+
+    def __init__(self, run: Any, method: Any, combiner: Any, outer: Any, params: Tensors, manifest: Any,
+                 shaper: Any, shaper_s: float, dense: bool, proxy_payload: int):  # fmt: skip
+        self.run, self.method, self.combiner, self.outer, self.params = run, method, combiner, outer, params
+        self.manifest, self.shaper, self.shaper_s = manifest, shaper, shaper_s
+        self.dense, self.proxy_payload = dense, proxy_payload
+        self.device = run.device
+        self.start: Tensors = params  # no round 0 start is needed: nothing is in flight then
+        self.last: Tensors | None = None
+        self.in_flight_s = 0.0  # the plan's exchange time of the exchange in flight (0: none)
+        self.waited_s = 0.0  # wall seconds this rank waited for exchanges (this round)
+        self._expect = False  # an exchange was launched and is not yet applied
+        self._work = None
+        self._buffer: torch.Tensor | None = None
+        self._since = 0.0
+        self._launched_at = 0.0
+
+    def apply_at(self, wp: Any, steps: int) -> int:
+        """This round's apply step, from the plan's predicted step time (as the emulated runtime)."""
+        return apply_step(self.in_flight_s, wp.compute_s / max(wp.inner_steps, 1), steps)
+
+    @torch.no_grad()
+    def prepare_next(self, payload: bytes | None, plan: Any, steps: list[int], exchange_s: float) -> None:
+        """After this round's inner steps: the eager start of the next round from θ_r and this region's own
+        payload, before the update in flight is applied; the round's exchange will be in flight."""
+        run = self.run
+        weights = eager_weights(planned_tokens(plan.workers, steps), self.method.weighting)
+        mine = self.combiner.combine([payload], device=self.device) if payload is not None else None
+        name = plan.workers[run.region].name
+        self.start = eager_start(self.outer, mine, self.last, weights.get(name, 0.0))
+        self.in_flight_s = exchange_s
+        self._expect = True
+
+    def launch(self, payload: bytes | None, since: float) -> None:
+        """The leader hands its payload to the cross-region collective and does not wait for it."""
+        run, group = self.run, self.run.leaders_group
+        transport = run.transport
+        transport.op = f"the exchange of round {run.rounds + 1} (overlapped)"
+        if self.dense:
+            d = self.manifest.numel
+            flat = torch.zeros(d + 1, dtype=torch.float32, device=self.device)
+            if payload is not None:
+                decoded = self.combiner.decode(payload, device=self.device)
+                w = decoded.tokens / 2**20 if self.combiner.weighting == "tokens" else 1.0
+                torch.cat([t.reshape(-1) for t in decoded.tensors.values()], out=flat[:d])
+                flat[:d].mul_(w)
+                flat[d] = w
+            self._work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group, async_op=True)
+            self._buffer = flat
+            transport.wan_bytes += flat.numel() * flat.element_size()
+        else:
+            nbytes, size = self.proxy_payload, len(run.layout.leaders)
+            mine = torch.zeros(nbytes, dtype=torch.uint8)
+            if payload is not None:
+                mine = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+            mine = mine.to(self.device)
+            out = torch.empty(size * nbytes, dtype=torch.uint8, device=self.device)
+            gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+            self._work = gather(out, mine, group=group, async_op=True)
+            self._buffer = out
+            transport.wan_bytes += nbytes
+        self._since = since
+        self._launched_at = run._now()
+
+    def arrive(self, before: str = "compute") -> Tensors:
+        """Complete the exchange in flight (the leader waits for it and the shaper, then the region's ranks
+        share it) and take the outer step; returns θ. Nothing in flight: θ as it is."""
+        run = self.run
+        if not self._expect:
+            return self.params
+        run._mark(before)
+        waited_from = run._cursor
+        exchanged = self._buffer
+        if run.is_leader:
+            run.transport.op = f"the exchange of round {run.rounds} (overlapped)"
+            self._work.wait()
+            self.shaper.hold(self.shaper_s, self._since)
+            if run.rank == 0:  # the exchange as rank 0 saw it: from its launch to when rank 0 took it
+                run.telemetry.emit({"type": "exchange", "round": run.rounds - 1, "start": self._launched_at,
+                                    "end": run._now(), "workers": [r.name for r in run.scenario.regions]})  # fmt: skip
+        if run.region_group is not None:
+            if exchanged is None:
+                d, n = self.manifest.numel, len(run.layout.leaders)
+                exchanged = (torch.empty(d + 1, dtype=torch.float32, device=self.device) if self.dense
+                             else torch.empty(n * self.proxy_payload, dtype=torch.uint8))  # fmt: skip
+            exchanged = run.transport.broadcast(exchanged, run.leader, run.region_group)
+        run._mark("comm_wait")
+        self.waited_s += run._cursor - waited_from
+        self._apply(exchanged)
+        self._expect, self._work, self._buffer = False, None, None
+        if run.rank == 0:
+            every = run.scenario.training.eval_every_rounds
+            if run.rounds % every == 0 or run.tokens_done >= run.budget:
+                run._evaluate(run._now())
+        run._mark("other")  # the outer step (and rank 0's evaluation), as in the plain round
+        return self.params
+
+    @torch.no_grad()
+    def _apply(self, exchanged: torch.Tensor) -> None:
+        """The outer step from the exchanged bytes, the same on every rank; remembered as the last update."""
+        if self.dense:
+            d = self.manifest.numel
+            if float(exchanged[d]) <= 0:
+                return
+            flat = exchanged[:d].div(exchanged[d])
+            combined = {s.name: flat[o : o + s.numel].view(s.shape) for s, o in zip(self.manifest, self.manifest.offsets)}
+        else:
+            payloads = [p for p in split_gathered(exchanged.cpu(), self.proxy_payload) if p is not None]
+            if not payloads:
+                return
+            combined = self.combiner.combine(payloads, device=self.device)
+        self.outer.step(combined)
+        self.last = combined
+
+    def drain(self) -> None:
+        """The last round's exchange: nothing is left to hide it under, so wait for it now."""
+        self.arrive(before="other")
+
+    def take_waited(self) -> float:
+        waited, self.waited_s = self.waited_s, 0.0
+        return waited
