@@ -375,6 +375,9 @@ class ElasticLoop:
                 break
             r = run.rounds  # 0-based index of this round (fault schedule), round records count from 1
             once = self._faults(r, ctrl["members"]) if applied_faults < r else {}
+            if applied_faults < r and any(f.at_round == r and f.kind in ("slowdown", "bandwidth")
+                                          for f in self.sc.faults):  # fmt: skip
+                planned_for = None  # the planner learns the new speed or links at once
             applied_faults = r
             # a region away by a scheduled `leave` stays connected (θ in step) but trains and sends nothing
             members = [i for i in ctrl["members"] if i not in self.away]
