@@ -927,6 +927,89 @@ class EmulatedRun:
             remake()
             loop.last_loss = self._evaluate(cluster)
         shared.model.train()
+        pool, gradients = self._ddp_gradients(cluster)
+        try:
+            self._ddp_steps(cluster, loop, remake, gradients, pool)
+            if pool is not None:  # the parent's streams end where the run ended
+                self._pull_streams(pool, cluster)
+        finally:
+            if pool is not None:
+                pool.close()
+        return extra()
+
+    def _ddp_gradients(self, cluster: Cluster) -> tuple[Any, Callable[[list[int], float], list[float]]]:
+        """(worker processes or None, ``gradients(live, weight)``): every live worker's batch through the shared
+        replica into its ``.grad``, summed in worker order, and each worker's loss.
+
+        In worker processes each worker's gradient is computed from a zero ``.grad`` into a shared buffer and
+        the parent adds them up in worker order: the fp32 adds autograd makes when it accumulates them one
+        after another in-process, so both give the same bits (for batches of one proxy micro-batch; larger
+        ones accumulate inside a worker and train in-process)."""
+        tr = self.scenario.training
+        shared = cluster.workers[0]
+        n = len(cluster.workers)
+        threads = self.options.worker_threads or worker_threads(n)
+        processes = min(self.workers_parallel, n)
+
+        def in_process(live: list[int], weight: float) -> list[float]:
+            with intra_op_threads(threads):
+                return [shared.accumulate_grad(tr.batch, stream=cluster.workers[i].stream, weight=weight)[0]
+                        for i in live]  # fmt: skip
+
+        if processes <= 1 or tr.batch > shared.max_proxy_micro_batch:
+            return None, in_process
+        from .parallel import WorkerPool, assign_owners
+
+        params = list(shared.model.parameters())
+        sizes = [p.numel() for p in params]
+        rows = torch.zeros(n, sum(sizes)).share_memory_()  # worker i's gradient, flat, in row i
+        views = [[v.view_as(p) for v, p in zip(rows[i].split(sizes), params)] for i in range(n)]
+        shared.model.share_memory()  # θ: the parent's AdamW step updates it in place, every process reads it
+
+        def grad(i: int, weight: float) -> tuple[float, list[bool]]:
+            shared.optimizer.zero_grad(set_to_none=True)  # this process's own .grad
+            loss, _ = shared.accumulate_grad(tr.batch, stream=cluster.workers[i].stream, weight=weight)
+            for v, p in zip(views[i], params):
+                v.copy_(p.grad) if p.grad is not None else v.zero_()
+            return loss, [p.grad is None for p in params]
+
+        calls = {"grad": grad, "stream": lambda i, _: cluster.workers[i].stream.state_dict()}
+        pool = WorkerPool(calls, assign_owners([1.0] * n, processes), threads=threads)
+
+        def in_processes(live: list[int], weight: float) -> list[float]:
+            got = pool.map("grad", [(i, weight) for i in live])
+            for k, p in enumerate(params):
+                if all(none[k] for _, none in got):
+                    p.grad = None
+                    continue
+                total = views[live[0]][k].clone()
+                for i in live[1:]:
+                    total.add_(views[i][k])
+                p.grad = total
+            return [loss for loss, _ in got]
+
+        return pool, in_processes
+
+    @staticmethod
+    def _pull_streams(pool: Any, cluster: Cluster) -> None:
+        """DDP: bring every worker's data-stream position from its process (the replica and AdamW are here)."""
+        states = pool.map("stream", [(i, None) for i in range(len(cluster.workers))])
+        for worker, state in zip(cluster.workers, states):
+            worker.stream.load_state_dict(state)
+
+    def _ddp_steps(self, cluster: Cluster, loop: _Loop, remake: Callable[[], None],
+                   gradients: Callable[[list[int], float], list[float]], pool: Any) -> None:  # fmt: skip
+        """DDP's steps until the token budget is spent."""
+        tr = self.scenario.training
+        shared = cluster.workers[0]
+        names = self._names()
+        seq = self.scenario.proxy.seq_len
+
+        def checkpoint_state() -> dict[str, Any]:
+            if pool is not None:
+                self._pull_streams(pool, cluster)
+            return self._state(cluster, loop)
+
         ignored = {"corrupt": "ddp all-reduces fp32 gradients: there is no payload to corrupt"}
         while self.tokens_done < self.budget:
             effects = self._apply_faults(loop.cluster, ignored)
@@ -935,8 +1018,7 @@ class EmulatedRun:
             live = loop.cluster.live()
             shared.optimizer.zero_grad(set_to_none=True)
             bad: dict[int, str] = {}
-            for i in live:
-                loss, _ = shared.accumulate_grad(tr.batch, stream=cluster.workers[i].stream, weight=1.0 / len(live))
+            for i, loss in zip(live, gradients(live, 1.0 / len(live))):
                 if "nan" in effects.once.get(i, ()):
                     loss = _poison_grads(shared.model)
                 if not math.isfinite(loss):
@@ -963,8 +1045,7 @@ class EmulatedRun:
                 loop.last_loss = self._evaluate(cluster)
                 self._progress(loop.last_loss)
             self._end_round(length, 0 if bad else step_tokens, dict.fromkeys(bad, step_tokens), live, bad)
-            self._maybe_checkpoint(lambda: self._state(cluster, loop))
-        return extra()
+            self._maybe_checkpoint(checkpoint_state)
 
     def _record_plan(self, plan: Plan) -> None:
         self.plans.append(plan)
