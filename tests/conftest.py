@@ -47,7 +47,9 @@ def tiny_scenario_dict(paths: list[str], gpus=("H100", "A100", "T4"), **training
         "training": {"tokens": 24000, "batch": 4, "inner_steps": 5, "inner_lr": 0.003, "eval_sequences": 16,
                      "zero_shot_items": 40,
                      **training},
-        "geomesh": {"min_batch": 1, "min_inner_steps": 1, "chunk_size": 256},
+        # The sequence target (N·b·H per round) keeps rounds as small as the token budgets of these fast tests;
+        # the planning rule (the default) is tested on its own (test_planning_rule.py) and on the presets.
+        "geomesh": {"min_batch": 1, "min_inner_steps": 1, "chunk_size": 256, "round_sequences_factor": 1.0},
     }
 
 

@@ -26,7 +26,7 @@ def round_idle(events, round_index):
 
 
 def test_worker_that_slows_down_is_replanned(tiny_scenario, tmp_path):
-    s = tiny_scenario(tokens=160000)  # about 8 rounds of the planning rule's plan
+    s = tiny_scenario(tokens=60000)
     s.faults = [FaultConfig(at_round=3, region="r0-h100", kind="slowdown", factor=3.0)]
     summary = run(s, out=tmp_path)
     assert summary["replans"] >= 1

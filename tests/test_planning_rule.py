@@ -139,14 +139,15 @@ def test_memory_model_with_sharding_matches_a_hand_computation():
     P = 12 * 24 * 2048**2 + 32000 * 2048
     assert BIG.params == P
     a10g = gpu_spec("A10G")
-    # DDP: every GPU holds weights, gradients and AdamW state of the whole model
-    assert BIG.state_bytes(4, "ddp") == 16 * P
+    # DDP: every GPU holds weights, gradients and AdamW state of the whole model (16 bytes per parameter),
+    # and the outer loop's fp32 global parameters and momentum (8 more)
+    assert BIG.state_bytes(4, "ddp") == 24 * P
     # FSDP over 4 GPUs: a quarter of that, plus two gathered bf16 units (the embedding is the largest here)
-    assert BIG.state_bytes(4, "fsdp") == 16 * P / 4 + 2 * 2 * (32000 * 2048)
+    assert BIG.state_bytes(4, "fsdp") == 24 * P / 4 + 2 * 2 * (32000 * 2048)
     act = 24 * 34 * 2048 * 2048 + 4 * 2048 * 32000  # per sequence: activations + fp32 logits
-    free = 0.9 * 24e9 - 1.5 * GIB - (16 * P / 4 + 4 * 32000 * 2048)
+    free = 0.9 * 24e9 - 1.5 * GIB - (24 * P / 4 + 4 * 32000 * 2048)
     assert BIG.max_micro_batch(a10g, 4, "fsdp") == int(free // act)
-    assert BIG.max_micro_batch(a10g, 4, "ddp") == 0  # 20 GB of state leaves nothing on a 24 GB card
+    assert BIG.max_micro_batch(a10g, 4, "ddp") == 0  # 30 GB of state leaves nothing on a 24 GB card
     ckpt_act = 24 * 2 * 2048 * 2048 + 34 * 2048 * 2048 + 4 * 2048 * 32000
     assert BIG.max_micro_batch(a10g, 4, "fsdp", True) == int(free // ckpt_act)
     # the recompute costs one more forward: 8P + 16·L·h·s FLOPs per token
@@ -226,3 +227,16 @@ def test_profile_measures_the_model_the_run_trains(tmp_path, capsys):
     capsys.readouterr()
     assert main(["plan", str(example), "--json", "--profile", f"us-east={out}"]) == 0
     assert json.loads(capsys.readouterr().out)["workers"][0]["name"] == "us-east"
+
+
+def test_emulated_run_by_the_rule_synchronises_as_often_as_diloco(tiny_scenario):
+    from geomesh.runtime.emulated import EmulatedRun, RunOptions
+
+    s = tiny_scenario(tokens=24000, zero_shot_items=0)
+    s.geomesh.round_sequences_factor = None  # the fixture's sequence target off: the planning rule
+    runs = {m: EmulatedRun(s, get_method(m), RunOptions(progress=False)).run() for m in ("geomesh", "diloco")}
+    geo, diloco = runs["geomesh"], runs["diloco"]
+    assert geo["plan"]["rule"].startswith("fill") and geo["plan"]["target_sequences"] is None
+    assert geo["plan"]["compute_s"] == pytest.approx(diloco["plan"]["compute_s"], rel=FILL_SLACK)
+    assert geo["plan"]["sequences_per_round"] > 2 * diloco["plan"]["sequences_per_round"]
+    assert geo["straggler_idle_frac"] < diloco["straggler_idle_frac"] / 5

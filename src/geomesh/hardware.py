@@ -97,6 +97,9 @@ class TimingModel:
     vocab: int = 32000
     mfu: float | None = None  # overrides the GPU's typical MFU when set
     bytes_per_param: float = 16.0  # fp32 master + grads + AdamW moments (mixed precision)
+    # the outer loop's state: the global parameters θ and the outer Nesterov momentum, fp32, kept beside the
+    # replica to form the pseudo-gradient and apply the outer step (whole with DDP, sharded with FSDP)
+    outer_bytes_per_param: float = 8.0
     logits_bytes_per_elem: float = 4.0  # c in c·s·b·V (fp32 logits)
     context_gib: float = 1.5  # CUDA context + allocator slack
     step_overhead_s: float = 0.02  # optimizer step + launch cost per inner step
@@ -129,18 +132,21 @@ class TimingModel:
         return layers + logits
 
     def state_bytes(self, gpus: int = 1, strategy: str = "ddp") -> float:
-        """Weights, gradients and AdamW state on one GPU of a region of ``gpus`` GPUs.
+        """Weights, gradients and AdamW state on one GPU of a region of ``gpus`` GPUs, plus the outer state.
 
         ``ddp``: a full replica (P·bytes_per_param). ``fsdp``: that divided over the GPUs, plus the bf16
         weights of the two largest units FSDP2 holds gathered at once (the one computing, the one prefetched).
+        Both add P·outer_bytes_per_param, the global parameters and outer momentum: whole with ``ddp``,
+        sharded like the replica with ``fsdp``.
         """
         if strategy not in STRATEGIES:
             raise ValueError(f"strategy {strategy!r}: expected one of {', '.join(STRATEGIES)}")
         full = self.params * self.bytes_per_param
+        outer = self.params * self.outer_bytes_per_param
         if strategy == "ddp" or gpus <= 1:
-            return full
+            return full + outer
         unit = max(12 * self.hidden**2, self.vocab * self.hidden)  # one block, or the embedding
-        return full / gpus + 2 * 2.0 * unit
+        return (full + outer) / gpus + 2 * 2.0 * unit
 
     def max_micro_batch(self, gpu: GpuSpec, gpus: int = 1, strategy: str = "ddp",
                         activation_checkpointing: bool = False) -> int:  # fmt: skip
