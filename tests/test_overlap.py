@@ -31,6 +31,7 @@ TOKENS = 3 * 19360  # 3 full rounds of the tiny scenario's plan (19,360 tokens e
 def write(folder: Path, paths: list[str], gbps: float = 1.0, **geomesh) -> Path:
     data = tiny_scenario_dict(paths)
     data["wan"]["bandwidth_gbps"] = gbps
+    data["geomesh"].pop("round_sequences_factor", None)  # the planning rule, which overlap floors at the exchange
     data["geomesh"].update(geomesh)
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / "scenario.yaml"
@@ -177,6 +178,28 @@ def test_scenario_switch_overlaps_any_outer_method(tmp_path, small_corpus):
     assert summary["overlap"] is True and summary["plan"]["overlap"] is True
 
 
+def test_faults_in_overlapped_rounds(tmp_path, small_corpus):
+    """A NaN round and a corrupted payload are left out of the combination, a worker leaves and rejoins (it
+    starts from the others' eager estimate): the run completes like the plain one."""
+    data = tiny_scenario_dict(small_corpus)
+    data["geomesh"].pop("round_sequences_factor", None)
+    data["faults"] = [{"at_round": 1, "region": "r1-a100", "kind": "nan"},
+                      {"at_round": 1, "region": "r2-t4", "kind": "leave"},
+                      {"at_round": 2, "region": "r2-t4", "kind": "join"},
+                      {"at_round": 2, "region": "r0-h100", "kind": "corrupt"}]  # fmt: skip
+    path = tmp_path / "faults.yaml"
+    path.write_text(yaml.safe_dump(data))
+    with pytest.warns(UserWarning):
+        plain, _ = run(path, "geomesh", tokens=TOKENS)
+    with pytest.warns(UserWarning):
+        over, params = run(path, "geomesh-overlap", tokens=TOKENS)
+    assert over["status"] == plain["status"] == "complete" and over["rounds"] == plain["rounds"]
+    assert (over["dropped_updates"], over["rejected_payloads"]) == (1, 1)
+    assert [f["tokens_lost"] for f in over["faults"]] == [f["tokens_lost"] for f in plain["faults"]]
+    assert all(torch.isfinite(v).all() for v in params.values())
+    assert over["final_val_loss"] == pytest.approx(plain["final_val_loss"], rel=0.05)
+
+
 def test_worker_processes_give_the_same_bits(tmp_path, small_corpus):
     from geomesh.runtime.parallel import fork_available
 
@@ -233,6 +256,10 @@ def test_overlap_with_checkpoints_is_refused(tmp_path, small_corpus, capsys):
                  "--checkpoint-every", "1", "--quiet"])  # fmt: skip
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and err[0].startswith("error: ") and "overlap" in err[0]
+    from geomesh.api import GeoMeshSync
+
+    with pytest.raises(ConfigError, match="plain rounds"):  # the library API for your own loop runs plain rounds
+        GeoMeshSync(torch.nn.Linear(2, 2), method="geomesh-overlap", batch_size=2, inner_steps=2)
 
 
 # ---- the distributed runtime ---------------------------------------------------------------------------

@@ -178,6 +178,10 @@ class GeoMeshSync:
             raise TypeError("model must be a torch.nn.Module or a non-empty list of them")
         self.method = _method(method)
         self.scenario = _scenario(scenario) if scenario is not None else None
+        if self.method.overlap or (self.scenario is not None and self.scenario.geomesh.overlap):
+            raise ConfigError(f"GeoMeshSync runs plain rounds; {self.method.name} with overlap needs the runtime to "
+                              "run the next round's inner steps while the exchange is in flight (docs/overlap.md): "
+                              "use `geomesh train` or `geomesh launch`, or method 'geomesh'")  # fmt: skip
         self.group = group
         if group is not None:
             import torch.distributed as dist
