@@ -10,8 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from geomesh.compare import tabulate
 from geomesh.config import load_scenario
 from geomesh.model import GPT, model_config
+from geomesh.runtime.emulated import RunError
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -60,6 +62,11 @@ def test_smoke_run_writes_results_table_and_plots(tmp_path, small_corpus, capsys
     for s in results["summaries"]:
         assert s["device"] == "cpu" and s["tokens"] >= 16_000
     assert "| geomesh" in printed and "wall time" in printed
+    # runs trained by separate commands tabulate the same way (compare.tabulate, as for the CPU study)
+    again = tabulate(out, script.METHODS)
+    assert again["rows"] == results["rows"] and again["table"] == (out / "table.md").read_text().rstrip("\n")
+    with pytest.raises(RunError, match="no finished run"):
+        tabulate(out, ["diloco", "async-local-sgd"])
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")

@@ -7,6 +7,7 @@ loss curve, so all methods are judged against the same target in the same run.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +15,7 @@ from .config import ScenarioConfig
 from .methods.base import get_method
 from .report import (apply_target, comparison_rows, format_table, plot_idle_bars, plot_loss_vs_time,
                      plot_timeline)  # fmt: skip
-from .runtime.emulated import EmulatedRun, RunOptions, prepare_run_dir
+from .runtime.emulated import EmulatedRun, RunError, RunOptions, prepare_run_dir
 from .telemetry import write_json_atomic
 
 REFERENCE = "diloco"
@@ -44,6 +45,27 @@ def run_comparison(
         opts = RunOptions(out_dir=out_dir / name, tokens=tokens, seed=seed, progress=progress, **options)
         summaries.append(EmulatedRun(scenario, get_method(name), opts).run())
     target = target_val_loss if target_val_loss is not None else scenario.training.target_val_loss
+    return _tabulate(scenario.name, summaries, out_dir, target)
+
+
+def tabulate(out_dir: Path, methods: list[str], target_val_loss: float | None = None) -> dict[str, Any]:
+    """The table, ``results.json`` and plots of finished runs in ``out_dir/<method>/`` (e.g. methods of one
+    study trained by separate commands, at once), exactly as :func:`run_comparison` writes them."""
+    out_dir = Path(out_dir)
+    summaries = []
+    for name in methods:
+        path = out_dir / name / "summary.json"
+        try:
+            summaries.append(json.loads(path.read_text()))
+        except (OSError, ValueError) as exc:
+            raise RunError(f"{path}: no finished run to tabulate ({exc})") from None
+    names = {s["scenario"] for s in summaries}
+    if len(names) > 1:
+        raise RunError(f"{out_dir}: the runs belong to different scenarios ({', '.join(sorted(names))})")
+    return _tabulate(names.pop(), summaries, out_dir, target_val_loss)
+
+
+def _tabulate(scenario: str, summaries: list[dict[str, Any]], out_dir: Path, target: float | None) -> dict[str, Any]:
     if target is None:
         ref = next((s for s in summaries if s["method"] == REFERENCE), None)
         target = ref["final_val_loss"] if ref is not None else None
@@ -52,7 +74,7 @@ def run_comparison(
         write_json_atomic(out_dir / s["method"] / "summary.json", s)
     rows = comparison_rows(summaries, REFERENCE)
     table = format_table(rows)
-    results = {"scenario": scenario.name, "target_val_loss": target, "reference": REFERENCE, "rows": rows,
+    results = {"scenario": scenario, "target_val_loss": target, "reference": REFERENCE, "rows": rows,
                "summaries": summaries}  # fmt: skip
     write_json_atomic(out_dir / "results.json", results)
     (out_dir / "table.md").write_text(table + "\n")
