@@ -33,7 +33,9 @@ def scenario(folder: Path, paths: list[str], slowdown: float = 1.0, faults=None,
     data = tiny_scenario_dict(paths, ("H100", "A100", "T4"))
     for region in data["regions"]:
         region["slowdown"] = slowdown  # inner steps padded with sleep: longer rounds that cost no CPU
-    data["reliability"] = {"min_regions": 2, "round_deadline_s": 20, **reliability}
+    # a generous deadline: a dead region is noticed at once (closed connections, no heartbeat), and a slow one
+    # must not be left out because this shared machine is busy
+    data["reliability"] = {"min_regions": 2, "round_deadline_s": 120, **reliability}
     if faults:
         data["faults"] = faults
     path = folder / "scenario.yaml"
@@ -41,10 +43,11 @@ def scenario(folder: Path, paths: list[str], slowdown: float = 1.0, faults=None,
     return path
 
 
-def argv(path: Path, out: Path, tokens: int, method: str = "geomesh-sign-only") -> list[str]:
+def argv(path: Path, out: Path, tokens: int, method: str = "geomesh-sign-only", ranks: str = "1") -> list[str]:
     # the sign codec on DiLoCo's plan (b=4, H=5 per region): the same rounds whatever the planner's tuning
-    return ["launch", str(path), "--nproc", "3", "--method", method, "--out", str(out), "--tokens", str(tokens),
-            "--save-params", "--quiet", "--wan", "none", "--timeout", "90"]  # fmt: skip
+    nproc = str(sum(int(k) for k in ranks.split(","))) if "," in ranks else "3"
+    return ["launch", str(path), "--nproc", nproc, "--ranks-per-region", ranks, "--method", method, "--out",
+            str(out), "--tokens", str(tokens), "--save-params", "--quiet", "--wan", "none", "--timeout", "90"]  # fmt: skip
 
 
 def processes(tag: str, region: str | None = None) -> list[int]:
@@ -148,14 +151,16 @@ def test_a_region_dying_mid_round_loses_that_round_s_tokens(tmp_path, small_corp
 
 
 def test_a_restarted_region_rejoins_with_the_live_state(tmp_path, small_corpus):
-    # 20 rounds padded with sleep (no CPU): room for the restarted process to import, load and rejoin
+    """The killed region is r0-h100, of 2 ranks (DDP inside), the one that writes events.jsonl: r1-a100 takes
+    the file over while it is away, and r0-h100's leader, healed, takes it back and writes the summary."""
+    # 20 rounds padded with sleep (no CPU): room for the restarted processes to import, load and rejoin
     path = scenario(tmp_path, small_corpus, slowdown=5.0)
     out, tag = tmp_path / "run", uuid.uuid4().hex
-    proc = start(argv(path, out, 7680 * 5), tag, out)
+    proc = start(argv(path, out, 7680 * 5, ranks="2,1,1"), tag, out)
     restarted = []
     try:
         wait_for_round(out, proc, 2)
-        for p in kill_region(tag, "r2-t4"):  # then start it again, exactly as it was started
+        for p in kill_region(tag, "r0-h100"):  # then start it again, exactly as it was started
             restarted.append(subprocess.Popen(p["cmd"], env=p["env"], cwd=p["cwd"], stdout=subprocess.PIPE,
                                               stderr=subprocess.STDOUT, text=True))  # fmt: skip
         stdout, stderr = proc.communicate(timeout=300)
@@ -165,21 +170,23 @@ def test_a_restarted_region_rejoins_with_the_live_state(tmp_path, small_corpus):
         for r in restarted:
             r.kill()
     assert proc.returncode == 0, stderr[-3000:]
-    assert [r.returncode for r in restarted] == [0], logs[0][-3000:]
-    assert "joined at round" in logs[0]
+    assert len(restarted) == 2 and [r.returncode for r in restarted] == [0, 0], [log[-2000:] for log in logs]
+    assert any("region r0-h100: joined at round" in log for log in logs)
+    assert "warning: region r0-h100 was lost" in stderr and "it was restarted and rejoined" in stderr
     summary = json.loads((out / "summary.json").read_text())
     events = read_events(out / "events.jsonl")
     leave = [e for e in events if e["type"] == "leave"]
     join = [e for e in events if e["type"] == "join"]
-    assert [e["region"] for e in leave] == ["r2-t4"] and [e["region"] for e in join] == ["r2-t4"]
+    assert [e["region"] for e in leave] == ["r0-h100"] and [e["region"] for e in join] == ["r0-h100"]
     assert join[0]["round"] > leave[0]["round"]
     rounds = [e for e in events if e["type"] == "round"]
-    assert "r2-t4" in rounds[-1]["members"]  # planned and exchanging again
+    assert [e["round"] for e in rounds] == list(range(1, len(rounds) + 1))  # one file, each round once
+    assert "r0-h100" in rounds[-1]["members"]  # planned and exchanging again
     plans = [e for e in events if e["type"] == "plan"]
     assert [p["members"] for p in plans][-1] == ["r0-h100", "r1-a100", "r2-t4"]
     el = summary["elastic"]
     assert el["regions_at_end"] == ["r0-h100", "r1-a100", "r2-t4"] and el["joins"] == 1
-    assert el["rounds_without"]["r2-t4"] == join[0]["round"] - leave[0]["round"]
+    assert el["rounds_without"]["r0-h100"] == join[0]["round"] - leave[0]["round"]
     checksums = summary["param_checksums"]  # every region's θ at the end, the rejoined one's too
     assert len(checksums) == 3 and len(set(checksums.values())) == 1
 

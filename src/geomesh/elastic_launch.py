@@ -98,12 +98,16 @@ def _spawn(args: argparse.Namespace, env: dict[str, str], argv: list[str], layou
                 _kill(proc)
         for t in threads:
             t.join(timeout=5)
+    finished = {regions[k] for k in range(n)} - {regions[k] for k in range(n) if ranks[k].code != 0}
+    # the summary's writer may be a region restarted outside this launcher: give it the time to finish
+    deadline = time.perf_counter() + (args.timeout + 15 if finished else 0)
+    while not (out / "summary.json").exists() and time.perf_counter() < deadline:
+        time.sleep(0.1)
     summary = None
     try:
         summary = json.loads((out / "summary.json").read_text())
     except (OSError, json.JSONDecodeError):
         pass
-    finished = {regions[k] for k in range(n)} - {regions[k] for k in range(n) if ranks[k].code != 0}
     if summary is None or not finished:
         return _report(args, ranks, regions)
     at_end = set((summary.get("elastic") or {}).get("regions_at_end") or [])

@@ -209,6 +209,7 @@ class ElasticLoop:
         self.slowdown = {int(k): float(v) for k, v in s["slowdown"].items()}
         self.bandwidth = {int(k): float(v) for k, v in s["bandwidth"].items()}
         run._t0 = time.perf_counter() - float(s["now"])  # this region's clock joins the others'
+        self.written = -1  # the records are the live region's now: rewrite events.jsonl if this one writes it
         run._cursor = float(s["now"])
         run._spans = []
         if run.is_leader:

@@ -1213,7 +1213,9 @@ def prepare_run_dir(path: Path) -> None:
     """Create the run folder and prove it is writable before any training starts."""
     try:
         path.mkdir(parents=True, exist_ok=True)
-        probe = path / ".write-probe"
+        import os
+
+        probe = path / f".write-probe-{os.getpid()}"  # per process: several ranks may check one folder at once
         probe.write_text("ok")
         probe.unlink()
     except OSError as exc:
