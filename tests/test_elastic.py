@@ -150,6 +150,21 @@ def test_a_region_dying_mid_round_loses_that_round_s_tokens(tmp_path, small_corp
     assert 7680 <= result.summary["tokens"] < 7680 + one_round
 
 
+def test_a_hung_region_misses_the_deadline_and_is_left_out(tmp_path, small_corpus):
+    """A region that stops responding before its exchange (its heartbeat goes on, as in a stuck process) holds
+    the others only until reliability.round_deadline_s; they re-form the quorum without it and finish."""
+    path = scenario(tmp_path, small_corpus, round_deadline_s=6)
+    out = tmp_path / "run"
+    args = cli_launch.build_parser().parse_args([*argv(path, out, 7680), "--timeout", "30"])
+    result = cli_launch.launch(args, extra_env={"OMP_NUM_THREADS": "1", "GEOMESH_TEST_KILL_MID_ROUND": "r2-t4:2:hang"})
+    assert result.code == 0, result.message
+    assert [r.describe() for r in result.ranks] == ["exit code 0", "exit code 0", "did not stop; killed by the launcher"]
+    events = read_events(out / "events.jsonl")
+    leave = [e for e in events if e["type"] == "leave"]
+    assert [(e["region"], e["round"], e["tokens_lost"]) for e in leave] == [("r2-t4", 2, 4 * 5 * 32)]
+    assert result.summary["elastic"]["regions_at_end"] == ["r0-h100", "r1-a100"]
+
+
 def test_a_restarted_region_rejoins_with_the_live_state(tmp_path, small_corpus):
     """The killed region is r0-h100, of 2 ranks (DDP inside), the one that writes events.jsonl: r1-a100 takes
     the file over while it is away, and r0-h100's leader, healed, takes it back and writes the summary."""

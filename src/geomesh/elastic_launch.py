@@ -81,8 +81,9 @@ def _spawn(args: argparse.Namespace, env: dict[str, str], argv: list[str], layou
                     ranks[k].code, ranks[k].at = proc.returncode, time.perf_counter() - started
             if done_at is None and (out / "summary.json").exists():
                 done_at = time.perf_counter()
-            # the run is over (a live region wrote the summary): ranks still running get the timeout, then go
-            if done_at is not None and time.perf_counter() > done_at + args.timeout + 15:
+            # the run is over (a live region wrote the summary, after the last quorum): ranks still running are
+            # regions that hung or fell behind, and no quorum will come for them; a short grace, then they go
+            if done_at is not None and time.perf_counter() > done_at + 10:
                 for k, proc in enumerate(procs):
                     if ranks[k].code is None:
                         _kill(proc)

@@ -54,7 +54,7 @@ from .membership import LIGHTHOUSE_ENV, ExchangeFailed, Membership, MembershipEr
 from .transport import WanShaper
 
 ONE_ROUND = ("nan", "corrupt")
-TEST_KILL_ENV = "GEOMESH_TEST_KILL_MID_ROUND"  # "REGION:ROUND": its ranks SIGKILL themselves before that exchange
+TEST_KILL_ENV = "GEOMESH_TEST_KILL_MID_ROUND"  # "REGION:ROUND[:hang]": its ranks die (or hang) before that exchange
 FAULT_KINDS = ("slowdown", "leave", "join", "bandwidth", "nan", "corrupt")
 
 
@@ -173,7 +173,8 @@ class ElasticLoop:
         self.healed_state: dict | None = None
         self.membership: Membership | None = None
         region, _, at = os.environ.get(TEST_KILL_ENV, "").partition(":")
-        self._kill_at = (region, int(at)) if at.isdigit() else None
+        at, _, how = at.partition(":")
+        self._kill_at = (region, int(at), how) if at.isdigit() else None
 
     # ---- torchft's recovery: what a live region sends, and how a joiner loads it ---------------------
     def state_dict(self) -> dict[str, Any]:
@@ -417,8 +418,11 @@ class ElasticLoop:
                     payload = corrupt_payload(payload)
             run._mark("compute")
             compute_s = run._cursor - round_start
-            if self._kill_at == (self.names[self.me], run.rounds + 1):  # tests: die with the payload unsent
-                os.kill(os.getpid(), signal.SIGKILL)
+            if self._kill_at is not None and self._kill_at[:2] == (self.names[self.me], run.rounds + 1):
+                if self._kill_at[2] == "hang":  # tests: stop responding (torchft's heartbeat thread goes on)
+                    while True:
+                        time.sleep(3600)
+                os.kill(os.getpid(), signal.SIGKILL)  # tests: die with the payload unsent
             # 3. exchange over the quorum's leaders
             result = None
             if run.is_leader:
