@@ -237,6 +237,39 @@ def test_scenario_faults_on_real_processes(tmp_path, small_corpus):
     assert len(set(summary["param_checksums"].values())) == 1
 
 
+def test_sigkill_every_region_then_resume_is_bit_identical(tmp_path, small_corpus):
+    """Elastic regions checkpoint too (each region into DIR/checkpoints/<region>, with DCP): every process
+    killed after the second of four rounds, the same command with --resume ends as the uninterrupted run."""
+    path = scenario(tmp_path, small_corpus)
+    ref = tmp_path / "ref"
+    done = cli_launch.launch(cli_launch.build_parser().parse_args(argv(path, ref, 7680)),
+                             extra_env={"OMP_NUM_THREADS": "1"})  # fmt: skip
+    assert done.code == 0, done.message
+    out, tag = tmp_path / "run", uuid.uuid4().hex
+    cmd = [*argv(path, out, 7680), "--checkpoint-every", "1"]
+    proc = start(cmd, tag, out)
+    try:
+        deadline = time.monotonic() + 240
+        while not all((out / "checkpoints" / r / "round-000002").is_dir() for r in ("r0-h100", "r1-a100", "r2-t4")):
+            assert proc.poll() is None, proc.communicate()[1][-3000:]
+            assert time.monotonic() < deadline, "no checkpoint of round 2 appeared"
+            time.sleep(0.01)
+    finally:
+        for pid in processes(tag):
+            os.kill(pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    assert not (out / "summary.json").exists()
+    resumed = start([*cmd, "--resume"], uuid.uuid4().hex, out)
+    stderr = resumed.communicate(timeout=300)[1]
+    assert resumed.returncode == 0, stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["final_val_loss"] == done.summary["final_val_loss"]
+    a, b = torch.load(ref / "final_params.pt"), torch.load(out / "final_params.pt")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    rounds = [e["round"] for e in read_events(out / "events.jsonl") if e["type"] == "round"]
+    assert rounds == [1, 2, 3, 4]
+
+
 def test_elastic_run_without_faults_equals_the_static_one(tmp_path, small_corpus):
     """Membership through torchft changes nothing when no region is lost: the same bits as the static run."""
     path = scenario(tmp_path, small_corpus)
@@ -268,7 +301,7 @@ def test_bad_input_is_one_error_line_without_a_hang(tmp_path, small_corpus, caps
     # elastic regions refuse checkpoints and network namespaces, in one line, before anything starts
     (tmp_path / "f").mkdir()
     faulty = scenario(tmp_path / "f", small_corpus, faults=[{"at_round": 1, "region": "r1-a100", "kind": "nan"}])
-    for scen, extra, says in ((path, ["--checkpoint-every", "1"], "not with elastic regions"),
+    for scen, extra, says in ((path, ["--wan", "netns"], "not with elastic regions"),
                               (path, ["--min-regions", "4"], "min_regions 4"),
                               (faulty, ["--min-regions", "0"], "faults are injected into real processes with elastic "
                                                                "regions")):  # fmt: skip

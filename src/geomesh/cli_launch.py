@@ -133,16 +133,21 @@ def _check(args: argparse.Namespace):
     if _elastic(args, scenario):
         if args.wan == "netns":
             raise ConfigError("--wan netns: not with elastic regions (min_regions >= 1); use --wan shaper or none")
-        if args.resume or args.checkpoint_every:
-            raise ConfigError("--resume/--checkpoint-every: not with elastic regions (min_regions >= 1): a "
-                              "restarted region receives the state of a live one")  # fmt: skip
     if args.resume:  # refused before anything in the run folder is touched
         from .runtime.dist_checkpoint import DistCheckpointError, check_resume, fingerprint
 
         seed = args.seed if args.seed is not None else scenario.training.seed
         tokens = args.tokens if args.tokens is not None else scenario.training.tokens
         try:
-            check_resume(Path(args.out), fingerprint(scenario, method.name, seed, tokens, layout.counts))
+            if _elastic(args, scenario):  # every region has its own checkpoints: DIR/checkpoints/<region>
+                from .checkpoint import checkpoint_dir
+
+                for i, name in enumerate(layout.names):
+                    counts = tuple(c if j == i else 0 for j, c in enumerate(layout.counts))
+                    check_resume(Path(args.out), fingerprint(scenario, method.name, seed, tokens, counts),
+                                 checkpoint_dir(Path(args.out)) / name)  # fmt: skip
+            else:
+                check_resume(Path(args.out), fingerprint(scenario, method.name, seed, tokens, layout.counts))
         except DistCheckpointError as exc:
             raise RunError(str(exc)) from None
     prepare_run_dir(Path(args.out))

@@ -86,9 +86,10 @@ def newest(directory: Path) -> tuple[int, Path, dict[str, Any]]:
     return found[-1]
 
 
-def check_resume(out_dir: Path, fp: dict[str, Any]) -> tuple[int, Path, dict[str, Any]]:
-    """The newest complete checkpoint of ``out_dir``, after checking that it belongs to this run."""
-    round_index, path, marker = newest(ckpt.checkpoint_dir(out_dir))
+def check_resume(out_dir: Path, fp: dict[str, Any], directory: Path | None = None) -> tuple[int, Path, dict[str, Any]]:
+    """The newest complete checkpoint of ``out_dir`` (or of ``directory``: one region's, with elastic
+    regions), after checking that it belongs to this run."""
+    round_index, path, marker = newest(directory or ckpt.checkpoint_dir(out_dir))
     theirs = marker.get("fingerprint")
     if theirs != json.loads(json.dumps(fp, default=str)):
         diffs = ckpt.differences(theirs, json.loads(json.dumps(fp, default=str)))
@@ -184,8 +185,13 @@ class RunCheckpointer:
     restores it. ``params`` is θ (the global model's parameters), ``outer`` the outer optimizer, ``codec``
     this rank's encoder (its error-feedback residual)."""
 
-    def __init__(self, run, params: dict[str, torch.Tensor], outer, codec, fp: dict[str, Any]):
+    def __init__(self, run, params: dict[str, torch.Tensor], outer, codec, fp: dict[str, Any],
+                 directory: Path | None = None, extra=None, load_extra=None):  # fmt: skip
+        """``extra()`` returns ``{"common": ..., "rank0": ...}`` (plain JSON values: a loop's own state, the
+        same on every rank / rank 0's only) and ``load_extra(that)`` restores it (elastic regions)."""
         self.run, self.params, self.outer, self.codec, self.fp = run, params, outer, codec, fp
+        self.directory = directory or ckpt.checkpoint_dir(run.out_dir)
+        self.extra, self.load_extra = extra, load_extra
 
     def _region_key(self) -> str:
         return f"region.{self.run.scenario.regions[self.run.region].name}"
@@ -207,6 +213,11 @@ class RunCheckpointer:
             {"cursor": run._cursor, "spans": run._spans})}  # fmt: skip
         state["run.loop"] = json.dumps({"rounds": run.rounds, "tokens_done": run.tokens_done,
                                         "plans": [p.to_json() for p in run.plans]})  # fmt: skip
+        if self.extra is not None:
+            extra = self.extra()
+            state["run.extra"] = json.dumps(extra["common"])
+            if run.rank == 0:
+                state["run.extra0"] = json.dumps(extra["rank0"])
         if run.rank == 0:
             tel = run.telemetry
             state["run.rank0"] = json.dumps({
@@ -221,8 +232,8 @@ class RunCheckpointer:
         if run.rank == 0:
             events = Path(run.out_dir) / "events.jsonl"
             marker["events_offset"] = ckpt.durable_size(events) if events.exists() else 0
-        return save(ckpt.checkpoint_dir(run.out_dir), run.rounds, self.state(), keep=keep,
-                    coordinator=run.rank == 0, marker=marker)  # fmt: skip
+        return save(self.directory, run.rounds, self.state(), keep=keep, coordinator=run.rank == 0,
+                    marker=marker)  # fmt: skip
 
     def restore(self, path: Path) -> None:
         """Load the checkpoint at ``path`` into the run (every rank, collective)."""
@@ -253,6 +264,10 @@ class RunCheckpointer:
         state["run.loop"] = ""
         if run.rank == 0:
             state["run.rank0"] = ""
+        if "run.extra" in keys:
+            state["run.extra"] = ""
+            if run.rank == 0:
+                state["run.extra0"] = ""
         load(path, state)
         with torch.no_grad():
             self.outer.buf = {k: state[f"global.outer.buf.{k}"] for k in self.params
@@ -283,3 +298,6 @@ class RunCheckpointer:
             tel.counters.clear()
             tel.counters.update(r0["counters"])
             run.totals.update(r0["run_totals"])
+        if self.load_extra is not None and "run.extra" in state:
+            self.load_extra({"common": json.loads(state["run.extra"]),
+                             "rank0": json.loads(state["run.extra0"]) if run.rank == 0 else None})  # fmt: skip

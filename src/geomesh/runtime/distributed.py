@@ -430,6 +430,13 @@ class DistributedRun:
 
         return fingerprint(self.scenario, self.method.name, self.seed, self.budget, self.layout.counts)
 
+    def _checkpoint_dir(self) -> Path:
+        """``DIR/checkpoints``, or with elastic regions ``DIR/checkpoints/<region>`` (each region its own)."""
+        from .. import checkpoint as ckpt
+
+        base = ckpt.checkpoint_dir(self.out_dir)
+        return base / self.options.elastic_region if self.options.elastic_region is not None else base
+
     def _checkpoint_cadence(self) -> tuple[int, int]:
         rel = self.scenario.reliability
         every = self.options.checkpoint_every
@@ -458,11 +465,11 @@ class DistributedRun:
 
         def check() -> str:
             try:
-                _, path, _ = check_resume(self.out_dir, self._checkpoint_fingerprint())
+                _, path, _ = check_resume(self.out_dir, self._checkpoint_fingerprint(), self._checkpoint_dir())
             except DistCheckpointError as exc:
                 raise RunError(str(exc)) from None
             offset = json.loads((path / "geomesh.json").read_text()).get("events_offset")
-            if offset is not None:
+            if offset is not None and self.options.elastic_region is None:  # elastic: the writer rewrites it
                 try:
                     ckpt.truncate_to(self.out_dir / "events.jsonl", int(offset))
                 except ckpt.CheckpointError as exc:

@@ -135,9 +135,6 @@ class ElasticLoop:
         if method.kind != "outer":
             raise RunError(f"elastic regions (reliability.min_regions) run round-based methods (diloco, geomesh, "
                            f"geomesh-balance-only, geomesh-sign-only), not {method.name}")  # fmt: skip
-        if run.options.resume or (run.options.checkpoint_every or 0) > 0:
-            raise RunError("elastic regions keep the run alive without checkpoints (a restarted region receives "
-                           "the state of a live one); --checkpoint-every/--resume are for non-elastic runs")  # fmt: skip
         self.sc, self.tr, self.method = sc, tr, method
         self.names = [r.name for r in sc.regions]
         self.n = len(self.names)
@@ -230,6 +227,34 @@ class ElasticLoop:
         mine = self.streams.get(self.names[self.me])
         if mine is not None:
             run.worker.stream.load_state_dict(mine)
+
+    # ---- checkpoints (dist_checkpoint.RunCheckpointer, one folder per region) -------------------------
+    def _checkpoint_state(self) -> dict[str, Any]:
+        run = self.run
+        common = {"stats": self.stats, "faults": self.faults, "streams": self.streams,
+                  "members": self.members, "slowdown": self.slowdown, "bandwidth": self.bandwidth,
+                  "away": sorted(self.away)}  # fmt: skip
+        return {"common": json.loads(json.dumps(common)),
+                "rank0": {"records": self.records} if run.is_leader else None}  # fmt: skip
+
+    def _load_checkpoint_state(self, state: dict[str, Any]) -> None:
+        c = state["common"]
+        self.stats, self.faults[:], self.streams = c["stats"], c["faults"], dict(c["streams"])
+        self.members = c["members"]
+        self.slowdown = {int(k): float(v) for k, v in c["slowdown"].items()}
+        self.bandwidth = {int(k): float(v) for k, v in c["bandwidth"].items()}
+        self.away = set(c["away"])
+        self.run.worker.slowdown = self.sc.regions[self.me].slowdown * self.slowdown[self.me]
+        if state["rank0"] is not None and self.run.is_leader:
+            self.records[:] = state["rank0"]["records"]
+
+    def _checkpointer(self):
+        from .dist_checkpoint import RunCheckpointer
+
+        run = self.run
+        return RunCheckpointer(run, self.params, self.outer, self.codec, run._checkpoint_fingerprint(),
+                               directory=run._checkpoint_dir(), extra=self._checkpoint_state,
+                               load_extra=self._load_checkpoint_state)  # fmt: skip
 
     # ---- helpers -------------------------------------------------------------------------------------
     def _share(self, obj: Any, what: str) -> Any:
@@ -357,6 +382,15 @@ class ElasticLoop:
         run._t0, run._cursor = time.perf_counter(), 0.0
         plan, planned_for, first = None, None, True
         applied_faults = -1
+        every, keep = run._checkpoint_cadence()
+        saver = self._checkpointer() if every > 0 or run._resume_from is not None else None
+        if run._resume_from is not None:  # this region's newest checkpoint; regions behind heal at the quorum
+            saver.restore(Path(run._resume_from))
+            applied_faults = run.rounds - 1
+            run._t0 = time.perf_counter() - run._cursor
+            if self.membership is not None:
+                self.membership.set_step(run.rounds)
+            self._say(f"resumed from the checkpoint of round {run.rounds} ({run._resume_from})")
         while True:
             # 1. quorum
             ctrl = None
@@ -439,6 +473,13 @@ class ElasticLoop:
             run._mark("comm_wait")
             self._apply(result)
             self._end_round(result, members, planned, compute_s)
+            if saver is not None and every > 0 and run.rounds % every == 0:
+                run._mark("other")
+                try:
+                    saver.save(keep)
+                except OSError as exc:
+                    raise RunError(f"could not write the checkpoint of round {run.rounds} in "
+                                   f"{run._checkpoint_dir()}: {exc.strerror or exc}") from None  # fmt: skip
         return self._finish()
 
     def _say(self, text: str) -> None:
