@@ -270,12 +270,13 @@ def test_sigkill_every_region_then_resume_is_bit_identical(tmp_path, small_corpu
     assert rounds == [1, 2, 3, 4]
 
 
-def test_elastic_run_without_faults_equals_the_static_one(tmp_path, small_corpus):
+@pytest.mark.parametrize("method", ["geomesh-sign-only", "diloco"])  # all-gather of payloads; fp32 all-reduce
+def test_elastic_run_without_faults_equals_the_static_one(tmp_path, small_corpus, method):
     """Membership through torchft changes nothing when no region is lost: the same bits as the static run."""
     path = scenario(tmp_path, small_corpus)
     runs = {}
     for name, extra in (("elastic", []), ("static", ["--min-regions", "0"])):
-        args = cli_launch.build_parser().parse_args([*argv(path, tmp_path / name, 3840), *extra])
+        args = cli_launch.build_parser().parse_args([*argv(path, tmp_path / name, 3840, method=method), *extra])
         result = cli_launch.launch(args, extra_env={"OMP_NUM_THREADS": "1"})
         assert result.code == 0, result.message
         runs[name] = result.summary

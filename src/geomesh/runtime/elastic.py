@@ -184,7 +184,7 @@ class ElasticLoop:
                     "evals": list(tel.evals), "counters": dict(tel.counters), "run_totals": dict(run.totals),
                     "stats": json.loads(json.dumps(self.stats)), "faults": list(self.faults),
                     "streams": dict(self.streams), "members": list(self.members or []), "now": run._now(),
-                    "slowdown": dict(self.slowdown), "bandwidth": dict(self.bandwidth)},
+                    "slowdown": dict(self.slowdown), "bandwidth": dict(self.bandwidth), "away": sorted(self.away)},
         }  # fmt: skip
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -206,6 +206,8 @@ class ElasticLoop:
         self.members = list(s["members"])
         self.slowdown = {int(k): float(v) for k, v in s["slowdown"].items()}
         self.bandwidth = {int(k): float(v) for k, v in s["bandwidth"].items()}
+        self.away = set(s["away"])
+        run.worker.slowdown = self.sc.regions[self.me].slowdown * self.slowdown[self.me]
         run._t0 = time.perf_counter() - float(s["now"])  # this region's clock joins the others'
         self.written = -1  # the records are the live region's now: rewrite events.jsonl if this one writes it
         run._cursor = float(s["now"])
@@ -497,13 +499,15 @@ class ElasticLoop:
                 since = time.perf_counter()
                 if self.dense:
                     flat = torch.zeros(self.d + 1, dtype=torch.float32)
-                    if payload is not None and screen_payload(self.combiner, payload) is None:
+                    # an all-reduce mixes payloads before anyone could check one: the sender checks its own
+                    reason = screen_payload(self.combiner, payload) if payload is not None else None
+                    if payload is not None and reason is None:
                         decoded = self.combiner.decode(payload)
                         w = decoded.tokens / 2**20 if self.combiner.weighting == "tokens" else 1.0
                         torch.cat([t.reshape(-1).float() for t in decoded.tensors.values()], out=flat[: self.d])
                         flat[: self.d].mul_(w)
                         flat[self.d] = w
-                    infos = m.all_gather_object({**info, "sent": payload is not None})
+                    infos = m.all_gather_object({**info, "sent": payload is not None, "rejected": reason})
                     m.all_reduce_sum(flat)
                     sent_before += 4 * (self.d + 1)
                     gathered = None
@@ -547,7 +551,6 @@ class ElasticLoop:
 
     def _apply(self, result: dict[str, Any]) -> None:
         """The outer step from the exchanged bytes (every rank of every live region does the same)."""
-        run = self.run
         result["rejected"], result["dropped"] = [], []
         if self.dense:
             flat = result["flat"]
@@ -556,6 +559,7 @@ class ElasticLoop:
                 self.outer.step({s.name: update[o : o + s.numel].view(s.shape)
                                  for s, o in zip(self.manifest, self.manifest.offsets)})  # fmt: skip
             result["dropped"] = [i["region"] for i in result["infos"] if i["active"] and not i["sent"]]
+            result["rejected"] = [(i["region"], i["rejected"]) for i in result["infos"] if i["rejected"]]
             return
         arrived = []
         active = {i["region"] for i in result["infos"] if i["active"]}
@@ -573,7 +577,6 @@ class ElasticLoop:
         if arrived:
             device = next(iter(self.params.values())).device
             self.outer.step(self.combiner.combine(arrived, device=device))
-        del run
 
     def _membership_events(self, members: list[int]) -> None:
         """``leave``/``join`` records when the quorum differs from the last round's."""
