@@ -28,6 +28,12 @@ group reconfigured over the quorum's leaders, live recovery of a region that is 
 
 The run goes on while at least ``min_regions`` regions form a quorum; with fewer, the quorum times out
 after ``--timeout`` seconds and the run stops with one ``error:`` line.
+
+The scenario's ``faults`` apply at the start of their round on every region alike (``slowdown``,
+``bandwidth``, ``nan``, ``corrupt``; ``leave``/``join``: the region stays connected but trains and sends
+nothing in between). With ``--checkpoint-every N`` each region writes its own DCP checkpoint
+(:class:`~geomesh.runtime.dist_checkpoint.RunCheckpointer` over its ranks, plus this loop's state) into
+``DIR/checkpoints/<region>``; ``--resume`` restarts every region from its newest one.
 """
 
 from __future__ import annotations
