@@ -108,6 +108,8 @@ def test_a_killed_region_is_left_out_and_the_survivors_finish(tmp_path, small_co
         stdout, stderr = proc.communicate(timeout=240)
     finally:
         proc.kill()
+        left = processes(tag)  # the launcher has exited: every rank should have too
+        _kill_all(tag)  # on a failure, no rank outlives the test
     assert proc.returncode == 0, stderr[-3000:]
     assert "warning: region r1-a100 was lost (rank 1: killed by SIGKILL" in stderr
     summary = json.loads((out / "summary.json").read_text())
@@ -126,7 +128,7 @@ def test_a_killed_region_is_left_out_and_the_survivors_finish(tmp_path, small_co
     assert summary["tokens"] >= 7680 * 2 and summary["final_val_loss"] is not None
     checksums = summary["param_checksums"]
     assert list(checksums) == ["r0-h100", "r2-t4"] and len(set(checksums.values())) == 1
-    assert not processes(tag)
+    assert not left
 
 
 def test_a_region_dying_mid_round_loses_that_round_s_tokens(tmp_path, small_corpus):
@@ -184,6 +186,7 @@ def test_a_restarted_region_rejoins_with_the_live_state(tmp_path, small_corpus):
         proc.kill()
         for r in restarted:
             r.kill()
+        _kill_all(tag)  # on a failure, no rank outlives the test
     assert proc.returncode == 0, stderr[-3000:]
     assert len(restarted) == 2 and [r.returncode for r in restarted] == [0, 0], [log[-2000:] for log in logs]
     assert any("region r0-h100: joined at round" in log for log in logs)
@@ -349,6 +352,14 @@ def test_a_region_that_cannot_fit_the_model_is_one_error(tmp_path, small_corpus)
         [*argv(path, tmp_path / "run", 3840), "--set", "timing_model.n_layers=24", "--set", "timing_model.hidden=2048"]),
         extra_env={"OMP_NUM_THREADS": "1"})  # fmt: skip
     assert result.code == 2 and result.message.startswith("region r2-t4: the timing model does not fit"), result.message
+
+
+def _kill_all(tag: str) -> None:
+    for pid in processes(tag):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 def _port() -> int:
