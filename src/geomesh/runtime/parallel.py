@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import signal
 import traceback
 import warnings
 from collections.abc import Callable, Iterator, Sequence
@@ -97,6 +98,7 @@ def intra_op_threads(n: int) -> Iterator[None]:
 
 def _serve(conn: Any, calls: dict[str, Call], threads: int) -> None:
     """A worker process: run the calls the parent sends until it sends None or goes away."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle: it closes the pool
     torch.set_num_threads(threads)
     while True:
         try:
