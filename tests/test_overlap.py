@@ -19,7 +19,8 @@ from conftest import tiny_scenario_dict
 
 from geomesh.config import ConfigError, load_scenario
 from geomesh.methods.base import OuterLoopMethod, get_method
-from geomesh.methods.overlap import apply_step, eager_estimate, eager_weights, merge_results, rebase
+from geomesh.methods.overlap import (apply_step, eager_estimate, eager_weights, fold_remainder, merge_results,
+                                     rebase)  # fmt: skip
 from geomesh.outer import OuterNesterov
 from geomesh.runtime.emulated import EmulatedRun, RunError, RunOptions
 from geomesh.telemetry import read_events
@@ -111,6 +112,15 @@ def test_rebase_keeps_the_progress_and_moves_it_onto_theta():
     assert torch.equal(untouched.params["w"], theta["w"])
 
 
+def test_a_remainder_too_short_to_hide_the_exchange_joins_the_round():
+    # a round: 2 workers, batches 4 and 2, 10 steps each, seq 8 -> 480 tokens, 10 s of compute
+    full = dict(batches=[4, 2], seq_len=8, plan_tokens=480, compute_s=10.0)
+    assert fold_remainder([10, 10], remaining_tokens=520, exchange_s=2.0, **full) == [11, 11]  # 40 left: 0.8 s
+    assert fold_remainder([10, 10], remaining_tokens=960, exchange_s=2.0, **full) == [10, 10]  # a whole round left
+    assert fold_remainder([10, 10], remaining_tokens=480, exchange_s=2.0, **full) == [10, 10]  # nothing left
+    assert fold_remainder([10, 10], remaining_tokens=600, exchange_s=2.0, **full) == [10, 10]  # 2.5 s left: hides it
+
+
 def test_merge_results_weights_the_two_parts():
     merged = merge_results(InnerResult(2, 64, 3.0, True), InnerResult(6, 192, 1.0, True))
     assert (merged.steps, merged.tokens, merged.mean_loss, merged.finite) == (8, 256, 1.5, True)
@@ -166,6 +176,13 @@ def test_overlap_hides_every_exchange_but_the_last(tmp_path, small_corpus):
     # an evaluation is stamped when its update has arrived
     evals = [e for e in events if e["type"] == "eval"]
     assert evals[-1]["time"] == pytest.approx(over["modeled_time_s"])
+    # a budget that leaves a sliver after 3 rounds: plain GeoMesh runs it as extra short rounds, the overlapped
+    # schedule folds it into its last round (a round that short would only wait for the exchange in flight)
+    sliver, _ = run(path, "geomesh", tokens=TOKENS + 500)
+    folded, _ = run(path, "geomesh-overlap", tokens=TOKENS + 500)
+    assert sliver["rounds"] > rounds and folded["rounds"] == rounds
+    one_step_each = sum(w["batch"] for w in folded["plan"]["workers"]) * 32
+    assert TOKENS + 500 <= folded["tokens"] <= TOKENS + 500 + one_step_each  # within one step per worker
     from geomesh.report import plot_timeline
 
     plot_timeline(tmp_path / "over" / "events.jsonl", tmp_path / "timeline.png", "overlap")

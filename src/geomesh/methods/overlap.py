@@ -110,3 +110,17 @@ def merge_results(first: InnerResult | None, rest: InnerResult) -> InnerResult:
 def planned_tokens(plan_workers: Sequence, steps: Sequence[int]) -> dict[str, int]:
     """Sequences each worker of a round trains (batch × its steps this round), by name."""
     return {w.name: w.batch * h for w, h in zip(plan_workers, steps)}
+
+
+def fold_remainder(steps: Sequence[int], batches: Sequence[int], seq_len: int, remaining_tokens: int,
+                   plan_tokens: int, compute_s: float, exchange_s: float) -> list[int]:  # fmt: skip
+    """Overlapped rounds: when the tokens left after this round would make a round whose compute is shorter
+    than the exchange it must hide (it could only wait for it; the last rounds of a budget that is not a
+    whole number of rounds), this round takes them: its steps are scaled up to cover ``remaining_tokens``
+    (rounded up, so the run ends within one step per worker of the budget). ``plan_tokens`` and
+    ``compute_s`` are a full round's tokens and compute time in the plan. Otherwise ``steps`` unchanged."""
+    tokens = sum(b * h for b, h in zip(batches, steps)) * seq_len
+    left = remaining_tokens - tokens
+    if left <= 0 or tokens <= 0 or plan_tokens <= 0 or compute_s * left / plan_tokens >= exchange_s:
+        return list(steps)
+    return [math.ceil(h * remaining_tokens / tokens) for h in steps]

@@ -546,6 +546,12 @@ class DistributedRun:
             if round_tokens > remaining:  # the last round is shortened, as in the emulated runtime
                 steps = [max(1, round(h * remaining / round_tokens)) for h in steps]
                 round_tokens = sum(w.batch * h for w, h in zip(plan.workers, steps)) * seq
+            if overlap is not None:  # a remainder too short to hide the exchange joins this round (as emulated)
+                from ..methods.overlap import fold_remainder
+
+                steps = fold_remainder(steps, [w.batch for w in plan.workers], seq, remaining,
+                                       plan.sequences_per_round * seq, plan.compute_s, plan.exchange_s)  # fmt: skip
+                round_tokens = sum(w.batch * h for w, h in zip(plan.workers, steps)) * seq
             self._mark("other")
             round_start = self._cursor
             wp, h, start = plan.workers[self.region], steps[self.region], self.tokens_done

@@ -40,6 +40,7 @@ from ..data import Corpus
 from ..evaluation import evaluate, heldout_zero_shot
 from ..hardware import WorkerProfile, model_profile
 from ..methods.base import Method, OuterLoopMethod, payload_key
+from ..methods.overlap import fold_remainder
 from ..model import GPT, model_name
 from ..network import WanModel
 from ..outer import OuterNesterov
@@ -747,6 +748,10 @@ class EmulatedRun:
             remaining = self.budget - self.tokens_done
             if round_tokens > remaining:  # the last round is shortened so every method sees the same budget
                 steps = [max(1, round(h * remaining / round_tokens)) for h in steps]
+                round_tokens = sum(w.batch * h for w, h in zip(entries, steps)) * seq
+            if overlap is not None:  # a remainder too short to hide the exchange joins this round
+                steps = fold_remainder(steps, [w.batch for w in entries], seq, remaining, plan.sequences_per_round * seq,
+                                       plan.compute_s, plan.exchange_s)  # fmt: skip
                 round_tokens = sum(w.batch * h for w, h in zip(entries, steps)) * seq
             sent: list[tuple[int, bytes]] = []
             compute: dict[int, float] = {}
