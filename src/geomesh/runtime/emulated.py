@@ -38,7 +38,7 @@ from ..codec import Manifest, PayloadError
 from ..config import ScenarioConfig
 from ..data import Corpus
 from ..evaluation import evaluate, heldout_zero_shot
-from ..hardware import WorkerProfile, model_profile
+from ..hardware import WorkerProfile
 from ..methods.base import Method, OuterLoopMethod, payload_key
 from ..methods.overlap import fold_remainder
 from ..model import GPT, model_name
@@ -115,17 +115,7 @@ def build_cluster(scenario: ScenarioConfig, seed: int, budget: int, cache_dir: P
                    else build_proxy_model(scenario.proxy, corpus.vocab_size, seed)).to(device)  # fmt: skip
         stream = worker_stream(corpus, i, n, scenario.proxy.seq_len, seed * 1009 + i)
         workers.append(Worker(region.name, replica, stream, scenario.training))
-    timing = scenario.timing()
-    profiles = []
-    for region in scenario.regions:
-        profile = model_profile(region.name, region.gpu, region.count, timing)
-        profile.slowdown = region.slowdown
-        if profile.max_micro_batch < 1:
-            raise RunError(
-                f"region {region.name}: the timing model ({timing.params / 1e6:.0f}M parameters) does not fit "
-                f"a micro-batch of 1 on {region.gpu}"
-            )
-        profiles.append(profile)
+    profiles = scenario.worker_profiles()
     val_x, val_y = corpus.val_batches(scenario.proxy.seq_len, scenario.training.eval_sequences)
     val_x, val_y = val_x.to(device), val_y.to(device)
     return Cluster(scenario, corpus, global_model, workers, profiles, val_x, val_y, seed, budget)
