@@ -240,3 +240,14 @@ def test_emulated_run_by_the_rule_synchronises_as_often_as_diloco(tiny_scenario)
     assert geo["plan"]["compute_s"] == pytest.approx(diloco["plan"]["compute_s"], rel=FILL_SLACK)
     assert geo["plan"]["sequences_per_round"] > 2 * diloco["plan"]["sequences_per_round"]
     assert geo["straggler_idle_frac"] < diloco["straggler_idle_frac"] / 5
+
+
+def test_budget_is_spent_in_whole_rounds():
+    from geomesh.methods.base import budget_steps
+
+    # a full round of (4·10 + 2·10)·8 = 480 tokens
+    assert budget_steps([10, 10], [4, 2], 8, 10_000) == [10, 10]  # plenty left: the plan's round
+    assert budget_steps([10, 10], [4, 2], 8, 240) == [5, 5]  # the last round is shortened to what is left
+    assert budget_steps([10, 10], [4, 2], 8, 250) == [6, 6]  # rounded up: no sliver left for another round
+    assert budget_steps([10, 10], [4, 2], 8, 480 + 200) == [15, 15]  # a remainder under half a round joins this one
+    assert budget_steps([10, 10], [4, 2], 8, 480 + 250) == [10, 10]  # half a round or more is a round of its own

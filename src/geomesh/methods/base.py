@@ -14,6 +14,7 @@ methods/overlap.py, docs/overlap.md).
 
 from __future__ import annotations
 
+import math
 import warnings
 from dataclasses import dataclass
 from typing import Callable, Literal
@@ -169,6 +170,25 @@ class OuterLoopMethod(Method):
 
 
 MIN_KEY_BYTES = 16
+
+
+FOLD_BELOW = 0.5  # a budget remainder under half a round joins the round before it
+
+
+def budget_steps(steps: list[int], batches: list[int], seq_len: int, remaining_tokens: int) -> list[int]:
+    """This round's inner steps per worker so the run spends its token budget exactly once, in whole rounds.
+
+    The last round is shortened to what is left, rounded up (so it ends the run within one step per worker of
+    the budget, never leaving a sliver for one more round); and a remainder smaller than ``FOLD_BELOW`` of a
+    round joins this round (its steps scaled up), because a round of a few steps still applies a full outer
+    step, momentum included, to a pseudo-gradient of almost no work. Both runtimes use this for every
+    round-based method, so they agree on every round's tokens."""
+    tokens = sum(b * h for b, h in zip(batches, steps)) * seq_len
+    if tokens <= 0:
+        return list(steps)
+    if tokens >= remaining_tokens or remaining_tokens - tokens < FOLD_BELOW * tokens:
+        return [max(1, math.ceil(h * remaining_tokens / tokens)) for h in steps]
+    return list(steps)
 
 
 def payload_key(scenario: ScenarioConfig) -> bytes | None:

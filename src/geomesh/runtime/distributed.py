@@ -52,7 +52,7 @@ from ..codec import Manifest
 from ..config import ConfigError, ScenarioConfig
 from ..evaluation import evaluate, heldout_zero_shot
 from ..hardware import WorkerProfile, load_profile, model_profile
-from ..methods.base import Method, OuterLoopMethod, payload_key
+from ..methods.base import Method, OuterLoopMethod, budget_steps, payload_key
 from ..outer import OuterNesterov
 from ..planner import Plan
 from ..telemetry import Telemetry, write_json_atomic
@@ -543,9 +543,8 @@ class DistributedRun:
             steps = [w.inner_steps for w in plan.workers]
             round_tokens = sum(w.batch * h for w, h in zip(plan.workers, steps)) * seq
             remaining = self.budget - self.tokens_done
-            if round_tokens > remaining:  # the last round is shortened, as in the emulated runtime
-                steps = [max(1, round(h * remaining / round_tokens)) for h in steps]
-                round_tokens = sum(w.batch * h for w, h in zip(plan.workers, steps)) * seq
+            steps = budget_steps(steps, [w.batch for w in plan.workers], seq, remaining)  # as the emulated runtime
+            round_tokens = sum(w.batch * h for w, h in zip(plan.workers, steps)) * seq
             if overlap is not None:  # a remainder too short to hide the exchange joins this round (as emulated)
                 from ..methods.overlap import fold_remainder
 

@@ -39,7 +39,7 @@ from ..config import ScenarioConfig
 from ..data import Corpus
 from ..evaluation import evaluate, heldout_zero_shot
 from ..hardware import WorkerProfile
-from ..methods.base import Method, OuterLoopMethod, payload_key
+from ..methods.base import Method, OuterLoopMethod, budget_steps, payload_key
 from ..methods.overlap import fold_remainder
 from ..model import GPT, model_name
 from ..network import WanModel
@@ -736,9 +736,8 @@ class EmulatedRun:
             steps = [w.inner_steps for w in entries]
             round_tokens = sum(w.batch * h for w, h in zip(entries, steps)) * seq
             remaining = self.budget - self.tokens_done
-            if round_tokens > remaining:  # the last round is shortened so every method sees the same budget
-                steps = [max(1, round(h * remaining / round_tokens)) for h in steps]
-                round_tokens = sum(w.batch * h for w, h in zip(entries, steps)) * seq
+            steps = budget_steps(steps, [w.batch for w in entries], seq, remaining)  # the budget, in whole rounds
+            round_tokens = sum(w.batch * h for w, h in zip(entries, steps)) * seq
             if overlap is not None:  # a remainder too short to hide the exchange joins this round
                 steps = fold_remainder(steps, [w.batch for w in entries], seq, remaining, plan.sequences_per_round * seq,
                                        plan.compute_s, plan.exchange_s)  # fmt: skip
