@@ -15,7 +15,8 @@ with the exchange overlapped with the next round's inner steps (docs/overlap.md)
 
 One JSON object per line per method: rounds, tokens, payload_bytes (one worker's payload),
 bytes_per_round (bytes all ranks handed to the cross-region collective), ring_wire_bytes_per_round (what a
-ring collective puts on the wire for them), wall_s_per_round, compute / straggler / comm seconds per round
+ring collective puts on the wire for them), wall_s_per_round, full_round_wall_s (median time between
+rounds, the last round left out), compute / straggler / comm seconds per round
 (mean over workers), idle fractions, final validation loss; then one ``comparison`` line with the ratios.
 Everything also goes to ``OUT/results.json``; each method's run folder is ``OUT/<method>``.
 """
@@ -49,7 +50,19 @@ def scenario(preset: str, mbps: float, rtt_ms: float, batch: int, inner_steps: i
     }  # fmt: skip
 
 
-def row(method: str, s: dict, n: int) -> dict:
+def full_round_s(events_path: Path) -> float | None:
+    """Median wall seconds between consecutive rounds, leaving out the last round (shortened to the budget,
+    or, overlapped, lengthened to take a short remainder): what one full round of the plan takes."""
+    from statistics import median
+
+    from geomesh.telemetry import read_events
+
+    times = [0.0] + [e["time"] for e in read_events(events_path) if e["type"] == "round"]
+    gaps = [b - a for a, b in zip(times, times[1:])][:-1]
+    return median(gaps) if gaps else None
+
+
+def row(method: str, s: dict, n: int, events_path: Path | None = None) -> dict:
     rounds = max(s["rounds"], 1)
     pw = s["per_worker"].values()
     payload = s["proxy_payload_bytes"]
@@ -66,6 +79,7 @@ def row(method: str, s: dict, n: int) -> dict:
         "bytes_per_round": s["bytes_per_round"],
         "ring_wire_bytes_per_round": ring,
         "wall_s_per_round": s["modeled_time_s"] / rounds,
+        "full_round_wall_s": full_round_s(events_path) if events_path is not None else None,
         "compute_s_per_round": sum(w["compute"] for w in pw) / len(pw) / rounds,
         "straggler_s_per_round": sum(w["straggler_wait"] for w in pw) / len(pw) / rounds,
         "comm_s_per_round": s["exchange_s_per_round"],
@@ -127,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
         if result.code != 0:
             print(f"error: {method}: {result.message}", file=sys.stderr)
             return result.code
-        r = row(method, result.summary, 3)
+        r = row(method, result.summary, 3, out / method / "events.jsonl")
         rows.append(r)
         print(json.dumps(r), flush=True)
     by = {r["method"]: r for r in rows}
@@ -149,8 +163,10 @@ def main(argv: list[str] | None = None) -> int:
         comparison = {
             "comparison": "geomesh / geomesh-overlap",
             "same_plan": g["plan"] == o["plan"],
-            "wall_s_per_round": {"geomesh": g["wall_s_per_round"], "geomesh-overlap": o["wall_s_per_round"]},
-            "wall_s_per_round_ratio": g["wall_s_per_round"] / o["wall_s_per_round"],
+            "full_round_wall_s": {"geomesh": g["full_round_wall_s"], "geomesh-overlap": o["full_round_wall_s"]},
+            "full_round_wall_ratio": g["full_round_wall_s"] / o["full_round_wall_s"],
+            "wall_s": {m: by[m]["wall_s_per_round"] * by[m]["rounds"] for m in ("geomesh", "geomesh-overlap")},
+            "tokens": {m: by[m]["tokens"] for m in ("geomesh", "geomesh-overlap")},
             "comm_s_per_round": {"geomesh": g["comm_s_per_round"], "geomesh-overlap": o["comm_s_per_round"]},
             "wan_idle_frac": {"geomesh": g["wan_idle_frac"], "geomesh-overlap": o["wan_idle_frac"]},
             "final_val_loss": {"geomesh": g["final_val_loss"], "geomesh-overlap": o["final_val_loss"]},

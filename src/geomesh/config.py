@@ -150,6 +150,9 @@ class GeoMeshConfig:
     # hide the WAN exchange behind the next round's compute (docs/overlap.md): round r's combined update is
     # applied inside round r+1, at the inner step by which the plan says it has arrived (beyond the paper)
     overlap: bool = False
+    # where a worker starts a round while the previous update is on the wire: "own" (its own fresh update
+    # stands in for the combined one), "mixture" (Kale et al.'s eager mixture) or "stale" (the last θ)
+    overlap_start: str = "own"
 
 
 FAULT_KINDS = ("slowdown", "leave", "join", "bandwidth", "nan", "corrupt")
@@ -467,6 +470,8 @@ def validate(cfg: ScenarioConfig) -> ScenarioConfig:
     _require(g.scale in ("l1", "l2"), "geomesh.scale", g.scale, "expected 'l1' or 'l2'")
     _require(0 < g.replan_threshold < 10, "geomesh.replan_threshold", g.replan_threshold, "expected (0, 10)")
     _require(0 <= g.replan_smoothing < 1, "geomesh.replan_smoothing", g.replan_smoothing, "expected [0, 1)")
+    _require(g.overlap_start in ("own", "mixture", "stale"), "geomesh.overlap_start", g.overlap_start,
+             "expected 'own', 'mixture' or 'stale'")  # fmt: skip
     if g.overlap:  # the in-flight exchange is not part of a checkpoint, nor of an elastic quorum
         _require(cfg.reliability.checkpoint_every_rounds == 0, "reliability.checkpoint_every_rounds",
                  cfg.reliability.checkpoint_every_rounds, "expected 0 with geomesh.overlap: true (an overlapped "

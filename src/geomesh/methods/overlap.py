@@ -5,12 +5,13 @@ exchange really arrives and how its bytes move):
 
 1. Round r ends: worker i has trained from θ_r, sends its payload (pseudo-gradient Δ_i against θ_r), and
    does not wait. Its next round starts at once from its **eager start** (:func:`eager_start`): the outer
-   step θ_r would take with the estimate Δ̂_i = w_i·D_i + (1 − w_i)·Δ_{r−1} of the combined update still on
-   the wire, where D_i is its own payload as the others will decode it, w_i its weight in the combination
-   (token share of the plan, or 1/N) and Δ_{r−1} the last combined update (the others' most recent
-   direction). This is the *eager update* of Kale et al. 2025 ("Eager updates for overlapped communication
-   and computation in DiLoCo"): the fresh local part at its own weight, the non-local part from one round
-   back. The outer optimizer's state is not touched (:meth:`~geomesh.outer.OuterNesterov.lookahead`).
+   step θ_r would take if the combined update still on the wire were the estimate Δ̂_i. By default
+   (``geomesh.overlap_start: own``) Δ̂_i = D_i, the worker's own fresh update as the others will decode it:
+   the *eager* idea of Kale et al. 2025 ("Eager updates for overlapped communication and computation in
+   DiLoCo"), the local outer gradient standing in for the average that is still on the wire. ``mixture`` is
+   their mixture, Δ̂_i = w_i·D_i + (1 − w_i)·Δ_{r−1} (own share at its weight w_i, the others' from the last
+   combined update); ``stale`` starts from θ_r itself (no estimate). The outer optimizer's state is not
+   touched (:meth:`~geomesh.outer.OuterNesterov.lookahead`). bench/overlap_start.py compares the three.
 2. Round r+1 runs ``apply_at`` inner steps (:func:`apply_step`: the first step boundary by which the plan
    says the exchange has arrived; Streaming DiLoCo's τ, Douillard et al. 2025, in steps of this worker).
 3. The combined update Δ_r arrives; every worker takes the *same* outer step θ_{r+1} = Nesterov(θ_r, Δ_r)
@@ -61,11 +62,21 @@ def eager_weights(tokens: Mapping[str, int], weighting: str) -> dict[str, float]
     return {k: 1 / len(tokens) for k in tokens}
 
 
+START_KINDS = ("own", "mixture", "stale")  # geomesh.overlap_start
+
+
 @torch.no_grad()
-def eager_estimate(own: Tensors | None, last: Tensors | None, weight: float) -> Tensors | None:
-    """Δ̂ = w·own + (1 − w)·last: the worker's own fresh (decoded) update at its weight, the rest of the
-    combination filled with the last combined update. A missing part counts as zero (round 0 has no
-    ``last``; a worker whose update was dropped has no ``own``); None when both are missing."""
+def eager_estimate(own: Tensors | None, last: Tensors | None, weight: float, kind: str = "own") -> Tensors | None:
+    """The estimate Δ̂ of the combined update still on the wire. ``own``: the worker's own fresh (decoded)
+    update (the last combined update when it has none: its update was dropped, or it just rejoined);
+    ``mixture``: w·own + (1 − w)·last, a missing part counting as zero; None when there is nothing to
+    estimate from (or ``stale``)."""
+    if kind == "stale":
+        return None
+    if kind == "own":
+        return own if own is not None else last
+    if kind != "mixture":
+        raise ValueError(f"overlap start {kind!r}: expected one of {', '.join(START_KINDS)}")
     if own is None and last is None:
         return None
     names = own.keys() if own is not None else last.keys()  # type: ignore[union-attr]
@@ -80,11 +91,14 @@ def eager_estimate(own: Tensors | None, last: Tensors | None, weight: float) -> 
     return out
 
 
-def eager_start(outer: OuterNesterov, own: Tensors | None, last: Tensors | None, weight: float) -> Tensors:
+def eager_start(outer: OuterNesterov, own: Tensors | None, last: Tensors | None, weight: float,
+                kind: str = "own") -> Tensors:  # fmt: skip
     """Where the worker starts the next round while the combined update is on the wire: the outer step
     from the current θ with :func:`eager_estimate` in place of the combined update (θ and the outer
-    momentum unchanged). Called before the in-flight update is applied."""
-    return outer.lookahead(eager_estimate(own, last, weight))
+    momentum unchanged); ``stale``: θ itself. Called before the in-flight update is applied."""
+    if kind == "stale":
+        return {name: p.detach().clone() for name, p in outer.params.items()}
+    return outer.lookahead(eager_estimate(own, last, weight, kind))
 
 
 @torch.no_grad()

@@ -61,7 +61,7 @@ class RankOverlap:
         weights = eager_weights(planned_tokens(plan.workers, steps), self.method.weighting)
         mine = self.combiner.combine([payload], device=self.device) if payload is not None else None
         name = plan.workers[run.region].name
-        self.start = eager_start(self.outer, mine, self.last, weights.get(name, 0.0))
+        self.start = eager_start(self.outer, mine, self.last, weights.get(name, 0.0), run.scenario.geomesh.overlap_start)
         self.in_flight_s = exchange_s
         self._expect = True
 

@@ -634,7 +634,8 @@ class EmulatedRun:
         if method.overlapped(self.scenario):
             from .overlap import EmulatedOverlap
 
-            overlap = EmulatedOverlap(params, len(cluster.workers), share=self.workers_parallel > 1)
+            overlap = EmulatedOverlap(params, len(cluster.workers), share=self.workers_parallel > 1,
+                                      start_kind=g.overlap_start)  # fmt: skip
         if self._resume is not None:
             self._restore(cluster, loop, outer=outer, codecs=codecs, make_online=make_online)
         else:

@@ -6,7 +6,7 @@ combined update of round r is known before round r+1 is trained. The overlapped 
 exactly as the distributed runtime runs it in real time:
 
 - after round r, every worker's eager start for round r+1 is computed from θ_r and its own payload
-  (:func:`~geomesh.methods.overlap.eager_start`), *then* the outer step θ_{r+1} is taken: the same operations
+  (:func:`~geomesh.methods.overlap.eager_start`, ``geomesh.overlap_start``), *then* the outer step θ_{r+1} is taken: the same operations
   in the same order as a rank of the distributed runtime, which computes its start when its round ends and
   takes the outer step when the exchange arrives;
 - in round r+1 a worker trains ``apply_at`` steps from its start, rebases onto θ_{r+1} and trains the rest
@@ -38,7 +38,8 @@ class EmulatedOverlap:
     """The overlapped schedule's state in one emulated run: every worker's eager start (``share``: in shared
     memory, for worker processes), the last combined update, and the exchange still in flight."""
 
-    def __init__(self, params: Tensors, n_workers: int, share: bool = False):
+    def __init__(self, params: Tensors, n_workers: int, share: bool = False, start_kind: str = "own"):
+        self.start_kind = start_kind  # geomesh.overlap_start
         self.starts: list[Tensors] = []
         for _ in range(n_workers):
             start = {k: v.detach().clone() for k, v in params.items()}
@@ -80,7 +81,7 @@ class EmulatedOverlap:
         for i, start in enumerate(self.starts):
             payload = own.get(i)
             mine = combiner.combine([payload], device=device) if payload is not None else None
-            new = eager_start(outer, mine, self.last, weights.get(names[i], 0.0))
+            new = eager_start(outer, mine, self.last, weights.get(names[i], 0.0), self.start_kind)
             for name, t in start.items():
                 t.copy_(new[name])
         if arrived:
