@@ -188,7 +188,7 @@ def test_checkpoint_files_are_atomic_verified_and_pruned(tmp_path):
 
 def test_fault_costs_are_reported_and_a_rejoining_worker_gets_the_global_state(tmp_path, small_corpus, capsys,
                                                                                monkeypatch):  # fmt: skip
-    d = tiny_scenario_dict(small_corpus, tokens=10000, zero_shot_items=0)
+    d = tiny_scenario_dict(small_corpus, tokens=12000, zero_shot_items=0)  # 6 rounds of 1,920 tokens (+480 folded)
     d["faults"] = [{"at_round": 1, "region": "r0-h100", "kind": "slowdown", "factor": 3.0},
                    {"at_round": 2, "region": "r2-t4", "kind": "leave"},
                    {"at_round": 4, "region": "r2-t4", "kind": "join"}]  # fmt: skip

@@ -75,7 +75,8 @@ def zero_shot(model: GPT, task: ChoiceTask, batch: int = 256) -> dict[str, float
     model.eval()
     items, choices, length = task.tokens.shape
     flat = task.tokens.view(items * choices, length)
-    device = next(model.parameters()).device  # the task is built on the CPU; the model may be on a GPU
+    # the task is built on the CPU; the model may be on a GPU (one without parameters scores on the CPU)
+    device = next(model.parameters(), torch.empty(0)).device
     scores = []
     for seqs in flat.split(batch):
         seqs = seqs.to(device)
