@@ -50,7 +50,7 @@ import torch
 
 from ..codec import Manifest
 from ..config import ConfigError
-from ..methods.base import budget_steps, payload_key
+from ..methods.base import payload_key
 from ..outer import OuterNesterov
 from ..planner import Plan
 from ..telemetry import Telemetry, _jsonable
@@ -438,9 +438,9 @@ class ElasticLoop:
             steps = {i: entries[i].inner_steps for i in members}
             round_tokens = sum(entries[i].batch * steps[i] for i in members) * self.seq
             remaining = run.budget - run.tokens_done
-            folded = budget_steps([steps[i] for i in members], [entries[i].batch for i in members], self.seq, remaining)
-            steps = dict(zip(members, folded))  # the budget in whole rounds, as the emulated runtime
-            round_tokens = sum(entries[i].batch * steps[i] for i in members) * self.seq
+            if round_tokens > remaining:  # the last round is shortened (elastic rounds do not fold a remainder yet)
+                steps = {i: max(1, round(h * remaining / round_tokens)) for i, h in steps.items()}
+                round_tokens = sum(entries[i].batch * steps[i] for i in members) * self.seq
             planned = {i: entries[i].batch * steps[i] * self.seq for i in members}
             # 2. inner steps
             run._mark("other")
