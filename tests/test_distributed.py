@@ -489,7 +489,10 @@ def test_a_rank_under_plain_torchrun_sets_its_region_env(monkeypatch, tmp_path, 
     for name, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
                         "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1", "GEOMESH_LAUNCHER": "1"}.items():  # fmt: skip
         monkeypatch.setenv(name, value)
-    monkeypatch.delenv("GEOMESH_REGION", raising=False)  # restored (absent) after the test
+    # set, then deleted: monkeypatch records the original (absent) value and restores it, so the region that
+    # run._main puts into os.environ does not leak into later tests (and their subprocesses)
+    monkeypatch.setenv("GEOMESH_REGION", "unset")
+    monkeypatch.delenv("GEOMESH_REGION")
     args = run.build_parser().parse_args([str(scenario), "--method", "diloco", "--out", str(tmp_path / "r"),
                                           "--tokens", "600", "--quiet", "--backend", "gloo"])  # fmt: skip
     assert run._main(args) == 0

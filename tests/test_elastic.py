@@ -66,7 +66,8 @@ def processes(tag: str, region: str | None = None) -> list[int]:
 
 
 def start(cmd: list[str], tag: str, out: Path) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": SRC, "OMP_NUM_THREADS": "1", TAG_ENV: tag}
+    env = {**{k: v for k, v in os.environ.items() if k != "GEOMESH_REGION"}, "PYTHONPATH": SRC,
+           "OMP_NUM_THREADS": "1", TAG_ENV: tag}  # the launcher must not look like a region's process
     return subprocess.Popen([sys.executable, "-m", "geomesh.cli", *cmd], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)  # fmt: skip
 
@@ -196,7 +197,8 @@ def test_a_restarted_region_rejoins_with_the_live_state(tmp_path, small_corpus):
     leave = [e for e in events if e["type"] == "leave"]
     join = [e for e in events if e["type"] == "join"]
     assert [e["region"] for e in leave] == ["r0-h100"] and [e["region"] for e in join] == ["r0-h100"]
-    assert join[0]["round"] > leave[0]["round"]
+    # a region restarted before any quorum formed without it leaves and rejoins in the same round
+    assert join[0]["round"] >= leave[0]["round"]
     rounds = [e for e in events if e["type"] == "round"]
     assert [e["round"] for e in rounds] == list(range(1, len(rounds) + 1))  # one file, each round once
     assert "r0-h100" in rounds[-1]["members"]  # planned and exchanging again

@@ -51,7 +51,7 @@ import torch.distributed as dist
 from ..codec import Manifest
 from ..config import ConfigError, ScenarioConfig
 from ..evaluation import evaluate, heldout_zero_shot
-from ..hardware import WorkerProfile, load_profile, model_profile
+from ..hardware import WorkerProfile, load_profile
 from ..methods.base import Method, OuterLoopMethod, budget_steps, payload_key
 from ..outer import OuterNesterov
 from ..planner import Plan
@@ -364,18 +364,7 @@ class DistributedRun:
                 measured[region] = load_profile(path)
             except ValueError as exc:
                 raise ConfigError(f"--profile {region}: {exc}") from None
-        timing = sc.timing()
-        profiles = []
-        for region in sc.regions:
-            profile = measured.get(region.name) or model_profile(region.name, region.gpu, region.count, timing)
-            profile.name = region.name  # a measured profile carries the name it was measured under
-            profile.slowdown = region.slowdown
-            if profile.max_micro_batch < 1:
-                raise RunError(
-                    f"region {region.name}: the timing model ({timing.params / 1e6:.0f}M parameters) does not fit "
-                    f"a micro-batch of 1 on {region.gpu}"
-                )
-            profiles.append(profile)
+        profiles = sc.worker_profiles(measured)
         return profiles
 
     # ---- the run ----------------------------------------------------------------------------------

@@ -315,7 +315,8 @@ class ElasticLoop:
             healed, _ = m.quorum()
             try:
                 wait = first and not healed and time.monotonic() < startup_until
-                headers = m.all_gather_object({"region": self.me, "hash": self.job_hash, "wait": wait})
+                headers = m.all_gather_object({"region": self.me, "hash": self.job_hash, "wait": wait,
+                                               "healed": healed})  # fmt: skip
             except ExchangeFailed as exc:
                 m.report(exc)
                 continue
@@ -326,7 +327,9 @@ class ElasticLoop:
             if len(members) < self.n and all(h["wait"] for h in headers):
                 time.sleep(0.3)  # the first round: wait for every region to come up
                 continue
-            return {"members": members, "healed": healed}
+            # regions that were behind and received a live region's state at this quorum
+            return {"members": members, "healed": healed, "rejoined": sorted(h["region"] for h in headers
+                                                                             if h["healed"])}  # fmt: skip
 
     def _check_hashes(self, headers: list[dict[str, Any]]) -> None:
         counts: dict[str, int] = {}
@@ -427,6 +430,7 @@ class ElasticLoop:
             members = [i for i in ctrl["members"] if i not in self.away]
             if not members:
                 raise RunError(f"round {r + 1}: every live region is away (the scenario's leave faults)")
+            self._restarted_in_place(ctrl["rejoined"])
             self._membership_events(members)
             if planned_for != members:
                 plan = self._plan(members)
@@ -536,6 +540,7 @@ class ElasticLoop:
                 if ctrl["healed"]:  # the others finished this round without us
                     state, self.healed_state = self.healed_state, None
                     return {"healed": True, "state": state}
+                self._restarted_in_place(ctrl["rejoined"])  # as the region that rejoined records it
         if not m.commit():
             raise RunError(f"round {run.rounds + 1}: torchft did not commit the round (fewer than "
                            f"{self.min_regions} region(s) took part)")  # fmt: skip
@@ -583,6 +588,20 @@ class ElasticLoop:
         if arrived:
             device = next(iter(self.params.values())).device
             self.outer.step(self.combiner.combine(arrived, device=device))
+
+    def _restarted_in_place(self, rejoined: list[int]) -> None:
+        """``leave`` and ``join`` records for regions that came back behind the others while still members: their
+        processes died and were restarted before any quorum formed without them (every leader, the rejoined
+        one included, records them at the same point of the same round, so their records stay the same)."""
+        run = self.run
+        for i in rejoined:
+            if self.members is None or i not in self.members:
+                continue  # a region absent from the last round: _membership_events records its join
+            self.stats["leaves"] += 1
+            self.stats["joins"] += 1
+            self._emit({"type": "leave", "round": run.rounds + 1, "time": run._now(), "region": self.names[i],
+                        "reason": "restarted (or fell behind) and healed before a quorum formed without it"})  # fmt: skip
+            self._emit({"type": "join", "round": run.rounds + 1, "time": run._now(), "region": self.names[i]})
 
     def _membership_events(self, members: list[int]) -> None:
         """``leave``/``join`` records when the quorum differs from the last round's."""
