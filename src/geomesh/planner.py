@@ -100,6 +100,7 @@ import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from .errors import PlanError
 from .hardware import WorkerProfile
 
 __all__ = [
@@ -134,10 +135,6 @@ _PRICE_LADDER = (0.0, -0.5, -0.25, -0.1, -0.04, 0.04, 0.1, 0.25, 0.5, 1.0)
 _REPAIRED = 8  # in small sweeps, how many of the best plans just outside the band are repaired into it
 _REPAIR_MARGIN = 0.25  # "just outside": within this fraction of the target
 FILL_SLACK = 0.01  # the planning rule: options within 1% of a worker's longest compute count as filling the round
-
-
-class PlanError(ValueError):
-    """No valid plan: the message names the worker or constraint and the reason."""
 
 
 # ----------------------------------------------------------------------------------------------------

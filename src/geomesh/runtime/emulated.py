@@ -37,6 +37,7 @@ from .. import checkpoint as ckpt
 from ..codec import Manifest, PayloadError
 from ..config import ScenarioConfig
 from ..data import Corpus
+from ..errors import RunError
 from ..evaluation import evaluate, heldout_zero_shot
 from ..hardware import WorkerProfile
 from ..methods.base import Method, OuterLoopMethod, budget_steps, payload_key
@@ -48,10 +49,6 @@ from ..planner import OnlinePlanner, Plan, plan_uniform
 from ..telemetry import Telemetry, write_json_atomic
 from ..worker import Worker, inner_lr
 from .parallel import intra_op_threads, worker_threads
-
-
-class RunError(RuntimeError):
-    """A run cannot start or continue for a reason the user can fix (message says which)."""
 
 
 class _Stop(Exception):
