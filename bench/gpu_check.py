@@ -72,7 +72,7 @@ def sizes(device: str, smoke: bool) -> dict[str, Any]:
 def write_scenario(path: Path, device: str, s: dict[str, Any], *, strategy: str, precision: str,
                    checkpointing: bool) -> Path:  # fmt: skip
     """One region of this machine's devices, training ``s["preset"]``; the timing model is the same model."""
-    from geomesh.model import MODEL_PRESETS
+    from geomesh.models import MODEL_PRESETS
 
     shape = MODEL_PRESETS[s["preset"]]
     scenario = {

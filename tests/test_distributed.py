@@ -416,7 +416,7 @@ def test_model_section_is_the_preferred_name_of_proxy(tmp_path, small_corpus):
 
 
 def test_gpu_presets_have_their_sizes():
-    from geomesh.model import GPT, model_config
+    from geomesh.models import GPT, model_config
 
     for preset, low, high in [("llama-125m", 110e6, 140e6), ("llama-350m", 300e6, 400e6), ("llama-1b", 0.9e9, 1.2e9)]:
         with torch.device("meta"):  # shapes only: nothing is allocated
@@ -505,7 +505,7 @@ def test_precision_bf16_autocasts_the_forward_and_keeps_fp32_master_weights(tiny
     import dataclasses
 
     from geomesh.data import BatchStream
-    from geomesh.model import build_model, model_config
+    from geomesh.models import build_model, model_config
     from geomesh.worker import Worker
 
     s = tiny_scenario()

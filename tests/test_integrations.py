@@ -88,7 +88,7 @@ def test_missing_extras_for_each_feature(monkeypatch, tmp_path):
         make_sinks(LoggingConfig(wandb=WandbConfig(project="p")), tmp_path)
     with pytest.raises(MissingDependencyError, match=r"geomesh\[tensorboard\]"):
         make_sinks(LoggingConfig(tensorboard=str(tmp_path / "tb")), tmp_path)
-    from geomesh.model import build_proxy_model
+    from geomesh.models import build_proxy_model
 
     with pytest.raises(MissingDependencyError, match=r"geomesh\[hf\]"):
         build_proxy_model(ProxyConfig(seq_len=16, hf_config=dict(LLAMA)), 300, 0)
@@ -146,8 +146,8 @@ def test_defaults_keep_the_builtin_behaviour():
 @needs_hf
 @pytest.mark.parametrize("config", [LLAMA, GPT2], ids=["llama", "gpt2"])
 def test_hf_model_has_the_builtin_interface(config):
-    from geomesh.integrations.hf import HFCausalLM
-    from geomesh.model import build_proxy_model
+    from geomesh.models import HFCausalLM
+    from geomesh.models import build_proxy_model
 
     proxy = ProxyConfig(seq_len=16, hf_config=dict(config))
     model = build_proxy_model(proxy, 300, seed=3)
@@ -170,7 +170,7 @@ def test_hf_model_has_the_builtin_interface(config):
 
 @needs_hf
 def test_hf_config_checks_vocabulary_and_length():
-    from geomesh.integrations.hf import build_hf_model
+    from geomesh.models import build_hf_model
 
     with pytest.raises(ConfigError, match="vocab_size"):
         build_hf_model(ProxyConfig(seq_len=16, hf_config={**LLAMA, "vocab_size": 100}), 300, 0)
@@ -184,7 +184,7 @@ def test_hf_config_checks_vocabulary_and_length():
 def test_hf_pretrained_from_a_local_folder(tmp_path):
     import transformers
 
-    from geomesh.model import build_proxy_model
+    from geomesh.models import build_proxy_model
 
     config = transformers.AutoConfig.for_model(**{**LLAMA, "vocab_size": 320})
     torch.manual_seed(0)
@@ -215,7 +215,7 @@ def test_emulated_runtime_trains_a_transformers_model(tmp_path, small_corpus):
 
 @needs_hf
 def test_emulated_runtime_trains_a_pretrained_folder(tmp_path, small_corpus):
-    from geomesh.model import build_proxy_model
+    from geomesh.models import build_proxy_model
 
     model = build_proxy_model(ProxyConfig(seq_len=32, hf_config=dict(GPT2)), 512, seed=0)
     model.save_pretrained(tmp_path / "gpt2-tiny")
@@ -496,7 +496,7 @@ class _Uniform(torch.nn.Module):
 def test_lm_adapter_scores_like_the_model(text_corpus):
     """The adapter's loglikelihood equals the model's own log-probabilities (no lm-eval needed)."""
     from geomesh.integrations.lm_eval_adapter import GeoMeshLM
-    from geomesh.model import build_model, model_config
+    from geomesh.models import build_model, model_config
 
     tok = text_corpus.tokenizer
     model = build_model(model_config("nano", vocab_size=tok.get_vocab_size(), seq_len=32), seed=1)
@@ -537,7 +537,7 @@ def test_lm_adapter_rolling_windows_predict_each_token_once(text_corpus):
 @needs_lm_eval
 def test_lm_eval_runs_a_local_jsonl_task_offline(tmp_path, text_corpus):
     from geomesh.integrations.lm_eval_adapter import GeoMeshLM, evaluate_tasks
-    from geomesh.model import build_model, model_config
+    from geomesh.models import build_model, model_config
 
     items = [{"question": "To be, or not to be, that is the", "choices": ["question", "banana", "seven"],
               "answer": 0} for _ in range(6)]  # fmt: skip
@@ -573,7 +573,7 @@ def test_geomesh_eval_command_on_a_transformers_folder(tmp_path, text_corpus, ca
     import transformers
 
     from geomesh.integrations.lm_eval_adapter import main
-    from geomesh.model import build_proxy_model
+    from geomesh.models import build_proxy_model
 
     model = build_proxy_model(ProxyConfig(seq_len=32, hf_config=dict(GPT2)), text_corpus.vocab_size, seed=0)
     model.save_pretrained(tmp_path / "m")
@@ -599,7 +599,7 @@ def test_geomesh_eval_command_on_a_transformers_folder(tmp_path, text_corpus, ca
 @needs_lm_eval
 def test_geomesh_eval_command_on_a_scenario_checkpoint(tmp_path, small_corpus, text_corpus):
     from geomesh.integrations.lm_eval_adapter import main
-    from geomesh.model import build_proxy_model
+    from geomesh.models import build_proxy_model
 
     s_path = tmp_path / "s.yaml"
     d = tiny_scenario_dict(small_corpus)

@@ -1,11 +1,11 @@
-"""Tests of the proxy model (geomesh.model): shapes, tying, sizes, determinism, causality, learning."""
+"""Tests of the proxy model (geomesh.models): shapes, tying, sizes, determinism, causality, learning."""
 
 import math
 
 import pytest
 import torch
 
-from geomesh.model import GPT, MODEL_PRESETS, ModelConfig, build_model, model_config
+from geomesh.models import GPT, MODEL_PRESETS, ModelConfig, build_model, model_config
 
 TINY = ModelConfig(vocab_size=64, n_layers=2, d_model=32, n_heads=4, seq_len=16)
 

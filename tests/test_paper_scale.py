@@ -12,7 +12,7 @@ import torch
 
 from geomesh.compare import tabulate
 from geomesh.config import load_scenario
-from geomesh.model import GPT, model_config
+from geomesh.models import GPT, model_config
 from geomesh.runtime.emulated import RunError
 
 ROOT = Path(__file__).resolve().parents[1]

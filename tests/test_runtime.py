@@ -10,7 +10,7 @@ import torch
 from geomesh.config import ConfigError
 from geomesh.data import BatchStream, Corpus, CorpusSpec
 from geomesh.methods.base import get_method
-from geomesh.model import build_model, model_config
+from geomesh.models import build_model, model_config
 from geomesh.runtime.emulated import EmulatedRun, RunOptions
 from geomesh.telemetry import read_events
 from geomesh.worker import inner_lr, make_inner_optimizer

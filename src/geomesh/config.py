@@ -22,6 +22,7 @@ import yaml
 
 from .errors import ConfigError
 from .hardware import GPU_CATALOG, STRATEGIES, GpuSpec, TimingModel, WorkerProfile, fit_advice, gpu_spec, model_profile
+from .model_presets import MODEL_PRESETS
 from .network import AZURE_REGIONS, WanModel, azure_rtt_ms
 
 
@@ -423,8 +424,6 @@ def validate(cfg: ScenarioConfig) -> ScenarioConfig:
     _require(t.mfu is None or 0 < t.mfu <= 1, "timing_model.mfu", t.mfu, "expected null or a fraction in (0, 1]")
     _require(t.step_overhead_s >= 0, "timing_model.step_overhead_s", t.step_overhead_s, "expected >= 0")
     _require(cfg.proxy.seq_len >= 8, "proxy.seq_len", cfg.proxy.seq_len, "expected >= 8")
-    from .model import MODEL_PRESETS  # local import: the proxy model pulls in torch
-
     _require(cfg.proxy.preset in MODEL_PRESETS, "proxy.preset", cfg.proxy.preset,
              f"expected one of {', '.join(MODEL_PRESETS)}")  # fmt: skip
     _validate_hf_proxy(cfg.proxy)

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .model import GPT
+from .models import GPT
 
 
 @torch.no_grad()

@@ -16,7 +16,7 @@ import torch
 
 from .config import ScenarioConfig
 from .hardware import WorkerProfile
-from .model import build_proxy_model, enable_activation_checkpointing, model_name
+from .models import build_proxy_model, enable_activation_checkpointing, model_name
 from .worker import autocast_dtype, make_inner_optimizer
 
 WARMUP_STEPS = 2  # full steps per micro-batch before timing: kernels chosen, AdamW state allocated

@@ -17,7 +17,7 @@ import torch
 
 from .config import TrainingConfig
 from .data import BatchStream
-from .model import GPT
+from .models import GPT
 
 Tensors = dict[str, torch.Tensor]
 

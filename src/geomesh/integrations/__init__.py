@@ -1,53 +1,22 @@
-"""Bridges to the wider ecosystem, each behind an optional extra (docs/ecosystem.md).
+"""Bridges to outside tools (faces layer), each behind an optional extra (docs/ecosystem.md).
 
-- :mod:`.hf`: ``transformers`` causal LMs as the trained model (extra ``hf``);
-- :mod:`.token_data`: pre-tokenised binary shards (numpy memmap, no extra) and HF ``datasets`` sources
-  streamed into a token cache (extra ``hf``);
 - :mod:`.loggers`: TensorBoard (extra ``tensorboard``) and Weights & Biases (extra ``wandb``) sinks that
-  receive every telemetry record;
-- :mod:`.lm_eval_adapter`: an lm-evaluation-harness ``LM`` for the trained model (extra ``eval``).
+  receive every telemetry record. They are telemetry writers, so the runtimes attach them: the layer test
+  (tests/test_layers.py) places this module, and this package's ``__init__``, with telemetry in the facts
+  layer;
+- :mod:`.lm_eval_adapter`: an lm-evaluation-harness ``LM`` for the trained model and the ``geomesh eval``
+  face (extra ``eval``).
 
-The library API for a user's own training loop is :mod:`geomesh.api`. Nothing here is imported by the core
-unless a scenario asks for it; a missing extra raises :class:`MissingDependencyError` (a
-:class:`~geomesh.config.ConfigError`, so the CLI prints one ``error:`` line) that names what to install.
+The ``transformers`` model adapter lives with the models (:mod:`geomesh.models.hf`), token shards and HF
+datasets with the data (:mod:`geomesh.data.tokens`, :mod:`geomesh.data.hf`). The library API for a user's
+own training loop is :mod:`geomesh.api`. Nothing here is imported by the core unless a scenario asks for it;
+a missing extra raises :class:`~geomesh.extras.MissingDependencyError` (a
+:class:`~geomesh.errors.ConfigError`, so the CLI prints one ``error:`` line) that names what to install.
+:func:`require` and the extras table live in :mod:`geomesh.extras` (facts) and are re-exported here.
 """
 
 from __future__ import annotations
 
-import importlib
-from types import ModuleType
+from ..extras import EXTRAS, MissingDependencyError, install_hint, require
 
-from ..config import ConfigError
-
-__all__ = ["MissingDependencyError", "require", "EXTRAS"]
-
-# module -> (pip package, extra of geomesh that installs it)
-EXTRAS: dict[str, tuple[str, str]] = {
-    "transformers": ("transformers", "hf"),
-    "datasets": ("datasets", "hf"),
-    "tensorboard": ("tensorboard", "tensorboard"),
-    "torch.utils.tensorboard": ("tensorboard", "tensorboard"),
-    "wandb": ("wandb", "wandb"),
-    "lm_eval": ("lm-eval", "eval"),
-}
-
-
-class MissingDependencyError(ConfigError):
-    """A feature was asked for whose optional package is not installed; the message says what to install."""
-
-
-def install_hint(module: str) -> str:
-    package, extra = EXTRAS.get(module, (module.split(".")[0], None))
-    return f"pip install 'geomesh[{extra}]' (or: pip install {package})" if extra else f"pip install {package}"
-
-
-def require(module: str, feature: str) -> ModuleType:
-    """Import ``module`` or raise :class:`MissingDependencyError` saying that ``feature`` needs it."""
-    try:
-        return importlib.import_module(module)
-    except ImportError as exc:
-        missing = getattr(exc, "name", None) or module
-        raise MissingDependencyError(
-            f"{feature} needs the optional package {module.split('.')[0]!r} ({missing} could not be imported): "
-            f"{install_hint(module)}"
-        ) from None
+__all__ = ["MissingDependencyError", "require", "install_hint", "EXTRAS"]

@@ -2,7 +2,7 @@
 
 :class:`GeoMeshLM` is an ``lm_eval.api.model.LM`` (extra ``eval``) around any causal model with the built-in
 model's interface (``model(idx) -> (logits, ...)``: the built-in GPT, the transformers wrapper of
-:mod:`geomesh.integrations.hf`) or a raw ``transformers`` model (``.logits``), and a tokenizer (a
+:mod:`geomesh.models.hf`) or a raw ``transformers`` model (``.logits``), and a tokenizer (a
 ``tokenizers.Tokenizer``, e.g. the corpus's, or a ``transformers`` tokenizer):
 
 - ``loglikelihood``: log P(continuation | context) and whether greedy decoding gives the continuation; the
@@ -30,8 +30,8 @@ from typing import Any
 
 import torch
 
-from ..config import ConfigError
-from . import require
+from ..errors import ConfigError
+from ..extras import require
 
 try:  # lm-eval is optional: without it the adapter still scores (tests, notebooks)
     from lm_eval.api.model import LM as _LMBase
@@ -302,7 +302,7 @@ def _model_from_args(args: argparse.Namespace) -> tuple[torch.nn.Module, Any, di
     from ..cli import _overrides
     from ..config import load_scenario
     from ..data import load_corpus
-    from ..model import build_proxy_model
+    from ..models import build_proxy_model
 
     scenario = load_scenario(args.scenario, _overrides(args.set))
     if args.checkpoint:

@@ -226,7 +226,7 @@ def payload_key(scenario: ScenarioConfig) -> bytes | None:
 
 def proxy_manifest(scenario: ScenarioConfig) -> Manifest:
     """Names, shapes and dtypes of the proxy model's parameters (what a payload carries)."""
-    from ..model import GPT, model_config
+    from ..models import GPT, model_config
 
     cfg = model_config(scenario.proxy.preset, vocab_size=scenario.data.vocab_size, seq_len=scenario.proxy.seq_len)
     with torch.device("meta"):

@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from ..config import ConfigError, ScenarioConfig
 from ..data import BatchStream, load_corpus, worker_stream
-from ..model import build_proxy_model, enable_activation_checkpointing, model_name, transformer_blocks
+from ..models import build_proxy_model, enable_activation_checkpointing, model_name, transformer_blocks
 from ..worker import InnerResult, Worker, bf16_native
 
 Tensors = dict[str, torch.Tensor]

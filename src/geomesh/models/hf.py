@@ -5,7 +5,7 @@ model: from a config written in the scenario (``proxy: {hf_config: {model_type: 
 ...}}``, random weights from the run's seed) or from a folder that ``save_pretrained`` wrote
 (``proxy: {hf_pretrained: path}``; a hub id works where the hub can be reached). :class:`HFCausalLM` wraps
 it so that it has the built-in model's interface, ``forward(idx, targets) -> (logits, loss)`` (``targets``
-are the next tokens, already shifted, as in :class:`~geomesh.model.GPT`) and ``num_params()``, so the
+are the next tokens, already shifted, as in :class:`~geomesh.models.GPT`) and ``num_params()``, so the
 runtimes, the worker, evaluation and the codec use it unchanged. Parameters are float32 (the proxy trains
 on the CPU in the emulated runtime); the wrapped model is ``wrapper.hf`` (``save_pretrained`` it).
 """
@@ -20,8 +20,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..config import ConfigError
-from . import require
+from ..errors import ConfigError
+from ..extras import require
 
 __all__ = ["HFCausalLM", "build_hf_model", "hf_config_from_mapping", "max_positions"]
 
@@ -43,7 +43,7 @@ class HFCausalLM(nn.Module):
 
     ``forward(idx, targets=None)`` returns ``(logits [B, T, V], loss)`` with ``loss`` the mean
     cross-entropy of ``logits`` against ``targets`` (next tokens, aligned with ``idx``: no shift inside),
-    exactly as :class:`~geomesh.model.GPT` does. ``seq_len`` is the training sequence length;
+    exactly as :class:`~geomesh.models.GPT` does. ``seq_len`` is the training sequence length;
     ``max_length`` the longest input the model accepts (its position limit, else ``seq_len``).
     """
 

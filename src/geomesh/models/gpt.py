@@ -9,9 +9,9 @@ A modern GPT in the nanoGPT spirit, small enough to train several replicas on a 
 - a SwiGLU MLP (hidden size about 8/3·d_model, rounded up to a multiple of 32),
 - scaled init: every weight ~ N(0, 0.02²), residual output projections ~ N(0, (0.02/sqrt(2·n_layers))²).
 
-``MODEL_PRESETS`` names sizes from about 0.6M to 21M parameters at vocabulary 4096 (proxy models for the
-emulated runtime) and Llama-shaped sizes of about 125M, 350M and 1B parameters at vocabulary 32000 (for GPU
-clusters in the distributed runtime);
+``MODEL_PRESETS`` (:mod:`geomesh.model_presets`) names sizes from about 0.6M to 21M parameters at
+vocabulary 4096 (proxy models for the emulated runtime) and Llama-shaped sizes of about 125M, 350M and 1B
+parameters at vocabulary 32000 (for GPU clusters in the distributed runtime);
 :func:`model_config` turns a preset into a :class:`ModelConfig` and :func:`build_model` builds a
 :class:`GPT` deterministically from a seed without touching the caller's random state.
 """
@@ -25,6 +25,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 import torch.utils.checkpoint
+
+from ..model_presets import MODEL_PRESETS
 
 INIT_STD = 0.02
 
@@ -76,18 +78,6 @@ class ModelConfig:
         return self
 
 
-# Named sizes at vocab 4096, seq_len 128 (parameter counts with the tied embedding counted once).
-MODEL_PRESETS: dict[str, dict] = {
-    "nano": dict(d_model=96, n_layers=2, n_heads=4),  # ~0.61M
-    "micro": dict(d_model=128, n_layers=4, n_heads=4),  # ~1.33M
-    "mini": dict(d_model=256, n_layers=4, n_heads=4),  # ~4.26M
-    "small": dict(d_model=384, n_layers=5, n_heads=6),  # ~10.4M
-    "base": dict(d_model=512, n_layers=6, n_heads=8),  # ~21.1M
-    # GPU sizes (Llama-shaped: RMSNorm, RoPE, SwiGLU, no biases; head dim 64-128), counts at vocab 32000:
-    "llama-125m": dict(d_model=768, n_layers=14, n_heads=12, seq_len=1024),  # ~124M
-    "llama-350m": dict(d_model=1024, n_layers=24, n_heads=16, seq_len=1024),  # ~336M
-    "llama-1b": dict(d_model=2048, n_layers=18, n_heads=16, seq_len=2048),  # ~0.97B
-}
 
 
 def model_config(preset: str, **overrides) -> ModelConfig:
@@ -234,44 +224,3 @@ def build_model(cfg: ModelConfig, seed: int) -> GPT:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return GPT(cfg)
-
-
-def build_proxy_model(proxy, vocab_size: int, seed: int) -> nn.Module:
-    """The scenario's proxy model (``proxy``: a :class:`~geomesh.config.ProxyConfig`): the built-in
-    :class:`GPT` of ``proxy.preset``, or a ``transformers`` causal LM when ``proxy.hf_config`` or
-    ``proxy.hf_pretrained`` is set (:mod:`geomesh.integrations.hf`; same interface, extra ``hf``)."""
-    if getattr(proxy, "hf_config", None) is not None or getattr(proxy, "hf_pretrained", None):
-        from .integrations.hf import build_hf_model
-
-        return build_hf_model(proxy, vocab_size, seed)
-    return build_model(model_config(proxy.preset, vocab_size=vocab_size, seq_len=proxy.seq_len), seed)
-
-
-def model_name(proxy, model: nn.Module) -> str:
-    """What trains, for summaries: ``"micro (built-in)"``, ``"llama (transformers)"`` or
-    ``"llama (transformers, FOLDER)"`` for a pretrained folder."""
-    if getattr(proxy, "hf_config", None) is not None or getattr(proxy, "hf_pretrained", None):
-        kind = getattr(getattr(model, "config", None), "model_type", None) or "causal LM"
-        return f"{kind} (transformers)" if proxy.hf_config is not None else f"{kind} (transformers, {proxy.hf_pretrained})"
-    return f"{proxy.preset} (built-in)"
-
-
-def transformer_blocks(model: nn.Module) -> list[nn.Module]:
-    """The repeated blocks of a model: the built-in GPT's ``blocks``, or the longest ``ModuleList`` of a
-    ``transformers`` model (its decoder layers). These are the units of sharding and checkpointing."""
-    if isinstance(model, GPT):
-        return list(model.blocks)
-    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
-    return list(max(lists, key=len)) if lists else []
-
-
-def enable_activation_checkpointing(model: nn.Module) -> None:
-    """Recompute each block's activations in backward instead of keeping them (less memory, about a third
-    more compute): the built-in GPT checkpoints its blocks, a ``transformers`` model uses its own switch."""
-    if isinstance(model, GPT):
-        model.activation_checkpointing = True
-        return
-    hf = getattr(model, "hf", model)
-    if not getattr(hf, "supports_gradient_checkpointing", False):
-        raise ValueError(f"{type(hf).__name__} does not support activation checkpointing")
-    hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
