@@ -13,7 +13,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from geomesh import codec as gc
+import geomesh.codec.kernels as codec_kernels
+import geomesh.codec.sign as codec_sign
+import geomesh.codec.wire as codec_wire
 from geomesh.codec import (
     HEADER_NBYTES,
     MAGIC,
@@ -230,7 +232,7 @@ def test_wire_format_bit_order_and_header():
     codec = SignCodec(Manifest.from_tensors({"a": a, "b": b}), chunk_size=None, scale="l1")
     p = codec.encode({"a": a, "b": b}, tokens=123)
     magic, version, kind, flags, chunk, _digest, tokens, body_len, crc = HDR.unpack_from(p, 0)
-    assert (magic, version, kind, flags, chunk, tokens) == (MAGIC, 1, 1, gc.FLAG_SCALE_L1, 0, 123)
+    assert (magic, version, kind, flags, chunk, tokens) == (MAGIC, 1, 1, codec_wire.FLAG_SCALE_L1, 0, 123)
     assert body_len == 2 * 4 + 2 and len(p) == HEADER_NBYTES + body_len == codec.payload_nbytes()
     assert crc == zlib.crc32(p[HEADER_NBYTES:], zlib.crc32(p[:44]))
     mags = struct.unpack_from("<2f", p, HEADER_NBYTES)
@@ -392,8 +394,8 @@ def test_combine_streams_one_payload_at_a_time():
 def test_combine_unaligned_blocks_match_reference(monkeypatch, numpy_on_cpu):
     # tiny blocks force many block boundaries that are not byte- or chunk-aligned; the torch
     # (accelerator) path and the numpy CPU path must agree
-    monkeypatch.setattr(gc, "_BLOCK_CPU", 24)
-    monkeypatch.setattr(gc, "_BLOCK_ACCEL", 40)
+    monkeypatch.setattr(codec_sign, "_BLOCK_CPU", 24)
+    monkeypatch.setattr(codec_sign, "_BLOCK_ACCEL", 40)
     monkeypatch.setattr(SignCodec, "_numpy_on_cpu", numpy_on_cpu)
     shapes = [(7,), (50,), (3, 11), (), (129,)]
     t = [make_tensors(shapes, s, zero_frac=0.1) for s in range(3)]
@@ -551,7 +553,7 @@ def test_malformed_payloads_are_refused_with_a_clear_message(small):
         "bad magic": [b"XXXX" + p[4:]],
         "version": [rebuild(p, version=2)],
         "wrong codec kind": [rebuild(p, kind=2), rebuild(p, kind=9)],
-        "flags mismatch": [rebuild(p, flags=gc.FLAG_SCALE_L1), rebuild(p, flags=0x80)],
+        "flags mismatch": [rebuild(p, flags=codec_wire.FLAG_SCALE_L1), rebuild(p, flags=0x80)],
         "chunk size": [rebuild(p, chunk=8)],
         "manifest mismatch": [
             SignCodec(Manifest.from_shapes({"t0": (5, 3)}), chunk_size=4).encode({"t0": torch.ones(5, 3)}, 1),
@@ -704,18 +706,18 @@ def test_torch_bit_packing_matches_numpy(n, seed):
     g = torch.Generator().manual_seed(seed)
     bits = torch.rand(n, generator=g) > 0.5
     ref = np.packbits(bits.numpy(), bitorder="little")
-    assert np.array_equal(gc._pack_bits_torch(bits).numpy(), ref)
+    assert np.array_equal(codec_kernels._pack_bits_torch(bits).numpy(), ref)
     for numpy_on_cpu in (True, False):
-        b01 = gc._unpack01(torch.from_numpy(ref), torch.empty(n), numpy_on_cpu)
+        b01 = codec_kernels._unpack01(torch.from_numpy(ref), torch.empty(n), numpy_on_cpu)
         assert torch.equal(b01, bits.float())
 
 
 def test_all_byte_values_pack_and_unpack():
     v = torch.arange(256, dtype=torch.uint8)
     bits = ((v.unsqueeze(1) >> torch.arange(8, dtype=torch.uint8)) & 1).bool().reshape(-1)
-    assert torch.equal(gc._pack_bits_torch(bits), v)
+    assert torch.equal(codec_kernels._pack_bits_torch(bits), v)
     for numpy_on_cpu in (True, False):
-        assert torch.equal(gc._unpack01(v, torch.empty(2048), numpy_on_cpu), bits.float())
+        assert torch.equal(codec_kernels._unpack01(v, torch.empty(2048), numpy_on_cpu), bits.float())
 
 
 @pytest.mark.parametrize("ef", [False, True])
@@ -737,8 +739,8 @@ def test_torch_path_encodes_identical_bytes(monkeypatch, ef):
 @pytest.mark.parametrize("block", [8, 40, 4096, 1 << 20])
 def test_blocked_threaded_cpu_signs_match_torch_path(monkeypatch, block):
     # small blocks: many blocks cut through tensors at unaligned places, spread over threads
-    monkeypatch.setattr(gc, "_SIGN_BLOCK", block)
-    monkeypatch.setattr(gc, "_NORM_PIECE", 150)  # several norm tasks per run
+    monkeypatch.setattr(codec_kernels, "_SIGN_BLOCK", block)
+    monkeypatch.setattr(codec_sign, "_NORM_PIECE", 150)  # several norm tasks per run
     monkeypatch.setattr(torch, "get_num_threads", lambda: 3)
     shapes = [(13,), (), (0,), (5, 9), (4099,), (7,)]
     m = Manifest.from_tensors(make_tensors(shapes))
