@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from geomesh import data
+from geomesh.data import text as data
 from geomesh.data import (
     BatchStream,
     Corpus,

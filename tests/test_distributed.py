@@ -288,7 +288,7 @@ def test_a_transformers_llama_on_token_shards_trains_as_in_the_emulated_runtime(
     pytest.importorskip("transformers")
     import numpy as np
 
-    from geomesh.integrations.token_data import write_token_file
+    from geomesh.data import write_token_file
 
     rng = np.random.default_rng(0)
     for k in range(2):  # two shard files, memory-mapped as one token array

@@ -235,7 +235,7 @@ def text_corpus(small_corpus):
 
 
 def test_memmap_stream_serves_the_same_batches_as_batchstream(tmp_path, text_corpus):
-    from geomesh.integrations.token_data import MemmapBatchStream, TokenArray, open_token_files, write_token_file
+    from geomesh.data import MemmapBatchStream, TokenArray, open_token_files, write_token_file
 
     tokens = text_corpus.train_tokens[:20000].numpy()
     write_token_file(tmp_path / "a.bin", tokens)
@@ -261,7 +261,7 @@ def test_memmap_stream_serves_the_same_batches_as_batchstream(tmp_path, text_cor
 
 
 def test_token_files_errors_name_the_file(tmp_path):
-    from geomesh.integrations.token_data import open_token_files, write_token_file
+    from geomesh.data import open_token_files, write_token_file
 
     with pytest.raises(DataError, match="no such"):
         open_token_files(tmp_path / "missing.bin")
@@ -276,7 +276,7 @@ def test_token_files_errors_name_the_file(tmp_path):
 
 
 def test_token_corpus_uint32_and_val_file(tmp_path):
-    from geomesh.integrations.token_data import write_token_file
+    from geomesh.data import write_token_file
 
     rng = np.random.default_rng(0)
     write_token_file(tmp_path / "train.bin", rng.integers(0, 70000, 5000), dtype="uint32")
@@ -293,7 +293,7 @@ def test_token_corpus_uint32_and_val_file(tmp_path):
 
 
 def test_emulated_runtime_trains_on_token_files(tmp_path, text_corpus):
-    from geomesh.integrations.token_data import write_token_file
+    from geomesh.data import write_token_file
 
     write_token_file(tmp_path / "tokens.bin", text_corpus.tokens.numpy())
     s = scenario_from(tmp_path, ["unused"], data={"paths": None, "tokens_file": str(tmp_path / "tokens.bin"),
@@ -316,7 +316,7 @@ def _jsonl_docs(path: Path, source: str, field: str = "text") -> list[str]:
 
 @needs_datasets
 def test_hf_dataset_jsonl_is_streamed_into_a_token_cache(tmp_path, small_corpus, monkeypatch):
-    from geomesh.integrations import token_data
+    from geomesh.data import hf as token_data
 
     _jsonl_docs(tmp_path / "docs.jsonl", small_corpus[0], field="body")
     d = DataConfig(format="hf", hf_dataset="json", paths=[str(tmp_path / "docs.jsonl")], text_field="body",

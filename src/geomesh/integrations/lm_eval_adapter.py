@@ -324,7 +324,7 @@ def _model_from_args(args: argparse.Namespace) -> tuple[torch.nn.Module, Any, di
             Path(args.save_checkpoint).parent.mkdir(parents=True, exist_ok=True)
             torch.save(model.state_dict(), args.save_checkpoint)
     if args.tokenizer:
-        from .token_data import load_tokenizer
+        from ..data import load_tokenizer
 
         return model, load_tokenizer(args.tokenizer), facts
     return model, corpus.tokenizer, facts
