@@ -96,6 +96,20 @@ class Telemetry:
             except Exception as exc:
                 warnings.warn(f"telemetry sink {type(sink).__name__} failed to close: {exc}")
 
+    # ---- checkpoints: what a resumed (or joining) run needs to go on with the same totals -----------
+    def state_dict(self) -> dict[str, Any]:
+        """Span totals per worker, evaluations and counters (copies)."""
+        return {"totals": {w: dict(t) for w, t in self.totals.items()}, "evals": list(self.evals),
+                "counters": dict(self.counters)}  # fmt: skip
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.totals.clear()
+        for w, t in state["totals"].items():
+            self.totals[w] = dict(t)
+        self.evals[:] = [dict(e) for e in state["evals"]]
+        self.counters.clear()
+        self.counters.update(state["counters"])
+
     # ---- summaries -----------------------------------------------------------------------------
     def idle_fractions(self) -> dict[str, float]:
         wall = sum(sum(t.values()) for t in self.totals.values())

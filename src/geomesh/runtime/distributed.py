@@ -57,7 +57,8 @@ from ..outer import OuterNesterov
 from ..planner import Plan
 from ..telemetry import Telemetry, write_json_atomic
 from ..worker import inner_lr
-from .emulated import RunError, prepare_run_dir
+from ..errors import RunError
+from .options import prepare_run_dir
 from .region import RegionWorker, build_training
 from .transport import Transport, WanMode, WanShaper, split_gathered, tx_bytes
 

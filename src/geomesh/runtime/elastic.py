@@ -50,13 +50,15 @@ import torch
 
 from ..codec import Manifest
 from ..config import ConfigError
+from ..errors import RunError
 from ..methods.base import payload_key
 from ..outer import OuterNesterov
 from ..planner import Plan
 from ..telemetry import Telemetry, _jsonable
 from ..worker import inner_lr
-from .emulated import RunError, _optimizer_finite, _poisoned, corrupt_payload, screen_payload
+from .faults import corrupt_payload, optimizer_finite, poisoned
 from .membership import LIGHTHOUSE_ENV, ExchangeFailed, Membership, MembershipError
+from .payloads import screen_payload
 from .transport import WanShaper
 
 ONE_ROUND = ("nan", "corrupt")
@@ -456,9 +458,9 @@ class ElasticLoop:
                 def lr_at(k: int, h: int = h, start: int = start, total: int = round_tokens) -> float:
                     return inner_lr(start + k / h * total, run.budget, tr)
 
-                with _poisoned(run.worker, "nan" in once.get(self.me, ())):
+                with poisoned(run.worker, "nan" in once.get(self.me, ())):
                     payload, _ = method.local_phase(run.worker, h, wp.batch, self.params, self.codec, lr_at)
-                if payload is None and not _optimizer_finite(run.worker.optimizer):
+                if payload is None and not optimizer_finite(run.worker.optimizer):
                     run.worker.optimizer.state.clear()  # one bad round must not poison the next ones
                 if payload is not None and "corrupt" in once.get(self.me, ()):
                     payload = corrupt_payload(payload)

@@ -1,0 +1,262 @@
+"""The round loop of the emulated runtime (round-based methods: diloco, geomesh and its ablations, with or
+without overlap): every live worker's local phase (here or in worker processes, runtime/parallel.py), the
+payloads screened and combined, the outer step, the round's modeled spans, re-planning, faults, failed
+updates and checkpoints at round boundaries."""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ...codec import Manifest
+from ...methods.base import OuterLoopMethod, budget_steps
+from ...methods.overlap import fold_remainder
+from ...outer import OuterNesterov
+from ...planner import OnlinePlanner, Plan
+from ...worker import Worker, inner_lr
+from ..faults import corrupt_payload, optimizer_finite, poisoned
+from ..parallel import intra_op_threads, worker_threads
+from ..payloads import CombineOn, screen_payload
+from .cluster import Cluster, LoopState, state_bytes
+from .core import EmulatedCore
+
+
+class RoundsLoop(EmulatedCore):
+    """The rounds of a round-based method (:class:`~geomesh.methods.base.OuterLoopMethod`)."""
+
+    def _run_outer(self, cluster: Cluster) -> dict[str, Any]:
+        method: OuterLoopMethod = self.method  # type: ignore[assignment]
+        tr, g = self.scenario.training, self.scenario.geomesh
+        params = cluster.global_params
+        manifest = Manifest.from_tensors(params)
+        codecs = [method.make_codec(manifest, self.scenario, key=self._key) for _ in cluster.workers]
+        combiner = method.make_codec(manifest, self.scenario, key=self._key)
+        outer = OuterNesterov(params, lr=tr.outer_lr, momentum=tr.outer_momentum)
+        proxy_payload = combiner.payload_nbytes()
+        modeled_payload = method.modeled_payload_bytes(self.scenario, manifest)
+        names = self._names()
+        loop = LoopState(self.scenario)
+        seq = self.scenario.proxy.seq_len
+
+        def make_online(live: list[int]) -> OnlinePlanner:
+            return OnlinePlanner([cluster.profiles[i] for i in live], method.constraints(self.scenario, len(live)),
+                                 smoothing=g.replan_smoothing, threshold=g.replan_threshold)  # fmt: skip
+
+        def new_plan() -> None:
+            """Plan the live workers over the WAN that links them now (after joins, leaves, link faults)."""
+            live = loop.cluster.live()
+            profiles = [cluster.profiles[i] for i in live]
+            loop.exchange_s, loop.sent = method.exchange(loop.cluster.wan(live), modeled_payload)
+            if method.balanced and g.replan:
+                known = loop.online.factors if loop.online is not None else {}
+                loop.online = make_online(live)
+                loop.online.factors.update({k: v for k, v in known.items() if k in loop.online.factors})
+                loop.plan = loop.online.plan(modeled_payload, loop.exchange_s)
+            else:
+                loop.plan = method.plan(self.scenario, profiles, exchange_bytes=modeled_payload,
+                                        exchange_s=loop.exchange_s)  # fmt: skip
+            self._record_plan(loop.plan)
+
+        def extra() -> dict[str, Any]:
+            return {"payload_bytes_per_worker": modeled_payload, "proxy_payload_bytes": proxy_payload,
+                    "exchange_s_per_round": loop.exchange_s, "collective": method.collective,
+                    "replans": int(self.telemetry.counters.get("replans", 0)), "faults": self.faults,
+                    "overlap": overlap is not None}  # fmt: skip
+
+        self._extra_fn = extra
+        overlap = None  # the overlapped round's state (runtime/overlap.py, docs/overlap.md)
+        if method.overlapped(self.scenario):
+            from ..overlap import EmulatedOverlap
+
+            overlap = EmulatedOverlap(params, len(cluster.workers), share=self.workers_parallel > 1,
+                                      start_kind=g.overlap_start)  # fmt: skip
+        if self._resume is not None:
+            self._restore(cluster, loop, outer=outer, codecs=codecs, make_online=make_online)
+        else:
+            new_plan()
+            loop.last_loss = self._evaluate(cluster)
+        # a worker's local phase and rejoin: run here, or in the worker's own process (runtime/parallel.py)
+        threads = self.options.worker_threads or worker_threads(len(cluster.workers))
+
+        def phase(i: int, job: tuple[int, int, int, int, bool]) -> bytes | None:
+            h, batch, start, round_tokens, poison = job[:5]
+
+            def lr_at(k: int) -> float:
+                return inner_lr(start + k / h * round_tokens, self.budget, tr)
+
+            worker = cluster.workers[i]
+            with poisoned(worker, poison):
+                if overlap is not None:
+                    payload, _ = overlap.local_phase(method, i, worker, job, params, codecs[i], lr_at)
+                else:
+                    payload, _ = method.local_phase(worker, h, batch, params, codecs[i], lr_at)
+            if payload is None:  # local_phase has warned; the worker's AdamW moments may now hold NaN
+                self._heal(worker)
+            return payload
+
+        calls = {"phase": phase, "rejoin": lambda i, _: self._rejoin(i, cluster.workers[i], codecs[i], params),
+                 "state": lambda i, _: state_bytes(cluster.workers[i], codecs[i])}  # fmt: skip
+        pool = self._start_pool(cluster, calls, loop.plan, threads)
+        finished = False
+        try:
+            self._outer_rounds(cluster, loop, outer, codecs, combiner, calls, pool, threads, new_plan,
+                               modeled_payload, overlap)  # fmt: skip
+            finished = True
+        finally:
+            if pool is not None:
+                try:
+                    if finished:
+                        self._pull(pool, cluster, codecs)  # the parent's replicas end where the run ended
+                finally:
+                    pool.close()
+        return extra()
+
+    def _start_pool(self, cluster: Cluster, calls: dict[str, Any], plan: Plan | None, threads: int):
+        """The worker processes of this run, or None when its workers train in this process."""
+        n = len(cluster.workers)
+        processes = min(self.workers_parallel, n)
+        if processes <= 1:
+            return None
+        from ..parallel import WorkerPool, assign_owners
+
+        tr = self.scenario.training
+        names = self._names()
+        planned = {w.name: w.batch * w.inner_steps for w in plan.workers} if plan is not None else {}
+        work = [planned.get(names[i], tr.batch * tr.inner_steps) for i in range(n)]
+        cluster.global_model.share_memory()  # θ: the outer step updates it in place, every process reads it
+        return WorkerPool(calls, assign_owners(work, processes), threads=threads)
+
+    @staticmethod
+    def _pull(pool: Any, cluster: Cluster, codecs: list[Any]) -> None:
+        """Bring every worker's state (replica, AdamW, stream, codec residual) from its process to this one."""
+        states = pool.map("state", [(i, None) for i in range(len(cluster.workers))])
+        for worker, codec, blob in zip(cluster.workers, codecs, states):
+            ws, cs = torch.load(io.BytesIO(blob), weights_only=False)
+            worker.load_state_dict(ws)
+            if cs is not None:
+                codec.load_state_dict(cs)
+
+    def _outer_rounds(self, cluster: Cluster, loop: LoopState, outer: OuterNesterov, codecs: list[Any], combiner: Any,
+                      calls: dict[str, Any], pool: Any, threads: int, new_plan: Callable[[], None],
+                      modeled_payload: int, overlap: Any = None) -> None:  # fmt: skip
+        """The rounds of a round-based method until the token budget is spent (``overlap``: the overlapped
+        schedule's state, runtime/overlap.py)."""
+        method: OuterLoopMethod = self.method  # type: ignore[assignment]
+        tr = self.scenario.training
+        names = self._names()
+        seq = self.scenario.proxy.seq_len
+
+        def run_calls(name: str, jobs: list[tuple[int, Any]]) -> list[Any]:
+            if pool is not None:
+                return pool.map(name, jobs)
+            with intra_op_threads(threads):
+                return [calls[name](i, arg) for i, arg in jobs]
+
+        def checkpoint_state() -> dict[str, Any]:
+            if pool is not None:
+                self._pull(pool, cluster, codecs)
+            return self._state(cluster, loop, outer=outer, codecs=codecs)
+
+        while self.tokens_done < self.budget:
+            effects = self._apply_faults(loop.cluster)
+            if effects.joined:
+                run_calls("rejoin", [(i, None) for i in effects.joined])
+                for i in effects.joined:  # (a worker process resets only its own copy)
+                    self._fail_streak[i] = 0
+            if effects.remake:
+                new_plan()
+            plan, exchange_s = loop.plan, loop.exchange_s
+            live = loop.cluster.live()
+            entries = [plan.worker(names[i]) for i in live]
+            steps = [w.inner_steps for w in entries]
+            round_tokens = sum(w.batch * h for w, h in zip(entries, steps)) * seq
+            remaining = self.budget - self.tokens_done
+            steps = budget_steps(steps, [w.batch for w in entries], seq, remaining)  # the budget, in whole rounds
+            round_tokens = sum(w.batch * h for w, h in zip(entries, steps)) * seq
+            if overlap is not None:  # a remainder too short to hide the exchange joins this round
+                steps = fold_remainder(steps, [w.batch for w in entries], seq, remaining, plan.sequences_per_round * seq,
+                                       plan.compute_s, plan.exchange_s)  # fmt: skip
+                round_tokens = sum(w.batch * h for w, h in zip(entries, steps)) * seq
+            sent: list[tuple[int, bytes]] = []
+            compute: dict[int, float] = {}
+            failed: dict[int, str] = {}  # worker -> why its update did not count this round
+            lost: dict[int, int] = {}  # worker -> tokens it trained that did not reach the global model
+            jobs = [(i, (h, wp.batch, self.tokens_done, round_tokens, "nan" in effects.once.get(i, ())))
+                    for i, wp, h in zip(live, entries, steps)]  # fmt: skip
+            if overlap is not None:
+                jobs = overlap.with_apply_steps(jobs, entries, steps)
+            payloads = run_calls("phase", jobs)
+            for i, wp, h, payload in zip(live, entries, steps, payloads):
+                once = effects.once.get(i, set())
+                if payload is not None:
+                    if "corrupt" in once:
+                        payload = corrupt_payload(payload)
+                    sent.append((i, payload))
+                    self.proxy_bytes_sent += len(payload)
+                else:  # local_phase has warned (and phase healed the worker's AdamW)
+                    self.telemetry.count("dropped_updates")
+                    failed[i], lost[i] = "non-finite loss, parameters or pseudo-gradient", wp.batch * h * seq
+                    self._warn(names[i], f"{failed[i]}; its update is dropped this round", console=False)
+                # the truth (profile × injected slowdown); the planner only learns it by observing
+                compute[i] = h * cluster.profiles[i].step_s(wp.micro_batch, wp.accum) * loop.cluster.speed[i]
+            arrived = []
+            for i, payload in sent:  # every receiver checks every payload before combining any
+                reason = screen_payload(combiner, payload)
+                if reason is None:
+                    arrived.append(payload)
+                    continue
+                self.telemetry.count("rejected_payloads")
+                k = live.index(i)
+                failed[i], lost[i] = f"payload rejected: {reason}", entries[k].batch * steps[k] * seq
+                self._warn(names[i], f"{failed[i]}; its update is dropped this round")
+            if overlap is not None:  # next round's eager starts from θ_r, then the outer step
+                overlap.finish(method, outer, combiner, arrived, dict(zip(live, payloads)), names, entries, steps)
+            else:
+                method.apply(arrived, CombineOn(combiner, self.device), outer)
+            if overlap is not None:
+                length = overlap.spans(self, compute, exchange_s)
+            else:
+                length = self._barrier_spans(compute, exchange_s)
+            self.clock += length
+            self.bytes_sent += loop.sent * len(live)
+            self.tokens_done += round_tokens
+            self.rounds += 1
+            self.telemetry.emit({"type": "round", "round": self.rounds, "time": self.clock, "tokens": self.tokens_done,
+                                 "compute_s": {names[i]: c for i, c in compute.items()}, "exchange_s": exchange_s})  # fmt: skip
+            if loop.online is not None:
+                for i, h, wp in zip(live, steps, entries):
+                    if h == wp.inner_steps:  # a shortened last round says nothing new about speed
+                        loop.online.observe(names[i], compute[i], plan)
+                replanned = loop.online.maybe_replan(modeled_payload, exchange_s)
+                if replanned is not None:
+                    loop.plan = replanned
+                    self._record_plan(replanned)
+                    self.telemetry.count("replans")
+            if self.rounds % tr.eval_every_rounds == 0 or self.tokens_done >= self.budget:
+                # overlapped, the round's update exists once its exchange has arrived
+                at = self.clock + overlap.in_flight_s if overlap is not None else None
+                loop.last_loss = self._evaluate(cluster, at)
+            self._progress(loop.last_loss)
+            self._end_round(length, round_tokens - sum(lost.values()), lost, live, failed)
+            self._maybe_checkpoint(checkpoint_state)
+        if overlap is not None:  # the last round's exchange: nothing left to hide it under
+            self.clock += overlap.drain(self, loop.cluster.live())
+
+    def _rejoin(self, i: int, worker: Worker, codec: Any, params: dict[str, torch.Tensor]) -> None:
+        """A worker that comes back is a restarted process: it receives the current global parameters (the
+        outer optimizer's state lives with the global model), starts a fresh AdamW and an empty
+        error-feedback residual; its data stream continues where it stopped."""
+        worker.optimizer.state.clear()
+        if hasattr(codec, "reset_residual"):
+            codec.reset_residual()
+        worker.load_global(params)
+        self._fail_streak[i] = 0
+
+    def _heal(self, worker: Worker) -> None:
+        """After a non-finite round: forget AdamW's moments when they hold NaN/inf, so one bad round does not
+        poison every later one (the replica itself is reloaded from θ at the next round)."""
+        if not optimizer_finite(worker.optimizer):
+            worker.optimizer.state.clear()
