@@ -35,7 +35,7 @@ import torch
 
 from geomesh.config import load_scenario
 from geomesh.data import BatchStream, Corpus, CorpusSpec
-from geomesh.methods.base import get_method
+from geomesh.methods import get_method
 from geomesh.models import build_model, model_config
 from geomesh.runtime.emulated import EmulatedRun, RunOptions
 from geomesh.worker import inner_lr, make_inner_optimizer

@@ -22,7 +22,7 @@ from pathlib import Path
 import yaml
 
 from geomesh.config import load_scenario
-from geomesh.methods.base import get_method
+from geomesh.methods import get_method
 from geomesh.runtime.emulated import EmulatedRun, RunOptions
 
 VARIANTS = [("geomesh", None), ("geomesh-overlap", "own"), ("geomesh-overlap", "mixture"),

@@ -19,7 +19,7 @@ from conftest import tiny_scenario_dict
 
 from geomesh import cli_launch
 from geomesh.config import ConfigError, load_scenario
-from geomesh.methods.base import get_method
+from geomesh.methods import get_method
 from geomesh.network import WanModel
 from geomesh.runtime.distributed import params_checksum, parse_ranks_per_region, rank_layout
 from geomesh.runtime.emulated import EmulatedRun, RunOptions

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from geomesh.cli import main
-from geomesh.methods.base import get_method
+from geomesh.methods import get_method
 from geomesh.runtime.emulated import EmulatedRun, RunError, RunOptions
 
 CLOCK = ("modeled_time_s", "rounds", "tokens", "bytes_sent", "straggler_idle_frac", "wan_idle_frac", "plan")

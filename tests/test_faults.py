@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from geomesh.config import ConfigError, FaultConfig, validate
-from geomesh.methods.base import get_method
+from geomesh.methods import get_method
 from geomesh.runtime.emulated import EmulatedRun, RunOptions
 from geomesh.telemetry import read_events
 

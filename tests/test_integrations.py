@@ -25,7 +25,7 @@ from conftest import tiny_scenario_dict  # noqa: E402
 from geomesh.config import ConfigError, DataConfig, ProxyConfig, load_scenario  # noqa: E402
 from geomesh.data import BatchStream, Corpus, CorpusSpec, DataError, load_corpus  # noqa: E402
 from geomesh.integrations import MissingDependencyError, require  # noqa: E402
-from geomesh.methods.base import get_method  # noqa: E402
+from geomesh.methods import get_method  # noqa: E402
 from geomesh.runtime.emulated import EmulatedRun, RunOptions  # noqa: E402
 from geomesh.telemetry import Telemetry, read_events  # noqa: E402
 

@@ -18,7 +18,7 @@ import yaml
 from conftest import tiny_scenario_dict
 
 from geomesh.config import ConfigError, load_scenario
-from geomesh.methods.base import OuterLoopMethod, get_method
+from geomesh.methods import OuterLoopMethod, get_method
 from geomesh.methods.overlap import (apply_step, eager_estimate, eager_start, eager_weights, fold_remainder,
                                      merge_results, rebase)  # fmt: skip
 from geomesh.outer import OuterNesterov

@@ -13,7 +13,7 @@ import torch
 
 from geomesh.cli import main
 from geomesh.config import FaultConfig
-from geomesh.methods.base import get_method
+from geomesh.methods import get_method
 from geomesh.runtime.emulated import EmulatedRun, RunError, RunOptions
 from geomesh.runtime.parallel import PoolError, WorkerPool, assign_owners, default_processes, worker_threads
 

@@ -12,7 +12,7 @@ import yaml
 from geomesh.cli import main
 from geomesh.config import ConfigError, load_scenario
 from geomesh.hardware import GIB, GPU_CATALOG, TimingModel, gpu_spec, model_profile
-from geomesh.methods.base import get_method
+from geomesh.methods import get_method
 from geomesh.planner import (
     FILL_SLACK,
     PlanConstraints,

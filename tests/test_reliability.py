@@ -26,7 +26,8 @@ from geomesh import checkpoint as ckpt
 from geomesh.cli import main
 from geomesh.codec import DenseCodec, Manifest, PayloadError, SignCodec
 from geomesh.config import ConfigError, FaultConfig, ScenarioConfig, load_scenario
-from geomesh.methods.base import OuterLoopMethod, get_method, payload_key
+from geomesh.methods import get_method
+from geomesh.methods.base import OuterLoopMethod, payload_key
 from geomesh.runtime.emulated import EmulatedRun, RunError, RunOptions, corrupt_payload, screen_payload
 from geomesh.telemetry import read_events
 from geomesh.worker import Worker

@@ -44,7 +44,7 @@ import torch.nn as nn
 
 from .codec import Manifest
 from .config import ConfigError, GeoMeshConfig, ScenarioConfig, TrainingConfig, load_scenario
-from .methods.base import OuterLoopMethod, get_method
+from .methods import OuterLoopMethod, get_method
 from .outer import OuterNesterov
 from .planner import Plan, WorkerPlan, split_batch
 

@@ -41,7 +41,7 @@ def _scenario(args: argparse.Namespace):
 
 def cmd_train(args: argparse.Namespace) -> int:
     from .config import ConfigError
-    from .methods.base import get_method
+    from .methods import get_method
     from .runtime.emulated import EmulatedRun, RunOptions
 
     resume = getattr(args, "resume", None)
@@ -105,7 +105,7 @@ def _compare(args: argparse.Namespace, methods: list[str]) -> dict[str, Any]:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from .methods.base import method_names
+    from .methods import method_names
 
     args.scenario = "default"
     methods = [m for m in DEMO_METHODS if m in method_names()]
@@ -118,7 +118,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from .methods.base import method_names
+    from .methods import method_names
 
     methods = [m.strip() for m in args.methods.split(",")] if args.methods else method_names()
     results = _compare(args, methods)

@@ -87,7 +87,7 @@ def _check(args: argparse.Namespace):
     """Every user error before any process starts (ConfigError & co: one line, exit 2)."""
     from .cli import _overrides
     from .config import ConfigError, load_scenario
-    from .methods.base import get_method
+    from .methods import get_method
     from .run import resolve_backend
     from .runtime.distributed import check_distributed_support, parse_ranks_per_region, rank_layout
     from .runtime.emulated import RunError, prepare_run_dir

@@ -41,7 +41,7 @@ def register(sub) -> None:
 
 def cluster_plans(scenario, profiles=None, allow_drop: bool = False) -> dict[str, Any]:
     """GeoMesh's and DiLoCo's plans for a scenario (cost-model profiles unless given)."""
-    from .methods.base import get_method
+    from .methods import get_method
 
     resolved = scenario.worker_profiles(profiles, require_fit=not allow_drop)
     wan = scenario.wan_model()

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from .config import ScenarioConfig
-from .methods.base import get_method
+from .methods import get_method
 from .report import (apply_target, comparison_rows, format_table, plot_idle_bars, plot_loss_vs_time,
                      plot_timeline)  # fmt: skip
 from .runtime.emulated import EmulatedRun, RunError, RunOptions, prepare_run_dir

@@ -151,7 +151,7 @@ def _main(args: argparse.Namespace) -> int:
 
         from .cli import _overrides
         from .config import ConfigError, load_scenario
-        from .methods.base import get_method
+        from .methods import get_method
         from .runtime.distributed import DistOptions, DistributedRun, parse_ranks_per_region, rank_layout
         from .runtime.membership import MembershipError
 

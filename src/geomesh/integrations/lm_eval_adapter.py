@@ -311,7 +311,7 @@ def _model_from_args(args: argparse.Namespace) -> tuple[torch.nn.Module, Any, di
         _load_checkpoint(model, args.checkpoint)
         facts = {"scenario": scenario.name, "checkpoint": args.checkpoint}
     else:
-        from ..methods.base import get_method
+        from ..methods import get_method
         from ..runtime.emulated import EmulatedRun, RunOptions
 
         run = EmulatedRun(scenario, get_method(args.method), RunOptions(out_dir=Path(args.run_out) if args.run_out

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from ..hardware import WorkerProfile
 from ..planner import split_batch
-from .base import Method, register
+from .base import Method
 
 
 def dynamic_local_updates(profiles: list[WorkerProfile], batch: int, inner_steps: int) -> list[int]:
@@ -30,10 +30,8 @@ class AsyncLocalSGDMethod(Method):
     c: float = 0.0  # Delayed Nesterov's c in [0, 1/N]
 
 
-ASYNC_LOCAL_SGD = register(
-    AsyncLocalSGDMethod(
-        name="async-local-sgd",
-        description="asynchronous pseudo-gradients (fp32) with delayed Nesterov and dynamic local updates",
-        kind="async",
-    )
+ASYNC_LOCAL_SGD = AsyncLocalSGDMethod(
+    name="async-local-sgd",
+    description="asynchronous pseudo-gradients (fp32) with delayed Nesterov and dynamic local updates",
+    kind="async",
 )

@@ -1,4 +1,4 @@
-"""The method interface shared by both runtimes, and the registry of methods by name.
+"""The method interface shared by both runtimes (the registry of methods by name is :mod:`.registry`).
 
 A method decides *what* a round does: which plan the workers follow, what a worker sends (its payload), and
 how payloads become one update of the global parameters. A runtime decides *when* (modeled or wall-clock
@@ -232,27 +232,3 @@ def proxy_manifest(scenario: ScenarioConfig) -> Manifest:
     with torch.device("meta"):
         model = GPT(cfg)
     return Manifest.from_tensors(dict(model.named_parameters()))
-
-
-METHODS: dict[str, Method] = {}
-
-
-def register(method: Method) -> Method:
-    METHODS[method.name] = method
-    return method
-
-
-def get_method(name: str) -> Method:
-    from . import ddp, diloco, async_local_sgd, geomesh  # noqa: F401, I001  (register the methods)
-
-    if name not in METHODS:
-        from ..errors import UnknownMethodError
-
-        raise UnknownMethodError(f"unknown method {name!r}; available: {', '.join(METHODS)}")
-    return METHODS[name]
-
-
-def method_names() -> list[str]:
-    from . import ddp, diloco, async_local_sgd, geomesh  # noqa: F401, I001
-
-    return list(METHODS)

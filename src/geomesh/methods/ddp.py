@@ -6,8 +6,6 @@ identical and apply the same AdamW step. This is the synchronous baseline that p
 
 from __future__ import annotations
 
-from .base import Method, register
+from .base import Method
 
-DDP = register(
-    Method(name="ddp", description="fp32 gradient all-reduce every inner step (one batch size for all)", kind="ddp")
-)
+DDP = Method(name="ddp", description="fp32 gradient all-reduce every inner step (one batch size for all)", kind="ddp")

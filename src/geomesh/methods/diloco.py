@@ -3,15 +3,13 @@ all-reduced with equal weights, outer SGD with Nesterov momentum; each worker ke
 
 from __future__ import annotations
 
-from .base import OuterLoopMethod, register
+from .base import OuterLoopMethod
 
-DILOCO = register(
-    OuterLoopMethod(
-        name="diloco",
-        description="uniform b and H, fp32 pseudo-gradients, equal weights, outer Nesterov",
-        kind="outer",
-        balanced=False,
-        codec="dense",
-        weighting="equal",
-    )
+DILOCO = OuterLoopMethod(
+    name="diloco",
+    description="uniform b and H, fp32 pseudo-gradients, equal weights, outer Nesterov",
+    kind="outer",
+    balanced=False,
+    codec="dense",
+    weighting="equal",
 )

@@ -10,47 +10,39 @@ uniform plan. ``geomesh-overlap`` is GeoMesh whose exchange of round r runs unde
 
 from __future__ import annotations
 
-from .base import OuterLoopMethod, register
+from .base import OuterLoopMethod
 
-GEOMESH = register(
-    OuterLoopMethod(
-        name="geomesh",
-        description="planned b_i and H_i per worker, 1-bit payloads with magnitude and token count",
-        kind="outer",
-        balanced=True,
-        codec="sign",
-        weighting="tokens",
-    )
+GEOMESH = OuterLoopMethod(
+    name="geomesh",
+    description="planned b_i and H_i per worker, 1-bit payloads with magnitude and token count",
+    kind="outer",
+    balanced=True,
+    codec="sign",
+    weighting="tokens",
 )
-GEOMESH_BALANCE_ONLY = register(
-    OuterLoopMethod(
-        name="geomesh-balance-only",
-        description="ablation: planned b_i and H_i, fp32 token-weighted pseudo-gradients",
-        kind="outer",
-        balanced=True,
-        codec="dense",
-        weighting="tokens",
-    )
+GEOMESH_BALANCE_ONLY = OuterLoopMethod(
+    name="geomesh-balance-only",
+    description="ablation: planned b_i and H_i, fp32 token-weighted pseudo-gradients",
+    kind="outer",
+    balanced=True,
+    codec="dense",
+    weighting="tokens",
 )
-GEOMESH_SIGN_ONLY = register(
-    OuterLoopMethod(
-        name="geomesh-sign-only",
-        description="ablation: uniform b and H, 1-bit payloads with magnitude and token count",
-        kind="outer",
-        balanced=False,
-        codec="sign",
-        weighting="tokens",
-    )
+GEOMESH_SIGN_ONLY = OuterLoopMethod(
+    name="geomesh-sign-only",
+    description="ablation: uniform b and H, 1-bit payloads with magnitude and token count",
+    kind="outer",
+    balanced=False,
+    codec="sign",
+    weighting="tokens",
 )
-GEOMESH_OVERLAP = register(
-    OuterLoopMethod(
-        name="geomesh-overlap",
-        description="geomesh with the exchange of round r hidden behind the compute of round r+1 (eager start, "
-        "corrected when the update arrives)",
-        kind="outer",
-        balanced=True,
-        codec="sign",
-        weighting="tokens",
-        overlap=True,
-    )
+GEOMESH_OVERLAP = OuterLoopMethod(
+    name="geomesh-overlap",
+    description="geomesh with the exchange of round r hidden behind the compute of round r+1 (eager start, "
+    "corrected when the update arrives)",
+    kind="outer",
+    balanced=True,
+    codec="sign",
+    weighting="tokens",
+    overlap=True,
 )

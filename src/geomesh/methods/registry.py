@@ -1,0 +1,28 @@
+"""The methods by name: an explicit table (name -> method), in the order ``geomesh bench`` runs them.
+
+Adding a method means defining it in its module and listing it here; nothing registers itself on import.
+"""
+
+from __future__ import annotations
+
+from ..errors import UnknownMethodError
+from .async_local_sgd import ASYNC_LOCAL_SGD
+from .base import Method
+from .ddp import DDP
+from .diloco import DILOCO
+from .geomesh import GEOMESH, GEOMESH_BALANCE_ONLY, GEOMESH_OVERLAP, GEOMESH_SIGN_ONLY
+
+METHODS: dict[str, Method] = {
+    m.name: m
+    for m in (DDP, DILOCO, ASYNC_LOCAL_SGD, GEOMESH, GEOMESH_BALANCE_ONLY, GEOMESH_SIGN_ONLY, GEOMESH_OVERLAP)
+}
+
+
+def get_method(name: str) -> Method:
+    if name not in METHODS:
+        raise UnknownMethodError(f"unknown method {name!r}; available: {', '.join(METHODS)}")
+    return METHODS[name]
+
+
+def method_names() -> list[str]:
+    return list(METHODS)
