@@ -29,17 +29,15 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import re
 import shutil
-import warnings
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from .. import checkpoint as ckpt
+from . import checkpoint_state
 
 MARKER = "geomesh.json"
 FORMAT = 1
@@ -52,7 +50,7 @@ class DistCheckpointError(RuntimeError):
 
 def fingerprint(scenario, method: str, seed: int, tokens: int, counts) -> dict[str, Any]:
     """What a checkpoint must agree with to be resumed (the emulated runtime's fingerprint + the layout)."""
-    fp = ckpt.fingerprint(scenario.to_dict(), method, seed, tokens)
+    fp = checkpoint_state.run_fingerprint(scenario, method, seed, tokens)
     fp["ranks_per_region"] = list(counts)
     return fp
 
@@ -102,18 +100,11 @@ def check_resume(out_dir: Path, fp: dict[str, Any], directory: Path | None = Non
 
 
 def rng_state() -> dict[str, Any]:
-    kind, keys, pos, has_gauss, gauss = np.random.get_state()
-    return {"torch": torch.get_rng_state(), "python": repr(random.getstate()),
-            "numpy": [kind, keys.tolist(), int(pos), int(has_gauss), float(gauss)]}  # fmt: skip
+    """The generators' states as DCP stores them (Python's as text)."""
+    return checkpoint_state.rng_state(python_as_text=True)
 
 
-def set_rng_state(state: dict[str, Any]) -> None:
-    import ast
-
-    torch.set_rng_state(state["torch"])
-    random.setstate(ast.literal_eval(state["python"]))
-    kind, keys, pos, has_gauss, gauss = state["numpy"]
-    np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, gauss))
+set_rng_state = checkpoint_state.set_rng_state
 
 
 def save(directory: Path, round_index: int, state: dict[str, Any], *, keep: int, coordinator: bool,
@@ -181,7 +172,7 @@ def stored_keys(path: Path) -> set[str]:
 
 
 class RunCheckpointer:
-    """Builds this rank's part of a :class:`~geomesh.runtime.distributed.DistributedRun` checkpoint and
+    """Builds this rank's part of a distributed run's checkpoint (:class:`~geomesh.runtime.dist_run.RankRun`) and
     restores it. ``params`` is θ (the global model's parameters), ``outer`` the outer optimizer, ``codec``
     this rank's encoder (its error-feedback residual)."""
 
@@ -219,11 +210,7 @@ class RunCheckpointer:
             if run.rank == 0:
                 state["run.extra0"] = json.dumps(extra["rank0"])
         if run.rank == 0:
-            tel = run.telemetry
-            state["run.rank0"] = json.dumps({
-                "totals": {w: dict(t) for w, t in tel.totals.items()}, "evals": list(tel.evals),
-                "counters": dict(tel.counters), "run_totals": dict(run.totals),
-            })  # fmt: skip
+            state["run.rank0"] = json.dumps({**run.telemetry.state_dict(), "run_totals": dict(run.totals)})
         return state
 
     def save(self, keep: int) -> Path:
@@ -290,13 +277,7 @@ class RunCheckpointer:
         run.plans = [Plan.from_json(p) for p in loop["plans"]]
         if run.rank == 0:
             r0 = json.loads(state["run.rank0"])
-            tel = run.telemetry
-            tel.totals.clear()
-            for w, t in r0["totals"].items():
-                tel.totals[w] = dict(t)
-            tel.evals[:] = [dict(e) for e in r0["evals"]]
-            tel.counters.clear()
-            tel.counters.update(r0["counters"])
+            run.telemetry.load_state_dict(r0)
             run.totals.update(r0["run_totals"])
         if self.load_extra is not None and "run.extra" in state:
             self.load_extra({"common": json.loads(state["run.extra"]),

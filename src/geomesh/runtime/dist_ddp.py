@@ -1,7 +1,7 @@
 """The ``ddp`` baseline in the distributed runtime: every inner step, the gradient is all-reduced across
 all regions, and every rank applies the same AdamW step.
 
-As in the emulated runtime (:meth:`EmulatedRun._run_ddp`), each region draws ``training.batch`` sequences per
+As in the emulated runtime (:mod:`geomesh.runtime.emulated.ddp`), each region draws ``training.batch`` sequences per
 step from its own shard and the step is the mean of the regions' batch gradients; one step is one round
 (``rounds`` counts steps; the global model is evaluated every ``training.inner_steps`` steps and at the end).
 
@@ -16,16 +16,14 @@ telemetry, evaluation).
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from ..planner import Plan, plan_uniform
 from ..worker import inner_lr
+from .dist_run import RankRun, params_checksum
 from .transport import WanShaper, tx_bytes
-
-if TYPE_CHECKING:
-    from .distributed import DistributedRun
 
 
 def _flat_grads(model: torch.nn.Module, device: torch.device) -> torch.Tensor:
@@ -45,10 +43,8 @@ def _set_grads(model: torch.nn.Module, flat: torch.Tensor) -> None:
         offset += p.numel()
 
 
-def run_ddp(run: DistributedRun) -> dict[str, Any]:
+def run_ddp(run: RankRun) -> dict[str, Any]:
     """The step loop of ``ddp`` on this rank of ``run`` (set up); returns the summary's method fields."""
-    from .distributed import RankFailure, params_checksum
-
     sc, tr = run.scenario, run.scenario.training
     worker = run.worker
     model = worker.model
@@ -70,19 +66,8 @@ def run_ddp(run: DistributedRun) -> dict[str, Any]:
     run.plans.append(plan)
     worker.follow_plan(plan.workers[run.region])
     worker.load_global({k: p.detach() for k, p in run.global_model.named_parameters()})
-    if run.rank == 0:
-        run.telemetry.emit({
-            "type": "run", "runtime": "distributed", "method": run.method.name, "scenario": sc.name,
-            "seed": run.seed, "tokens_budget": run.budget, "proxy_params": run.global_model.num_params(),
-            "model": run.model_name, "model_params": run.global_model.num_params(),
-            "timing_params": sc.timing().params, "workers": names, "world_size": run.world,
-            "backend": run.backend, "ranks_per_region": run.layout.to_json(), "wan": run.options.wan,
-        })  # fmt: skip
-        run.telemetry.emit({"type": "plan", "round": 0, "time": 0.0, "plan": plan.to_json()})
-        run._evaluate(0.0)
-    run.transport.barrier(None, what="the start barrier")
-    run._t0 = time.perf_counter()
-    run._cursor = 0.0
+    run._start_records(plan)  # (the ddp baseline never resumes)
+    run._start_clock()
     step_tokens = n * tr.batch * seq
     model.train()
     while run.tokens_done < run.budget:
@@ -130,11 +115,7 @@ def run_ddp(run: DistributedRun) -> dict[str, Any]:
             "intra_bytes": run.transport.intra_bytes, "loss": loss,
         }  # fmt: skip
         run._spans = []
-        infos = run.transport.all_gather_object(info, what=f"the checksum of step {run.rounds}")
-        crcs = {i["crc"] for i in infos}
-        if len(crcs) > 1:
-            detail = ", ".join(f"rank {r}: {i['crc']}" for r, i in enumerate(infos))
-            raise RankFailure(f"step {run.rounds}: the ranks hold different parameters ({detail})")
+        infos = run._gather_checked(info, "step", "parameters")
         if run.rank == 0:
             if not finite:
                 run.telemetry.emit({"type": "warning", "round": run.rounds, "worker": "all",
@@ -143,16 +124,8 @@ def run_ddp(run: DistributedRun) -> dict[str, Any]:
             if run.rounds % tr.inner_steps == 0 or run.tokens_done >= run.budget:
                 run.global_model.load_state_dict(model.state_dict())
                 run._evaluate(run._now())
-    run._mark("other")
-    final = {"spans": run._spans, "crc": params_checksum({k: p.detach() for k, p in model.named_parameters()})}
-    infos = run.transport.all_gather_object(final, what="the final telemetry")
-    run._spans = []
     run.global_model.load_state_dict(model.state_dict())  # θ = the replica every rank holds
-    if run.rank == 0:
-        for r, i in enumerate(infos):
-            run._write_spans(names[run.layout.region_of(r)], i["spans"])
-        run._end_s = run._now()
-        run.final_checksums = [i["crc"] for i in infos]
+    run._final_telemetry({k: p.detach() for k, p in model.named_parameters()})
     return {
         "payload_bytes_per_worker": grad_nbytes,
         "proxy_payload_bytes": grad_nbytes,

@@ -17,7 +17,6 @@ Rank 0 evaluates θ when it is formed, i.e. inside :meth:`arrive`, labelled with
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import torch

@@ -42,12 +42,12 @@ import json
 import os
 import signal
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from .. import checkpoint as ckpt
 from ..codec import Manifest
 from ..config import ConfigError
 from ..errors import RunError
@@ -56,68 +56,16 @@ from ..outer import OuterNesterov
 from ..planner import Plan
 from ..telemetry import Telemetry, _jsonable
 from ..worker import inner_lr
-from .faults import corrupt_payload, optimizer_finite, poisoned
+from .checkpoint_state import run_fingerprint
+from .dist_checkpoint import RunCheckpointer
+from .dist_run import params_checksum
+from .faults import FAULT_KINDS, ONE_ROUND_FAULTS, corrupt_payload, faults_at, optimizer_finite, poisoned
+from .layout import RegionLayout, min_regions_of, region_layout
 from .membership import LIGHTHOUSE_ENV, ExchangeFailed, Membership, MembershipError
 from .payloads import screen_payload
 from .transport import WanShaper
 
-ONE_ROUND = ("nan", "corrupt")
 TEST_KILL_ENV = "GEOMESH_TEST_KILL_MID_ROUND"  # "REGION:ROUND[:hang]": its ranks die (or hang) before that exchange
-FAULT_KINDS = ("slowdown", "leave", "join", "bandwidth", "nan", "corrupt")
-
-
-# ---- this world is one region --------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class RegionLayout:
-    """The layout of an elastic run as one region's world sees it: its own ranks, none of the others'."""
-
-    names: tuple[str, ...]
-    region: int
-    count: int
-
-    @property
-    def counts(self) -> tuple[int, ...]:
-        return tuple(self.count if i == self.region else 0 for i in range(len(self.names)))
-
-    @property
-    def world_size(self) -> int:
-        return self.count
-
-    def ranks_of(self, region: int) -> list[int]:
-        return list(range(self.count)) if region == self.region else []
-
-    def region_of(self, rank: int) -> int:
-        if 0 <= rank < self.count:
-            return self.region
-        raise ValueError(f"rank {rank} is outside region {self.names[self.region]}'s world of {self.count}")
-
-    @property
-    def leaders(self) -> list[int]:
-        return [0]
-
-    def to_json(self) -> dict[str, int]:
-        return {self.names[self.region]: self.count}
-
-
-def region_layout(scenario, region: str | None, world: int) -> RegionLayout:
-    names = tuple(r.name for r in scenario.regions)
-    if not region:
-        raise ConfigError("elastic regions (reliability.min_regions >= 1): every rank must know its region: "
-                          "give --region NAME or set $GEOMESH_REGION")  # fmt: skip
-    if region not in names:
-        raise ConfigError(f"region {region!r} (--region / $GEOMESH_REGION) is not in scenario {scenario.name}: "
-                          f"expected one of {', '.join(names)}")  # fmt: skip
-    return RegionLayout(names, names.index(region), world)
-
-
-def min_regions_of(scenario, override: int | None) -> int:
-    m = scenario.reliability.min_regions if override is None else override
-    n = len(scenario.regions)
-    if m < 0 or m > n:
-        raise ConfigError(f"min_regions {m}: expected 0 (not elastic) to {n} (the scenario's regions)")
-    return m
 
 
 class _Records:
@@ -162,9 +110,7 @@ class ElasticLoop:
         self.proxy_payload = self.combiner.payload_nbytes()
         self.modeled_payload = method.modeled_payload_bytes(sc, self.manifest)
         self.profiles = run._profiles()
-        from .. import checkpoint as ckpt
-
-        self.job_hash = ckpt.fingerprint_hash(ckpt.fingerprint(sc.to_dict(), method.name, run.seed, run.budget))
+        self.job_hash = ckpt.fingerprint_hash(run_fingerprint(sc, method.name, run.seed, run.budget))
         self.records: list[dict[str, Any]] = []
         self.stats = {"rounds_without": dict.fromkeys(self.names, 0), "tokens_lost": dict.fromkeys(self.names, 0),
                       "leaves": 0, "joins": 0}  # fmt: skip
@@ -188,8 +134,7 @@ class ElasticLoop:
             "params": {k: v.detach().cpu().clone() for k, v in self.params.items()},
             "outer": self.outer.state_dict(),
             "run": {"rounds": run.rounds, "tokens_done": run.tokens_done, "plans": [p.to_json() for p in run.plans],
-                    "records": list(self.records), "totals": {w: dict(t) for w, t in tel.totals.items()},
-                    "evals": list(tel.evals), "counters": dict(tel.counters), "run_totals": dict(run.totals),
+                    "records": list(self.records), **tel.state_dict(), "run_totals": dict(run.totals),
                     "stats": json.loads(json.dumps(self.stats)), "faults": list(self.faults),
                     "streams": dict(self.streams), "members": list(self.members or []), "now": run._now(),
                     "slowdown": dict(self.slowdown), "bandwidth": dict(self.bandwidth), "away": sorted(self.away)},
@@ -222,13 +167,7 @@ class ElasticLoop:
         run._spans = []
         if run.is_leader:
             self.records[:] = s["records"]
-            tel = run.telemetry
-            tel.totals.clear()
-            for w, t in s["totals"].items():
-                tel.totals[w] = dict(t)
-            tel.evals[:] = s["evals"]
-            tel.counters.clear()
-            tel.counters.update(s["counters"])
+            run.telemetry.load_state_dict(s)
             run.totals.update(s["run_totals"])
         # a restarted process: fresh AdamW, empty residual; the data stream goes on where it last reported
         run.worker.optimizer.state.clear()
@@ -259,8 +198,6 @@ class ElasticLoop:
             self.records[:] = state["rank0"]["records"]
 
     def _checkpointer(self):
-        from .dist_checkpoint import RunCheckpointer
-
         run = self.run
         return RunCheckpointer(run, self.params, self.outer, self.codec, run._checkpoint_fingerprint(),
                                directory=run._checkpoint_dir(), extra=self._checkpoint_state,
@@ -351,8 +288,8 @@ class ElasticLoop:
     def _faults(self, round_index: int, members: list[int]) -> dict[int, set[str]]:
         """The scenario's faults at this round (0-based ``at_round``, as in the emulated runtime)."""
         once: dict[int, set[str]] = {}
-        for f in self.sc.faults:
-            if f.at_round != round_index or f.kind not in FAULT_KINDS:
+        for f in faults_at(self.sc, round_index):
+            if f.kind not in FAULT_KINDS:
                 continue
             i = self.names.index(f.region)
             record = {"round": round_index, "time": self.run._now(), "region": f.region, "kind": f.kind,
@@ -363,7 +300,7 @@ class ElasticLoop:
                     self.run.worker.slowdown = self.sc.regions[i].slowdown * self.slowdown[i]
             elif f.kind == "bandwidth":
                 self.bandwidth[i] *= f.factor
-            elif f.kind in ONE_ROUND:
+            elif f.kind in ONE_ROUND_FAULTS:
                 if i in members:
                     once.setdefault(i, set()).add(f.kind)
                 else:
@@ -424,8 +361,7 @@ class ElasticLoop:
                 break
             r = run.rounds  # 0-based index of this round (fault schedule), round records count from 1
             once = self._faults(r, ctrl["members"]) if applied_faults < r else {}
-            if applied_faults < r and any(f.at_round == r and f.kind in ("slowdown", "bandwidth")
-                                          for f in self.sc.faults):  # fmt: skip
+            if applied_faults < r and any(f.kind in ("slowdown", "bandwidth") for f in faults_at(self.sc, r)):
                 planned_for = None  # the planner learns the new speed or links at once
             applied_faults = r
             # a region away by a scheduled `leave` stays connected (θ in step) but trains and sends nothing
@@ -647,7 +583,7 @@ class ElasticLoop:
         for i, t in lost.items():
             self.stats["tokens_lost"][names[i]] += t
         for f in self.faults:
-            if f["round"] == run.rounds and f["kind"] in ONE_ROUND and "ignored" not in f:
+            if f["round"] == run.rounds and f["kind"] in ONE_ROUND_FAULTS and "ignored" not in f:
                 f["tokens_lost"] = lost.get(names.index(f["region"]), 0)
         useful = sum(planned[i] for i in took_part if i not in lost)
         run.tokens_done += useful
@@ -735,9 +671,10 @@ class ElasticLoop:
 
 
 def _crc(params: dict[str, torch.Tensor]) -> str:
-    from .distributed import params_checksum
-
     return params_checksum(params)
+
+
+__all__ = ["RegionLayout", "min_regions_of", "region_layout", "run_elastic"]
 
 
 def run_elastic(run) -> dict[str, Any]:

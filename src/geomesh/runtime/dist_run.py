@@ -1,0 +1,427 @@
+"""What every loop of the distributed runtime shares, on one rank: set-up (the process groups, the model and
+data as the emulated runtime builds them, the region's worker), the wall clock and its spans, rank 0's
+records and summary, checkpoint and resume bookkeeping, the checks that every rank runs the same job and
+holds the same θ. The loops are in :mod:`.dist_rounds` (round-based methods), :mod:`.dist_ddp` (the DDP
+baseline) and :mod:`.elastic` (elastic regions); :class:`~geomesh.runtime.distributed.DistributedRun` picks
+one. See :mod:`geomesh.runtime.distributed` for ranks, regions, time and telemetry.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import time
+import zlib
+from pathlib import Path
+from typing import Any, Callable  # noqa: UP035
+
+import torch
+import torch.distributed as dist
+
+from .. import checkpoint as ckpt
+from ..config import ConfigError, ScenarioConfig
+from ..errors import USER_ERRORS, RunError
+from ..evaluation import evaluate, heldout_zero_shot
+from ..hardware import WorkerProfile, load_profile
+from ..methods.base import Method, OuterLoopMethod
+from ..planner import Plan
+from ..telemetry import Telemetry, write_json_atomic
+from .checkpoint_state import truncate_events
+from .dist_checkpoint import DistCheckpointError, check_resume, fingerprint
+from .layout import rank_layout, region_layout
+from .options import DistOptions, checkpoint_cadence, prepare_run_dir, resolve_run
+from .region import RegionWorker, build_training
+from .summary import build_summary
+from .transport import Transport
+
+TEST_EXIT_ENV = "GEOMESH_TEST_EXIT_AFTER_ROUND"  # "RANK:ROUND": that rank exits abruptly (tests only)
+WIRE_IFACE_ENV = "GEOMESH_WIRE_IFACE"  # a network interface whose tx bytes measure what really went out
+
+
+STATIC_FAULTS = ("the scenario's faults are injected into real processes with elastic regions: set "
+                 "reliability.min_regions (or --min-regions N) to at least 1; without them one lost region stops "
+                 "the whole run")
+
+
+class RankFailure(RuntimeError):
+    """A peer rank died or hung past the timeout, or the ranks disagree; the message says which."""
+
+
+def check_distributed_support(scenario: ScenarioConfig, method: Method) -> None:
+    """Refuse, in one line, what the distributed runtime cannot run (before any process starts, and on every rank)."""
+    if method.kind == "async":
+        raise ConfigError(f"--method {method.name}: runs in the emulated runtime only (`geomesh train`); the "
+                          "distributed runtime runs ddp, diloco, geomesh, geomesh-balance-only, geomesh-sign-only")  # fmt: skip
+    if method.kind == "ddp":
+        sharded = [r.name for r in scenario.regions if r.strategy == "fsdp"]
+        if sharded:
+            raise ConfigError(f"--method ddp: regions {', '.join(sharded)} have strategy fsdp; the ddp baseline keeps "
+                              "a full replica on every rank (set their strategy to ddp)")  # fmt: skip
+
+
+def params_checksum(params: dict[str, torch.Tensor], samples: int = 4096) -> str:
+    """crc32 of about ``samples`` strided elements of every tensor (bit-exact agreement, cheap at any size)."""
+    crc = 0
+    for name, p in params.items():
+        flat = p.detach().reshape(-1)
+        step = max(1, flat.numel() // samples)
+        crc = zlib.crc32(name.encode(), crc)
+        crc = zlib.crc32(flat[::step].to("cpu", torch.float32).contiguous().numpy().tobytes(), crc)
+    return f"{crc:08x}"
+
+
+def _fingerprint(*parts: Any) -> str:
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+# ---- the run --------------------------------------------------------------------------------------
+
+
+class RankRun:
+    """One method on one scenario, on this rank of an initialised process group, with a wall clock: all but
+    the loop (:meth:`_run_loop`, which the run's class picks, see
+    :class:`~geomesh.runtime.distributed.DistributedRun`)."""
+
+    def __init__(self, scenario: ScenarioConfig, method: Method, options: DistOptions | None = None):
+        if not dist.is_initialized():
+            raise RunError("the distributed runtime needs an initialised process group (start it with "
+                           "`torchrun ... -m geomesh.run` or `geomesh launch`)")  # fmt: skip
+        self.scenario = scenario
+        self.method = method
+        self.options = options or DistOptions()
+        self.seed, self.budget, self.target = resolve_run(self.options, scenario)
+        self.rank = dist.get_rank()
+        self.world = dist.get_world_size()
+        self.backend = dist.get_backend()
+        if self.backend == "nccl":
+            self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        else:
+            self.device = torch.device("cpu")
+        self.transport = Transport(self.device, self.backend, self.options.timeout_s)
+        if self.options.elastic_region is not None:  # elastic regions: this world is one region
+            self.layout = region_layout(scenario, self.options.elastic_region, self.world)
+        else:
+            self.layout = rank_layout(scenario, self.world, self.options.ranks_per_region)
+        self.writes_summary = True  # elastic: only the leader of the lowest-numbered live region writes
+        self.region = self.layout.region_of(self.rank)
+        self.region_ranks = self.layout.ranks_of(self.region)
+        self.leader = self.region_ranks[0]
+        self.is_leader = self.rank == self.leader
+        self.out_dir = self.options.out_dir
+        self.telemetry = Telemetry(None)
+        self.tokens_done = 0
+        self.rounds = 0
+        self.plans: list[Plan] = []
+        self.global_model = None
+        self._t0 = time.perf_counter()
+        self._cursor = 0.0
+        self._spans: list[tuple[str, float, float, int]] = []
+        self._exit_after = self._test_exit()
+        self._iface = os.environ.get(WIRE_IFACE_ENV) or None
+        self.totals = {"bytes_sent": 0, "proxy_bytes_sent": 0, "wire_bytes_sent": 0, "intra_region_bytes": 0,
+                       "comm_s": 0.0}  # fmt: skip
+
+    # ---- helpers ----------------------------------------------------------------------------------
+    def _test_exit(self) -> tuple[int, bool] | None:
+        """``RANK:ROUND`` (exit abruptly) or ``RANK:ROUND:hang`` (stop responding) from the test hook."""
+        parts = os.environ.get(TEST_EXIT_ENV, "").split(":")
+        ok = len(parts) >= 2 and parts[0].strip().isdigit() and parts[1].strip().isdigit()
+        if ok and int(parts[0]) == dist.get_rank():
+            return int(parts[1]), parts[2:] == ["hang"]
+        return None
+
+    def _now(self) -> float:
+        return time.perf_counter() - self._t0
+
+    def _mark(self, kind: str, until: float | None = None) -> None:
+        """This worker's next span, from the end of the last one to ``until`` (default: now)."""
+        until = self._now() if until is None else until
+        if self.is_leader and until > self._cursor:
+            self._spans.append((kind, self._cursor, until, self.rounds))
+        self._cursor = max(self._cursor, until)
+
+    def _on_rank0(self, what: str, fn: Callable[[], Any]) -> Any:
+        """``fn()`` on rank 0, its result on every rank; a failure there is raised on every rank."""
+        result, error, user = None, None, False
+        if self.rank == 0:
+            try:
+                result = fn()
+            except USER_ERRORS as exc:
+                error, user = str(exc), True
+            except Exception as exc:  # noqa: BLE001 - reported on every rank (a bug: shown with its traceback)
+                import traceback
+
+                traceback.print_exc()
+                error = f"{type(exc).__name__}: {exc}"
+        box = self.transport.broadcast_object({"result": result, "error": error, "user": user}, what=what)
+        if box["error"] is not None:
+            if box["user"]:
+                raise RunError(box["error"])
+            raise RankFailure(f"rank 0 failed while {what}: {box['error']}")
+        return box["result"]
+
+    def _say(self, text: str) -> None:
+        if self.rank == 0 and self.options.progress:
+            print(text, file=sys.stderr, flush=True)
+
+    # ---- set-up ------------------------------------------------------------------------------------
+    def _setup(self) -> None:
+        sc, tr = self.scenario, self.scenario.training
+        check_distributed_support(sc, self.method)
+        mine = _fingerprint(sc.to_dict(), self.method.name, self.seed, self.budget, self.layout.counts,
+                            self.options.wan)  # fmt: skip
+        prints = self.transport.all_gather_object(mine, what="checking that all ranks run the same job")
+        odd = [r for r, f in enumerate(prints) if f != prints[0]]
+        if odd:
+            raise RunError(f"ranks {odd} run a different scenario, method, seed, budget or layout than rank 0")
+        if self.out_dir is not None:
+            self._on_rank0("preparing the run folder", lambda: prepare_run_dir(self.out_dir))
+        # groups: every rank creates every group, in the same order
+        self.leaders_group = dist.new_group(self.layout.leaders, timeout=self.transport.timeout)
+        self.region_group = None  # the region's ranks, when there are several (DDP, broadcasts)
+        self.shard_group = None  # the ranks FSDP shards over (a region of one GPU too)
+        for i in range(len(self.layout.counts)):
+            ranks = self.layout.ranks_of(i)
+            if len(ranks) > 1 or sc.regions[i].strategy == "fsdp":
+                g = dist.new_group(ranks, timeout=self.transport.timeout)
+                if i == self.region:
+                    self.shard_group = g
+                    self.region_group = g if len(ranks) > 1 else None
+        # model and data as the emulated runtime builds them; rank 0 fills the data cache first
+        torch.manual_seed(self.seed)
+        built = build_training(sc, self.region, self.seed, self.device, self._load_corpus_rank0_first,
+                               self.options.cache_dir)  # fmt: skip
+        corpus, self.global_model, self.model_name = built.corpus, built.global_model, built.name
+        region = sc.regions[self.region]
+        self.worker = RegionWorker(region.name, built.replica, built.stream, tr, device=self.device,
+                                   group=self.shard_group, size=len(self.region_ranks),
+                                   index=self.region_ranks.index(self.rank), slowdown=region.slowdown,
+                                   strategy=region.strategy)  # fmt: skip
+        if self.rank == 0:
+            vx, vy = corpus.val_batches(sc.proxy.seq_len, tr.eval_sequences)
+            self.val_x, self.val_y = vx.to(self.device), vy.to(self.device)
+            self.corpus = corpus  # for the zero-shot evaluation at the end
+            if self.out_dir is not None and self.options.elastic_region is None:  # elastic: runtime/elastic.py
+                self.telemetry = Telemetry(self.out_dir / "events.jsonl", append=self.options.resume)
+
+    def _load_corpus_rank0_first(self, load: Callable[[], Any]) -> Any:
+        corpus = None
+
+        def first() -> None:
+            nonlocal corpus
+            corpus = load()
+
+        self._on_rank0("loading the corpus", first)
+        return corpus if corpus is not None else load()
+
+    def _profiles(self) -> list[WorkerProfile]:
+        """Cost-model profiles as the emulated runtime builds them, or measured ones (``REGION=FILE``)."""
+        sc = self.scenario
+        names = [r.name for r in sc.regions]
+        measured: dict[str, WorkerProfile] = {}
+        for pair in self.options.profiles:
+            region, _, path = pair.partition("=")
+            if region not in names or not path:
+                raise ConfigError(f"--profile {pair!r}: expected REGION=FILE with REGION one of {', '.join(names)}")
+            try:
+                measured[region] = load_profile(path)
+            except ValueError as exc:
+                raise ConfigError(f"--profile {region}: {exc}") from None
+        profiles = sc.worker_profiles(measured)
+        return profiles
+
+    # ---- the run ----------------------------------------------------------------------------------
+    def run(self) -> dict[str, Any] | None:
+        """Train; returns the summary on rank 0 (``None`` on the other ranks)."""
+        started = time.perf_counter()
+        try:
+            if self.method.kind != "outer" and self.options.checkpoint_every:
+                raise RunError(f"--checkpoint-every: method {self.method.name} is not checkpointed by the "
+                               "distributed runtime (round-based methods are)")  # fmt: skip
+            if isinstance(self.method, OuterLoopMethod) and self.method.overlapped(self.scenario):
+                o = self.options
+                if o.checkpoint_every or o.resume or o.elastic_region is not None or o.min_regions:
+                    raise RunError(f"{self.method.name} with overlap: checkpoints, --resume and elastic regions are "
+                                   "not supported (an overlapped round's exchange is still in flight at every round "
+                                   "boundary); run without them")  # fmt: skip
+            self._resume_from = self._prepare_resume() if self.options.resume else None
+            self._setup()
+            if self.rank == 0:  # the scenario's TensorBoard / W&B sinks, on the rank that writes the records
+                from ..integrations.loggers import attach_logging
+
+                attach_logging(self)
+            extra = self._run_loop()
+            summary = None
+            if self.rank == 0 and self.writes_summary:
+                sc = self.scenario
+                extra["zero_shot"] = heldout_zero_shot(self.global_model, self.corpus, sc.proxy.seq_len,
+                                                       sc.training.zero_shot_items)  # fmt: skip
+                summary = self._summary(extra, time.perf_counter() - started)
+                if self.out_dir is not None:
+                    write_json_atomic(self.out_dir / "summary.json", summary)
+                    if self.options.save_params:
+                        state = {k: v.detach().cpu().clone() for k, v in self.global_model.state_dict().items()}
+                        torch.save(state, self.out_dir / "final_params.pt")
+            self.transport.barrier(None, what="the final barrier")
+            return summary
+        finally:
+            self.telemetry.close()
+
+    def _run_loop(self) -> dict[str, Any]:
+        """The method's loop on this rank until the token budget is spent; returns the summary's method fields."""
+        raise NotImplementedError
+
+    # ---- what every loop does at its start and end, and after each round ---------------------------
+    def _start_records(self, plan: Plan) -> None:
+        """Rank 0 of a run that does not resume: the ``run`` and first ``plan`` records, the evaluation at 0."""
+        if self.rank != 0 or self._resume_from is not None:
+            return
+        sc, model = self.scenario, self.global_model
+        self.telemetry.emit({
+            "type": "run", "runtime": "distributed", "method": self.method.name, "scenario": sc.name,
+            "seed": self.seed, "tokens_budget": self.budget, "proxy_params": model.num_params(),
+            "model": self.model_name, "model_params": model.num_params(),
+            "timing_params": sc.timing().params, "workers": [r.name for r in sc.regions], "world_size": self.world,
+            "backend": self.backend, "ranks_per_region": self.layout.to_json(), "wan": self.options.wan,
+        })  # fmt: skip
+        self.telemetry.emit({"type": "plan", "round": 0, "time": 0.0, "plan": plan.to_json()})
+        self._evaluate(0.0)
+
+    def _start_clock(self) -> None:
+        """Every rank meets at the start barrier; the wall clock starts there."""
+        self.transport.barrier(None, what="the start barrier")
+        self._t0 = time.perf_counter()
+        self._cursor = 0.0
+
+    def _gather_checked(self, info: dict[str, Any], unit: str, what: str) -> list[dict[str, Any]]:
+        """Every rank's ``info`` of the round (``unit``: round or step) on every rank, after checking that the
+        ranks hold the same ``what`` (their ``crc``)."""
+        infos = self.transport.all_gather_object(info, what=f"the checksum of {unit} {self.rounds}")
+        crcs = {i["crc"] for i in infos}
+        if len(crcs) > 1:
+            detail = ", ".join(f"rank {r}: {i['crc']}" for r, i in enumerate(infos))
+            raise RankFailure(f"{unit} {self.rounds}: the ranks hold different {what} ({detail})")
+        return infos
+
+    def _final_telemetry(self, params: dict[str, torch.Tensor]) -> None:
+        """After the last round: every rank's last spans and θ's checksum to rank 0, which records them."""
+        self._mark("other")
+        final = {"spans": self._spans, "crc": params_checksum(params)}
+        infos = self.transport.all_gather_object(final, what="the final telemetry")
+        self._spans = []
+        if self.rank == 0:
+            names = [r.name for r in self.scenario.regions]
+            for r, i in enumerate(infos):
+                self._write_spans(names[self.layout.region_of(r)], i["spans"])
+            self._end_s = self._now()
+            self.final_checksums = [i["crc"] for i in infos]
+
+    # ---- checkpoints (runtime/dist_checkpoint.py) ---------------------------------------------------
+    def _checkpoint_fingerprint(self) -> dict[str, Any]:
+        return fingerprint(self.scenario, self.method.name, self.seed, self.budget, self.layout.counts)
+
+    def _checkpoint_dir(self) -> Path:
+        """``DIR/checkpoints``, or with elastic regions ``DIR/checkpoints/<region>`` (each region its own)."""
+        base = ckpt.checkpoint_dir(self.out_dir)
+        return base / self.options.elastic_region if self.options.elastic_region is not None else base
+
+    def _checkpoint_cadence(self) -> tuple[int, int]:
+        every, keep = checkpoint_cadence(self.options, self.scenario.reliability)
+        if every > 0 and self.out_dir is None:
+            raise RunError("--checkpoint-every needs a run folder (--out)")
+        return every, keep
+
+    def _prepare_resume(self) -> str:
+        """Rank 0 finds the newest complete checkpoint, checks it belongs to this run and cuts
+        ``events.jsonl`` back to it; every rank gets its folder (or the same one-line error)."""
+        if self.out_dir is None:
+            raise RunError("--resume needs the run folder of the interrupted run (--out)")
+        if self.method.kind != "outer":
+            raise RunError(f"--resume: method {self.method.name} is not checkpointed by the distributed runtime; "
+                           "run it again from the start")  # fmt: skip
+
+        def check() -> str:
+            try:
+                _, path, _ = check_resume(self.out_dir, self._checkpoint_fingerprint(), self._checkpoint_dir())
+            except DistCheckpointError as exc:
+                raise RunError(str(exc)) from None
+            offset = json.loads((path / "geomesh.json").read_text()).get("events_offset")
+            if offset is not None and self.options.elastic_region is None:  # elastic: the writer rewrites it
+                truncate_events(self.out_dir, offset)
+            return str(path)
+
+        return self._on_rank0("finding the checkpoint to resume from", check)
+
+    def _write_spans(self, worker: str, spans: list) -> None:
+        for kind, a, b, r in spans:
+            self.telemetry.span(worker, kind, a, b, r)
+
+    def _record_round(self, infos: list[dict], names: list[str]) -> None:
+        leaders = [infos[r] for r in self.layout.leaders]
+        for r, i in enumerate(infos):
+            if i["spans"]:
+                self._write_spans(names[self.layout.region_of(r)], i["spans"])
+        t = self.totals
+        t["bytes_sent"] += sum(i["wan_bytes"] for i in leaders)
+        t["proxy_bytes_sent"] += sum(i["proxy_bytes"] for i in leaders)
+        wires = [i["wire_bytes"] for i in leaders]
+        wire = sum(wires) if all(w is not None for w in wires) else None
+        if wire is not None:
+            t["wire_bytes_sent"] += wire
+        t["intra_region_bytes"] = sum(i["intra_bytes"] for i in infos)
+        comm = max(i["comm_s"] for i in leaders)
+        t["comm_s"] += comm
+        dropped = sum(i["dropped_local"] for i in leaders)
+        if dropped:
+            self.telemetry.count("dropped_updates", dropped)
+        record = {"type": "round", "round": self.rounds, "time": self._now(), "tokens": self.tokens_done,
+                  "compute_s": [i["compute_s"] for i in leaders], "exchange_s": comm,
+                  "bytes_sent": sum(i["wan_bytes"] for i in leaders)}  # fmt: skip
+        if wire is not None:
+            record["wire_bytes"] = wire
+        self.telemetry.emit(record)
+
+    def _evaluate(self, at: float) -> float:
+        loss = evaluate(self.global_model, self.val_x, self.val_y)
+        self.telemetry.evaluation(at, self.tokens_done, self.rounds, loss)
+        self._say(f"[{self.method.name}] round {self.rounds} tokens {self.tokens_done:,} "
+                  f"t={at:.1f}s val_loss {loss:.4f}")  # fmt: skip
+        return loss
+
+    def _summary(self, extra: dict[str, Any], wall_s: float) -> dict[str, Any]:
+        t = self.totals
+        modeled = []
+        if self.options.wan == "shaper":
+            modeled.append("WAN time (application-level shaper: latency + bytes/bandwidth of the scenario's WAN)")
+        elif self.options.wan == "latency":
+            modeled.append("WAN latency (application-level shaper; the link rate is real)")
+        if any(r.slowdown > 1 for r in self.scenario.regions):
+            modeled.append("compute slowdown (inner steps padded with sleep to `slowdown` x their time)")
+        return build_summary(
+            method=self.method.name, scenario=self.scenario, runtime="distributed", status=None, seed=self.seed,
+            tokens=self.tokens_done, rounds=self.rounds, time_s=self._end_s, target=self.target,
+            telemetry=self.telemetry, bytes_sent=t["bytes_sent"], proxy_bytes_sent=t["proxy_bytes_sent"],
+            reliability={},
+            model={
+                "model": self.model_name,  # what trained: "llama-125m (built-in)", "llama (transformers)"
+                "model_params": self.global_model.num_params(),
+                "proxy_params": self.global_model.num_params(),
+                # rank 0's peak GPU memory (its replica, optimizer state or shards, activations, θ): null on CPU
+                "peak_gpu_memory_gib": (torch.cuda.max_memory_allocated(self.device) / 2**30
+                                        if self.device.type == "cuda" else None),
+            },
+            plans=self.plans, modeled=modeled, wall_s=wall_s,
+            tail={
+                "world_size": self.world,
+                "backend": self.backend,
+                "ranks_per_region": self.layout.to_json(),
+                "wan": self.options.wan,
+                "wire_bytes_sent": t["wire_bytes_sent"] if self._iface else None,
+                "intra_region_bytes": t["intra_region_bytes"],
+                "control_bytes": self.transport.control_bytes,
+                "param_checksums": self.final_checksums,  # per rank: crc32 of strided samples of θ at the end
+            },
+            extra=extra,
+        )  # fmt: skip
