@@ -27,9 +27,8 @@ from typing import Any
 
 import torch
 
-from geomesh.cli import _overrides
 from geomesh.compare import run_comparison
-from geomesh.config import ConfigError, load_scenario
+from geomesh.config import ConfigError, load_scenario, parse_overrides
 from geomesh.errors import USER_ERRORS
 
 PRESET = "paper_scale"
@@ -76,7 +75,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if not args.smoke and not device.startswith("cuda"):
         raise ConfigError(f"--device {device}: the paper-scale run trains a 124M-parameter proxy and is sized for "
                           f"one GPU; give --device cuda on a machine with one, or --smoke to check it on a CPU")  # fmt: skip
-    overrides = {**(SMOKE if args.smoke else {}), **_overrides(args.set)}
+    overrides = {**(SMOKE if args.smoke else {}), **parse_overrides(args.set)}
     scenario = load_scenario(PRESET, overrides)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     out = Path(args.out)

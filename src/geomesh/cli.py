@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -18,25 +17,10 @@ import yaml
 DEMO_METHODS = ["ddp", "diloco", "geomesh"]  # `geomesh bench` adds async Local-SGD and the ablations
 
 
-def _overrides(pairs: list[str] | None) -> dict[str, Any]:
-    from .config import ConfigError
-
-    out = {}
-    for pair in pairs or []:
-        key, sep, value = pair.partition("=")
-        if not sep or not key.strip():
-            raise ConfigError(f"--set {pair!r}: expected FIELD=VALUE, e.g. training.seed=3")
-        try:
-            out[key.strip()] = yaml.safe_load(value)
-        except yaml.YAMLError:
-            raise ConfigError(f"--set {pair!r}: the value is not valid YAML") from None
-    return out
-
-
 def _scenario(args: argparse.Namespace):
-    from .config import load_scenario
+    from .config import load_scenario, parse_overrides
 
-    return load_scenario(args.scenario, _overrides(getattr(args, "set", None)))
+    return load_scenario(args.scenario, parse_overrides(getattr(args, "set", None)))
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -217,19 +201,9 @@ def _register_optional(sub) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    from .errors import USER_ERRORS
+    from .cli_common import run_command
 
-    warnings.simplefilter("default")
-    warnings.formatwarning = lambda msg, cat, *a, **k: f"warning: {msg}\n"
-    try:
-        return args.func(args)
-    except USER_ERRORS as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("error: interrupted", file=sys.stderr)
-        return 130
+    return run_command(build_parser().parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -21,20 +21,17 @@ died first (its exit code or signal) and exits 1. Bad arguments: one ``error: ..
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
-import subprocess
+import subprocess  # noqa: F401  (the ranks start through subprocess.Popen, in launcher.run_ranks; tests patch it here)
 import sys
 import threading
 import time
-from collections import deque
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+
+from .launcher import REGION_ENV, LaunchResult, RankExit, rank_argv, report, run_ranks
 
 WAN_MODES = ("shaper", "netns", "none")
-REGION_ENV = "GEOMESH_REGION"  # every rank's region, in its environment (geomesh.run sets it under torchrun)
 
 
 def register(sub) -> None:
@@ -46,47 +43,9 @@ def register(sub) -> None:
     p.set_defaults(func=cmd_launch)
 
 
-@dataclass
-class RankExit:
-    rank: int
-    code: int | None = None  # None: still running
-    at: float | None = None  # seconds after the start
-    killed: bool = False  # by the launcher, after the others had stopped
-    tail: deque = field(default_factory=lambda: deque(maxlen=30))
-
-    def describe(self) -> str:
-        if self.killed:
-            return "did not stop; killed by the launcher"
-        if self.code is None:
-            return "still running"
-        if self.code < 0:
-            try:
-                name = signal.Signals(-self.code).name
-            except ValueError:
-                name = f"signal {-self.code}"
-            return f"killed by {name}"
-        return f"exit code {self.code}"
-
-    def error_line(self) -> str | None:
-        for line in reversed(self.tail):
-            if "error:" in line:
-                return line[line.index("error:") :]
-        return None
-
-
-@dataclass
-class LaunchResult:
-    code: int
-    summary: dict[str, Any] | None
-    ranks: list[RankExit]
-    message: str = ""
-    netns: dict[str, Any] | None = None
-
-
 def _check(args: argparse.Namespace):
     """Every user error before any process starts (ConfigError & co: one line, exit 2)."""
-    from .cli import _overrides
-    from .config import ConfigError, load_scenario
+    from .config import ConfigError, load_scenario, parse_overrides
     from .methods import get_method
     from .run import resolve_backend
     from .runtime.distributed import check_distributed_support, parse_ranks_per_region, rank_layout
@@ -100,7 +59,7 @@ def _check(args: argparse.Namespace):
         raise ConfigError(f"--timeout {args.timeout}: expected a positive number of seconds")
     if args.tokens is not None and args.tokens <= 0:
         raise ConfigError(f"--tokens {args.tokens}: expected a positive token budget")
-    scenario = load_scenario(args.scenario, _overrides(args.set))
+    scenario = load_scenario(args.scenario, parse_overrides(args.set))
     method = get_method(args.method)
     check_distributed_support(scenario, method)
     counts = parse_ranks_per_region(args.ranks_per_region, len(scenario.regions))
@@ -154,30 +113,6 @@ def _check(args: argparse.Namespace):
     return scenario, layout, backend
 
 
-def _rank_argv(args: argparse.Namespace, wan_mode: str) -> list[str]:
-    argv = [sys.executable, "-m", "geomesh.run", str(args.scenario), "--method", args.method, "--out", str(args.out),
-            "--wan", wan_mode, "--timeout", str(args.timeout), "--backend", args.backend]  # fmt: skip
-    for flag, value in (("--tokens", args.tokens), ("--seed", args.seed), ("--target-loss", args.target_loss),
-                        ("--ranks-per-region", args.ranks_per_region)):  # fmt: skip
-        if value is not None:
-            argv += [flag, str(value)]
-    for pair in args.set or []:
-        argv += ["--set", pair]
-    for pair in args.profile or []:
-        argv += ["--profile", pair]
-    for flag, value in (("--checkpoint-every", args.checkpoint_every), ("--keep", args.keep),
-                        ("--min-regions", args.min_regions)):  # fmt: skip
-        if value is not None:
-            argv += [flag, str(value)]
-    if args.resume:
-        argv.append("--resume")
-    if args.save_params:
-        argv.append("--save-params")
-    if args.quiet:
-        argv.append("--quiet")
-    return argv
-
-
 def launch(args: argparse.Namespace, extra_env: dict[str, str] | None = None) -> LaunchResult:
     """Check, start the ranks, wait, and report. Raises the USER_ERRORS of :func:`_check`.
 
@@ -219,7 +154,7 @@ def _launch(args, extra_env, scenario, layout, backend) -> LaunchResult:
         from .runtime.transport import free_port
 
         env.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())})
-        return _spawn_and_wait(args, env, _rank_argv(args, "shaper" if args.wan == "shaper" else "none"), None, layout)
+        return _spawn_and_wait(args, env, rank_argv(args, "shaper" if args.wan == "shaper" else "none"), None, layout)
     from .runtime.emulated import RunError
     from .runtime.transport import NetnsError, NetnsWan
 
@@ -232,7 +167,7 @@ def _launch(args, extra_env, scenario, layout, backend) -> LaunchResult:
         env.update({"MASTER_ADDR": net.address(0), "MASTER_PORT": "29500", "GLOO_SOCKET_IFNAME": net.iface,
                     "GEOMESH_WIRE_IFACE": net.iface})  # fmt: skip
         mode = "none" if net.delay_in_kernel else "latency"
-        result = _spawn_and_wait(args, env, _rank_argv(args, mode), net, layout)
+        result = _spawn_and_wait(args, env, rank_argv(args, mode), net, layout)
         result.netns = {"namespaces": args.nproc, "delay": "netem" if net.delay_in_kernel else "shaper (no sch_netem)",
                         "rate": "htb"}  # fmt: skip
         return result
@@ -247,108 +182,28 @@ def _elastic(args: argparse.Namespace, scenario) -> bool:
 
 
 def _spawn_and_wait(args: argparse.Namespace, env: dict[str, str], argv: list[str], net, layout) -> LaunchResult:
-    out = Path(args.out)
-    ranks = [RankExit(r) for r in range(args.nproc)]
-    procs: list[subprocess.Popen] = []
-    threads = []
-    echo = not args.quiet
-    lock = threading.Lock()
-
-    def pump(k: int, proc: subprocess.Popen) -> None:
-        with open(out / "logs" / f"rank{k}.log", "w") as log, proc.stdout:  # type: ignore[union-attr]
-            for line in proc.stdout:  # type: ignore[union-attr]
-                log.write(line)
-                log.flush()
-                ranks[k].tail.append(line.rstrip("\n"))
-                if echo:
-                    with lock:
-                        print(f"[rank {k} region {regions[k]}] {line}", end="", file=sys.stderr, flush=True)
-
+    """One world of ``args.nproc`` ranks: once a rank failed, the others get ``--timeout`` (+15 s) to stop on
+    their own, or 10 s when a peer already reported the failure (exit 1) and none finished; then they go."""
     regions = [layout.names[layout.region_of(k)] for k in range(args.nproc)]
-    started = time.perf_counter()
-    try:
-        for k in range(args.nproc):
-            # the region's name in every rank's environment: an operator (or a test) finds and stops one region
-            rank_env = dict(env, RANK=str(k), LOCAL_RANK=str(k), **{REGION_ENV: regions[k]})
-            cmd = net.command(k, argv) if net is not None else argv
-            proc = subprocess.Popen(cmd, env=rank_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                    start_new_session=True)  # fmt: skip
-            procs.append(proc)
-            t = threading.Thread(target=pump, args=(k, proc), daemon=True)
-            t.start()
-            threads.append(t)
-        deadline = None
-        while any(r.code is None for r in ranks):
-            for k, proc in enumerate(procs):
-                if ranks[k].code is None and proc.poll() is not None:
-                    ranks[k].code, ranks[k].at = proc.returncode, time.perf_counter() - started
-                    if proc.returncode != 0 and deadline is None:
-                        deadline = time.perf_counter() + args.timeout + 15
-            stopped = [r for r in ranks if r.code is not None]
-            if deadline is not None and any(r.code == 1 for r in stopped) and all(r.code != 0 for r in stopped):
-                # the failure was seen and reported by a peer: ranks still running get a short grace, not the timeout
-                deadline = min(deadline, time.perf_counter() + 10)
-            if deadline is not None and time.perf_counter() > deadline:
-                for k, proc in enumerate(procs):
-                    if ranks[k].code is None:
-                        _kill(proc)
-                        ranks[k].code, ranks[k].killed = proc.returncode, True
-            time.sleep(0.05)
-    except KeyboardInterrupt:
-        for proc in procs:
-            _kill(proc)
+    # the region's name in every rank's environment: an operator (or a test) finds and stops one region
+    envs = [dict(env, RANK=str(k), LOCAL_RANK=str(k), **{REGION_ENV: regions[k]}) for k in range(args.nproc)]
+    cmds = [net.command(k, argv) if net is not None else argv for k in range(args.nproc)]
+    deadline = None
+
+    def stop_at(ranks: list[RankExit]) -> float | None:
+        nonlocal deadline
+        stopped = [r for r in ranks if r.code is not None]
+        if deadline is None and any(r.code != 0 for r in stopped):
+            deadline = time.perf_counter() + args.timeout + 15
+        if deadline is not None and any(r.code == 1 for r in stopped) and all(r.code != 0 for r in stopped):
+            # the failure was seen and reported by a peer: ranks still running get a short grace, not the timeout
+            deadline = min(deadline, time.perf_counter() + 10)
+        return deadline
+
+    ranks, interrupted = run_ranks(args, cmds, envs, regions, stop_at)
+    if interrupted:
         return LaunchResult(130, None, ranks, "interrupted")
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                _kill(proc)
-        for t in threads:
-            t.join(timeout=5)
-    return _report(args, ranks, [layout.names[layout.region_of(r)] for r in range(args.nproc)])
-
-
-def _kill(proc: subprocess.Popen) -> None:
-    """End one rank we started (its own process group: ``ip netns exec`` and the Python under it)."""
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-    try:
-        proc.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        pass
-
-
-def _report(args: argparse.Namespace, ranks: list[RankExit], regions: list[str]) -> LaunchResult:
-    out = Path(args.out)
-    if all(r.code == 0 for r in ranks):
-        try:
-            summary = json.loads((out / "summary.json").read_text())
-        except (OSError, json.JSONDecodeError) as exc:
-            return LaunchResult(1, None, ranks, f"all ranks finished but {out / 'summary.json'} is unreadable: {exc}")
-        return LaunchResult(0, summary, ranks)
-    failed = [r for r in ranks if r.code != 0]
-    if all(r.code == 2 for r in failed):  # a user error, seen by the ranks themselves
-        line = next((r.error_line() for r in failed if r.error_line()), "error: a rank refused the job")
-        return LaunchResult(2, None, ranks, line.removeprefix("error: "))
-    # the root cause: the first rank that died on its own (a signal or an unexpected code), else a rank that
-    # hung (the launcher killed it after the others had stopped), else the first failure
-    own = [r for r in failed if not r.killed and r.code not in (1, 2)]
-    hung = [r for r in failed if r.killed]
-    first = min(own or hung or failed, key=lambda r: (r.at or 1e18, r.rank))
-    others = [r for r in ranks if r is not first]
-    why = first.error_line()
-    verb = "died" if own else "hung" if hung else "failed"
-    msg = f"rank {first.rank} (region {regions[first.rank]}) {verb} ({first.describe()}" + (
-        f" at {first.at:.1f}s)" if first.at is not None and not first.killed else ")"
-    )
-    if why:
-        msg += f": {why.removeprefix('error: ')}"
-    stopped = ", ".join(f"rank {r.rank}: {r.describe()}" for r in others)
-    if stopped:
-        msg += f"; the others stopped: {stopped}"
-    msg += f" (logs in {out / 'logs'})"
-    return LaunchResult(1, None, ranks, msg)
+    return report(args, ranks, regions)
 
 
 def cmd_launch(args: argparse.Namespace) -> int:
@@ -374,9 +229,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """``geomesh launch ...`` on its own (``argv`` starts with ``launch``), with the CLI's error handling."""
-    from .cli import main as cli_main
+    from .cli_common import run_command
 
-    return cli_main(argv)
+    return run_command(build_parser().parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -56,11 +56,10 @@ def cluster_plans(scenario, profiles=None, allow_drop: bool = False) -> dict[str
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from .cli import _overrides
-    from .config import ConfigError, load_scenario
+    from .config import ConfigError, load_scenario, parse_overrides
     from .hardware import load_profile
 
-    scenario = load_scenario(args.scenario, _overrides(args.set))
+    scenario = load_scenario(args.scenario, parse_overrides(args.set))
     profiles = {}
     for pair in args.profile or []:
         region, _, path = pair.partition("=")
@@ -107,11 +106,10 @@ def format_plan(plan) -> str:
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
-    from .cli import _overrides
-    from .config import ConfigError, load_scenario
+    from .config import ConfigError, load_scenario, parse_overrides
     from .profiler import profile_device
 
-    scenario = load_scenario(args.scenario, _overrides(args.set))
+    scenario = load_scenario(args.scenario, parse_overrides(args.set))
     try:
         batches = sorted({int(x) for x in args.batches.split(",")})
     except ValueError:

@@ -4,7 +4,12 @@ A *scenario* is everything a run needs: the regions (workers) and their GPUs, th
 *timing model* that sets modeled time, the *proxy model* that really trains, the data, and the training
 settings. Every loading error is a :class:`ConfigError` whose message names the field (a dotted path),
 the value, and what is allowed. Presets ship in ``geomesh/scenarios/*.yaml``; a scenario argument is a
-preset name or a path to a YAML file.
+preset name or a path to a YAML file. :func:`parse_overrides` turns the faces' ``--set FIELD=VALUE``
+options into the dotted overrides that :func:`load_scenario` applies.
+
+This file is long because it is the one home of the scenario schema: every section's dataclass, the YAML
+coercion that names the failing field, and every validation rule sit together so that a reader sees the
+whole schema and its limits in one place.
 """
 
 from __future__ import annotations
@@ -602,6 +607,21 @@ def load_scenario(name_or_path: str | Path, overrides: dict[str, Any] | None = N
             raise ConfigError(str(exc).replace("scenario.proxy", "scenario.model").replace("proxy.", "model.")) from None
     return validate(_build(ScenarioConfig, data, "scenario"))
 
+
+
+def parse_overrides(pairs: list[str] | None) -> dict[str, Any]:
+    """The ``--set FIELD=VALUE`` options of every face as dotted ``overrides`` for :func:`load_scenario`
+    (each value parsed as YAML); a malformed pair is a ConfigError naming it."""
+    out = {}
+    for pair in pairs or []:
+        key, sep, value = pair.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"--set {pair!r}: expected FIELD=VALUE, e.g. training.seed=3")
+        try:
+            out[key.strip()] = yaml.safe_load(value)
+        except yaml.YAMLError:
+            raise ConfigError(f"--set {pair!r}: the value is not valid YAML") from None
+    return out
 
 def _read_scenario_text(arg: str) -> tuple[str, str]:
     path = Path(arg)

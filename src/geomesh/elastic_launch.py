@@ -15,13 +15,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
-from .cli_launch import REGION_ENV, LaunchResult, RankExit, _kill, _rank_argv, _report
+from .launcher import REGION_ENV, LaunchResult, RankExit, rank_argv, report, run_ranks
 
 
 def launch_elastic(args: argparse.Namespace, env: dict[str, str], scenario, layout) -> LaunchResult:
@@ -35,7 +33,7 @@ def launch_elastic(args: argparse.Namespace, env: dict[str, str], scenario, layo
                        "MASTER_ADDR": "127.0.0.1"})  # fmt: skip
     env.setdefault("RUST_LOG", "error")  # torchft's own (Rust) logging: errors only
     try:
-        return _spawn(args, env, _rank_argv(args, "shaper" if args.wan == "shaper" else "none"), layout)
+        return _spawn(args, env, rank_argv(args, "shaper" if args.wan == "shaper" else "none"), layout)
     finally:
         lighthouse.shutdown()
 
@@ -43,62 +41,28 @@ def launch_elastic(args: argparse.Namespace, env: dict[str, str], scenario, layo
 def _spawn(args: argparse.Namespace, env: dict[str, str], argv: list[str], layout) -> LaunchResult:
     out = Path(args.out)
     n = args.nproc
-    ranks = [RankExit(r) for r in range(n)]
     regions = [layout.names[layout.region_of(k)] for k in range(n)]
-    procs: list[subprocess.Popen] = []
-    threads = []
-    lock = threading.Lock()
-
-    def pump(k: int, proc: subprocess.Popen) -> None:
-        with open(out / "logs" / f"rank{k}.log", "w") as log, proc.stdout:  # type: ignore[union-attr]
-            for line in proc.stdout:  # type: ignore[union-attr]
-                log.write(line)
-                log.flush()
-                ranks[k].tail.append(line.rstrip("\n"))
-                if not args.quiet:
-                    with lock:
-                        print(f"[rank {k} region {regions[k]}] {line}", end="", file=sys.stderr, flush=True)
-
-    started = time.perf_counter()
     ports = {i: str(_free_port()) for i in range(len(layout.names))}
-    try:
-        for k in range(n):
-            i = layout.region_of(k)
-            local = layout.ranks_of(i).index(k)
-            size = len(layout.ranks_of(i))
-            rank_env = dict(env, RANK=str(local), LOCAL_RANK=str(local), WORLD_SIZE=str(size),
-                            LOCAL_WORLD_SIZE=str(size), MASTER_PORT=ports[i], **{REGION_ENV: regions[k]})  # fmt: skip
-            proc = subprocess.Popen(argv, env=rank_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                    start_new_session=True)  # fmt: skip
-            procs.append(proc)
-            t = threading.Thread(target=pump, args=(k, proc), daemon=True)
-            t.start()
-            threads.append(t)
-        done_at = None
-        while any(r.code is None for r in ranks):
-            for k, proc in enumerate(procs):
-                if ranks[k].code is None and proc.poll() is not None:
-                    ranks[k].code, ranks[k].at = proc.returncode, time.perf_counter() - started
-            if done_at is None and (out / "summary.json").exists():
-                done_at = time.perf_counter()
-            # the run is over (a live region wrote the summary, after the last quorum): ranks still running are
-            # regions that hung or fell behind, and no quorum will come for them; a short grace, then they go
-            if done_at is not None and time.perf_counter() > done_at + 10:
-                for k, proc in enumerate(procs):
-                    if ranks[k].code is None:
-                        _kill(proc)
-                        ranks[k].code, ranks[k].killed = proc.returncode, True
-            time.sleep(0.05)
-    except KeyboardInterrupt:
-        for proc in procs:
-            _kill(proc)
+    envs = []
+    for k in range(n):
+        i = layout.region_of(k)
+        local = layout.ranks_of(i).index(k)
+        size = len(layout.ranks_of(i))
+        envs.append(dict(env, RANK=str(local), LOCAL_RANK=str(local), WORLD_SIZE=str(size),
+                         LOCAL_WORLD_SIZE=str(size), MASTER_PORT=ports[i], **{REGION_ENV: regions[k]}))  # fmt: skip
+    done_at = None
+
+    def stop_at(ranks: list[RankExit]) -> float | None:
+        # the run is over (a live region wrote the summary, after the last quorum): ranks still running are
+        # regions that hung or fell behind, and no quorum will come for them; a short grace, then they go
+        nonlocal done_at
+        if done_at is None and (out / "summary.json").exists():
+            done_at = time.perf_counter()
+        return None if done_at is None else done_at + 10
+
+    ranks, interrupted = run_ranks(args, [argv] * n, envs, regions, stop_at)
+    if interrupted:
         return LaunchResult(130, None, ranks, "interrupted")
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                _kill(proc)
-        for t in threads:
-            t.join(timeout=5)
     finished = {regions[k] for k in range(n)} - {regions[k] for k in range(n) if ranks[k].code != 0}
     # the summary's writer may be a region restarted outside this launcher: give it the time to finish
     deadline = time.perf_counter() + (args.timeout + 15 if finished else 0)
@@ -110,7 +74,7 @@ def _spawn(args: argparse.Namespace, env: dict[str, str], argv: list[str], layou
     except (OSError, json.JSONDecodeError):
         pass
     if summary is None or not finished:
-        return _report(args, ranks, regions)
+        return report(args, ranks, regions)
     at_end = set((summary.get("elastic") or {}).get("regions_at_end") or [])
     for name in sorted({regions[k] for k in range(n)} - finished, key=layout.names.index):
         lost = [r for k, r in enumerate(ranks) if regions[k] == name]

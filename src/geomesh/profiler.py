@@ -36,7 +36,7 @@ def _sync(device: str) -> None:
 def profile_device(scenario: ScenarioConfig, device: str, batches: list[int], *, repeats: int = 3,
                    name: str = "local", activation_checkpointing: bool = False) -> WorkerProfile:  # fmt: skip
     if device == "cuda" and not torch.cuda.is_available():
-        from .runtime.emulated import RunError
+        from .errors import RunError
 
         raise RunError("--device cuda: no CUDA device is available on this machine")
     vocab = scenario.data.vocab_size

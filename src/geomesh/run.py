@@ -149,13 +149,12 @@ def _main(args: argparse.Namespace) -> int:
         import torch
         import torch.distributed as dist
 
-        from .cli import _overrides
-        from .config import ConfigError, load_scenario
+        from .config import ConfigError, load_scenario, parse_overrides
         from .methods import get_method
         from .runtime.distributed import DistOptions, DistributedRun, parse_ranks_per_region, rank_layout
         from .runtime.membership import MembershipError
 
-        scenario = load_scenario(args.scenario, _overrides(args.set))
+        scenario = load_scenario(args.scenario, parse_overrides(args.set))
         method = get_method(args.method)
         if args.tokens is not None and args.tokens <= 0:
             raise ConfigError(f"--tokens {args.tokens}: expected a positive token budget")

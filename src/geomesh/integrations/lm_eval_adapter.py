@@ -299,12 +299,11 @@ def _model_from_args(args: argparse.Namespace) -> tuple[torch.nn.Module, Any, di
         return model.float(), tok, {"model": args.hf_model}
     if not args.scenario:
         raise ConfigError("geomesh eval: give a SCENARIO (trained now, or with --checkpoint) or --hf-model DIR")
-    from ..cli import _overrides
-    from ..config import load_scenario
+    from ..config import load_scenario, parse_overrides
     from ..data import load_corpus
     from ..models import build_proxy_model
 
-    scenario = load_scenario(args.scenario, _overrides(args.set))
+    scenario = load_scenario(args.scenario, parse_overrides(args.set))
     if args.checkpoint:
         corpus = load_corpus(scenario.data)
         model = build_proxy_model(scenario.proxy, corpus.vocab_size, scenario.training.seed)
