@@ -138,11 +138,13 @@ class Worker:
             loss, n = self.inner_step(batch, lr_at_step(k))
             losses.append(loss)
             tokens += n
-        finite = all(math.isfinite(v) for v in losses) and all(
-            torch.isfinite(p).all().item() for p in self.model.parameters()
-        )
+        finite = all(math.isfinite(v) for v in losses) and self.params_finite()
         mean = sum(losses) / len(losses) if losses else float("nan")
         return InnerResult(steps=steps, tokens=tokens, mean_loss=mean, finite=finite)
+
+    def params_finite(self) -> bool:
+        """Whether every parameter of the replica is finite (a sharded replica: every parameter this rank holds)."""
+        return all(torch.isfinite(p).all().item() for p in self.model.parameters())
 
     def state_dict(self) -> dict:
         return {

@@ -168,21 +168,15 @@ class RegionWorker(Worker):
             time.sleep((self.slowdown - 1) * (time.perf_counter() - started))
         return out
 
+    def params_finite(self) -> bool:
+        return all(bool(torch.isfinite(_local(p)).all()) for p in self.model.parameters())
+
     def train(self, steps: int, batch: int, lr_at_step: Callable[[int], float]) -> InnerResult:
         """As :meth:`Worker.train`; whether the update is finite is agreed by the region's ranks (each sees
         its own slice's losses and, under FSDP, its own shard), so they all send it or all drop it."""
-        self.model.train()
-        losses, tokens = [], 0
-        for k in range(steps):
-            loss, n = self.inner_step(batch, lr_at_step(k))
-            losses.append(loss)
-            tokens += n
-        finite = all(v == v and abs(v) != float("inf") for v in losses) and all(
-            bool(torch.isfinite(_local(p)).all()) for p in self.model.parameters()
-        )
+        result = super().train(steps, batch, lr_at_step)
         if self.group is not None and self.size > 1:
-            flag = torch.tensor([0.0 if finite else 1.0], device=self.device)
+            flag = torch.tensor([0.0 if result.finite else 1.0], device=self.device)
             dist.all_reduce(flag, group=self.group)
-            finite = float(flag) == 0.0
-        mean = sum(losses) / len(losses) if losses else float("nan")
-        return InnerResult(steps=steps, tokens=tokens, mean_loss=mean, finite=finite)
+            result.finite = float(flag) == 0.0
+        return result

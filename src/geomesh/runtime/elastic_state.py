@@ -1,0 +1,133 @@
+"""What an elastic region keeps besides θ and the outer optimizer (:mod:`geomesh.runtime.elastic`): the run's
+records (every leader keeps them; the leader of the lowest-numbered live region writes ``events.jsonl``,
+rewriting it whole when it takes over), the state a live region sends a region that joins or falls behind
+(torchft's recovery), and this loop's part of a region's checkpoint
+(:class:`~geomesh.runtime.dist_checkpoint.RunCheckpointer` into ``DIR/checkpoints/<region>``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..planner import Plan
+from ..telemetry import _jsonable
+from .dist_checkpoint import RunCheckpointer
+
+
+class Records:
+    """A telemetry sink that keeps every record (what a joining region receives and a new writer rewrites)."""
+
+    def __init__(self, records: list[dict[str, Any]]):
+        self.records = records
+
+    def write(self, record: dict[str, Any]) -> None:
+        self.records.append(json.loads(json.dumps(record, default=_jsonable)))
+
+    def close(self) -> None:
+        pass
+
+
+class ElasticState:
+    """Records, recovery state and checkpoint state of :class:`~geomesh.runtime.elastic.ElasticLoop` (a part
+    of its class: it reads the loop's and the run's fields)."""
+
+    # ---- torchft's recovery: what a live region sends, and how a joiner loads it ---------------------
+    def state_dict(self) -> dict[str, Any]:
+        run, tel = self.run, self.run.telemetry
+        return {
+            "params": {k: v.detach().cpu().clone() for k, v in self.params.items()},
+            "outer": self.outer.state_dict(),
+            "run": {"rounds": run.rounds, "tokens_done": run.tokens_done, "plans": [p.to_json() for p in run.plans],
+                    "records": list(self.records), **tel.state_dict(), "run_totals": dict(run.totals),
+                    "stats": json.loads(json.dumps(self.stats)), "faults": list(self.faults),
+                    "streams": dict(self.streams), "members": list(self.members or []), "now": run._now(),
+                    "slowdown": dict(self.slowdown), "bandwidth": dict(self.bandwidth), "away": sorted(self.away)},
+        }  # fmt: skip
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.healed_state = state  # applied by the main thread (and shared with the region's ranks)
+
+    def _apply_healed(self, state: dict[str, Any]) -> None:
+        run = self.run
+        with torch.no_grad():
+            for k, v in self.params.items():
+                v.copy_(state["params"][k].to(v.device))
+        self.outer.load_state_dict({**state["outer"], "buf": {k: t.to(self.params[k].device)
+                                                              for k, t in state["outer"]["buf"].items()}})  # fmt: skip
+        s = state["run"]
+        run.rounds, run.tokens_done = int(s["rounds"]), int(s["tokens_done"])
+        run.plans = [Plan.from_json(p) for p in s["plans"]]
+        self.stats = s["stats"]
+        self.faults[:] = s["faults"]
+        self.streams = dict(s["streams"])
+        self.members = list(s["members"])
+        self.slowdown = {int(k): float(v) for k, v in s["slowdown"].items()}
+        self.bandwidth = {int(k): float(v) for k, v in s["bandwidth"].items()}
+        self.away = set(s["away"])
+        run.worker.slowdown = self.sc.regions[self.me].slowdown * self.slowdown[self.me]
+        run._t0 = time.perf_counter() - float(s["now"])  # this region's clock joins the others'
+        self.written = -1  # the records are the live region's now: rewrite events.jsonl if this one writes it
+        run._cursor = float(s["now"])
+        run._spans = []
+        if run.is_leader:
+            self.records[:] = s["records"]
+            run.telemetry.load_state_dict(s)
+            run.totals.update(s["run_totals"])
+        # a restarted process: fresh AdamW, empty residual; the data stream goes on where it last reported
+        run.worker.optimizer.state.clear()
+        if hasattr(self.codec, "reset_residual"):
+            self.codec.reset_residual()
+        mine = self.streams.get(self.names[self.me])
+        if mine is not None:
+            run.worker.stream.load_state_dict(mine)
+
+    # ---- checkpoints (dist_checkpoint.RunCheckpointer, one folder per region) -------------------------
+    def _checkpoint_state(self) -> dict[str, Any]:
+        run = self.run
+        common = {"stats": self.stats, "faults": self.faults, "streams": self.streams,
+                  "members": self.members, "slowdown": self.slowdown, "bandwidth": self.bandwidth,
+                  "away": sorted(self.away)}  # fmt: skip
+        return {"common": json.loads(json.dumps(common)),
+                "rank0": {"records": self.records} if run.is_leader else None}  # fmt: skip
+
+    def _load_checkpoint_state(self, state: dict[str, Any]) -> None:
+        c = state["common"]
+        self.stats, self.faults[:], self.streams = c["stats"], c["faults"], dict(c["streams"])
+        self.members = c["members"]
+        self.slowdown = {int(k): float(v) for k, v in c["slowdown"].items()}
+        self.bandwidth = {int(k): float(v) for k, v in c["bandwidth"].items()}
+        self.away = set(c["away"])
+        self.run.worker.slowdown = self.sc.regions[self.me].slowdown * self.slowdown[self.me]
+        if state["rank0"] is not None and self.run.is_leader:
+            self.records[:] = state["rank0"]["records"]
+
+    def _checkpointer(self):
+        run = self.run
+        return RunCheckpointer(run, self.params, self.outer, self.codec, run._checkpoint_fingerprint(),
+                               directory=run._checkpoint_dir(), extra=self._checkpoint_state,
+                               load_extra=self._load_checkpoint_state)  # fmt: skip
+
+    # ---- events.jsonl ----------------------------------------------------------------------------------
+    def _writer(self, took_part: list[int]) -> bool:
+        return self.run.is_leader and self.run.out_dir is not None and min(took_part) == self.me
+
+    def _write_events(self, took_part: list[int]) -> None:
+        """The lowest-numbered live region's leader keeps ``events.jsonl`` (a new writer rewrites it whole)."""
+        if not self._writer(took_part):
+            self.written = -1
+            return
+        path = Path(self.run.out_dir) / "events.jsonl"
+        lines = [json.dumps(r, allow_nan=False) + "\n" for r in self.records]
+        if self.written < 0:
+            tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+            tmp.write_text("".join(lines))
+            os.replace(tmp, path)
+        else:
+            with open(path, "a") as f:
+                f.write("".join(lines[self.written :]))
+        self.written = len(lines)
