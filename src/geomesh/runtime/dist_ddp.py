@@ -105,16 +105,9 @@ def run_ddp(run: RankRun) -> dict[str, Any]:
         run.rounds += 1
         params = {k: p.detach() for k, p in model.named_parameters()}
         run._mark("other")
-        info = {
-            "crc": params_checksum(params), "spans": run._spans, "compute_s": compute_s, "comm_s": comm_s,
-            "wan_bytes": run.transport.wan_bytes - sent_before, "leader": run.is_leader,
-            "proxy_bytes": grad_nbytes if run.is_leader else 0,
-            "dropped_local": int(not finite and run.rank == 0),
-            "wire_bytes": (wire_after - wire_before) if (wire_before is not None and wire_after is not None
-                                                         and run.is_leader) else None,
-            "intra_bytes": run.transport.intra_bytes, "loss": loss,
-        }  # fmt: skip
-        run._spans = []
+        info = run._round_info(params_checksum(params), compute_s, comm_s, sent_before, wire_before, wire_after,
+                               proxy_bytes=grad_nbytes if run.is_leader else 0,
+                               dropped=not finite and run.rank == 0, loss=loss)  # fmt: skip
         infos = run._gather_checked(info, "step", "parameters")
         if run.rank == 0:
             if not finite:
@@ -126,11 +119,4 @@ def run_ddp(run: RankRun) -> dict[str, Any]:
                 run._evaluate(run._now())
     run.global_model.load_state_dict(model.state_dict())  # θ = the replica every rank holds
     run._final_telemetry({k: p.detach() for k, p in model.named_parameters()})
-    return {
-        "payload_bytes_per_worker": grad_nbytes,
-        "proxy_payload_bytes": grad_nbytes,
-        "timing_payload_bytes_per_worker": timing_nbytes,
-        "exchange_s_per_round": run.totals["comm_s"] / max(run.rounds, 1),
-        "shaper_s_per_round": shaper_s,
-        "collective": "all_reduce",
-    }
+    return run._exchange_fields(grad_nbytes, grad_nbytes, timing_nbytes, shaper_s, "all_reduce")

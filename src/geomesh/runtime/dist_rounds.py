@@ -152,16 +152,9 @@ def run_rounds(run: RankRun) -> dict[str, Any]:
             comm_s += overlap.take_waited()
         checksum = params_checksum(params)
         run._mark("other")
-        info = {
-            "crc": checksum, "spans": run._spans, "compute_s": compute_s, "comm_s": comm_s,
-            "wan_bytes": run.transport.wan_bytes - sent_before, "leader": run.is_leader,
-            "proxy_bytes": len(payload) if (payload is not None and run.is_leader) else 0,
-            "dropped_local": int(payload is None and run.is_leader),
-            "wire_bytes": (wire_after - wire_before) if (wire_before is not None and wire_after is not None
-                                                         and run.is_leader) else None,
-            "intra_bytes": run.transport.intra_bytes,
-        }  # fmt: skip
-        run._spans = []
+        info = run._round_info(checksum, compute_s, comm_s, sent_before, wire_before, wire_after,
+                               proxy_bytes=len(payload) if (payload is not None and run.is_leader) else 0,
+                               dropped=payload is None and run.is_leader)  # fmt: skip
         infos = run._gather_checked(info, "round", "global parameters")
         if run.rank == 0:
             run._record_round(infos, names)
@@ -183,12 +176,5 @@ def run_rounds(run: RankRun) -> dict[str, Any]:
                 time.sleep(3600)
             os._exit(17)
     run._final_telemetry(params)
-    return {
-        "payload_bytes_per_worker": wan_nbytes,
-        "proxy_payload_bytes": proxy_payload,
-        "timing_payload_bytes_per_worker": modeled_payload,
-        "exchange_s_per_round": run.totals["comm_s"] / max(run.rounds, 1),
-        "shaper_s_per_round": shaper_s,
-        "collective": method.collective,
-        "overlap": overlap is not None,
-    }
+    return {**run._exchange_fields(wan_nbytes, proxy_payload, modeled_payload, shaper_s, method.collective),
+            "overlap": overlap is not None}

@@ -305,6 +305,33 @@ class RankRun:
             raise RankFailure(f"{unit} {self.rounds}: the ranks hold different {what} ({detail})")
         return infos
 
+    def _round_info(self, crc: str, compute_s: float, comm_s: float, sent_before: int, wire_before: int | None,
+                    wire_after: int | None, proxy_bytes: int, dropped: bool, **more: Any) -> dict[str, Any]:  # fmt: skip
+        """What this rank reports about the round it just finished (to every rank, then rank 0's records);
+        hands over the spans recorded since the last report."""
+        info = {
+            "crc": crc, "spans": self._spans, "compute_s": compute_s, "comm_s": comm_s,
+            "wan_bytes": self.transport.wan_bytes - sent_before, "leader": self.is_leader,
+            "proxy_bytes": proxy_bytes, "dropped_local": int(dropped),
+            "wire_bytes": (wire_after - wire_before) if (wire_before is not None and wire_after is not None
+                                                         and self.is_leader) else None,
+            "intra_bytes": self.transport.intra_bytes, **more,
+        }  # fmt: skip
+        self._spans = []
+        return info
+
+    def _exchange_fields(self, payload_bytes: int, proxy_payload: int, timing_payload: int, shaper_s: float,
+                         collective: str) -> dict[str, Any]:  # fmt: skip
+        """The summary's fields about the exchange, as every loop reports them."""
+        return {
+            "payload_bytes_per_worker": payload_bytes,
+            "proxy_payload_bytes": proxy_payload,
+            "timing_payload_bytes_per_worker": timing_payload,
+            "exchange_s_per_round": self.totals["comm_s"] / max(self.rounds, 1),
+            "shaper_s_per_round": shaper_s,
+            "collective": collective,
+        }
+
     def _final_telemetry(self, params: dict[str, torch.Tensor]) -> None:
         """After the last round: every rank's last spans and θ's checksum to rank 0, which records them."""
         self._mark("other")

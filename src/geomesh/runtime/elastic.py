@@ -542,12 +542,8 @@ class ElasticLoop(ElasticState):
         run.final_checksums = list(checksums.values())
         st = self.stats
         return {
-            "payload_bytes_per_worker": 4 * (self.d + 1) if self.dense else self.proxy_payload,
-            "proxy_payload_bytes": self.proxy_payload,
-            "timing_payload_bytes_per_worker": self.modeled_payload,
-            "exchange_s_per_round": run.totals["comm_s"] / max(run.rounds, 1),
-            "shaper_s_per_round": self._shaper_s(final),
-            "collective": self.method.collective,
+            **run._exchange_fields(4 * (self.d + 1) if self.dense else self.proxy_payload, self.proxy_payload,
+                                   self.modeled_payload, self._shaper_s(final), self.method.collective),
             "status": "complete",
             "world_size": None,
             "ranks_per_region": None,
