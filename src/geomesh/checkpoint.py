@@ -13,8 +13,9 @@ marker does, so a crash or a failed write at any point leaves the previous check
 without a marker, or one whose bytes do not match the marker's hash, is never used. Older checkpoints are
 removed only after a newer one is complete.
 
-What goes into the state is the runtime's business (:mod:`geomesh.runtime.emulated`); this module only
-moves bytes, checks them, estimates sizes and compares run fingerprints. No clock, no training.
+What goes into the state is the runtime's business (:mod:`geomesh.runtime.emulated.checkpoints`, with
+what both runtimes share in :mod:`geomesh.runtime.checkpoint_state`); this module only moves bytes, checks
+them, estimates sizes and compares run fingerprints. No clock, no training.
 """
 
 from __future__ import annotations
