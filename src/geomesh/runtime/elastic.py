@@ -50,7 +50,7 @@ from .. import checkpoint as ckpt
 from ..codec import Manifest
 from ..config import ConfigError
 from ..errors import RunError
-from ..methods.base import payload_key
+from ..methods.base import budget_steps, payload_key
 from ..outer import OuterNesterov
 from ..planner import Plan
 from ..telemetry import Telemetry
@@ -292,9 +292,11 @@ class ElasticLoop(ElasticState):
             steps = {i: entries[i].inner_steps for i in members}
             round_tokens = sum(entries[i].batch * steps[i] for i in members) * self.seq
             remaining = run.budget - run.tokens_done
-            if round_tokens > remaining:  # the last round is shortened (elastic rounds do not fold a remainder yet)
-                steps = {i: max(1, round(h * remaining / round_tokens)) for i, h in steps.items()}
-                round_tokens = sum(entries[i].batch * steps[i] for i in members) * self.seq
+            # the budget in whole rounds, as in the other loops: the last round shortened (rounded up), a remainder
+            # under half a round joined to this one
+            steps = dict(zip(members, budget_steps([steps[i] for i in members], [entries[i].batch for i in members],
+                                                   self.seq, remaining)))  # fmt: skip
+            round_tokens = sum(entries[i].batch * steps[i] for i in members) * self.seq
             planned = {i: entries[i].batch * steps[i] * self.seq for i in members}
             # 2. inner steps
             run._mark("other")
