@@ -21,8 +21,9 @@ import traceback
 import warnings
 from pathlib import Path
 
+from .launcher import REGION_ENV  # this rank's region (set by `geomesh launch`, else here from the layout)
+
 LAUNCHER_ENV = "GEOMESH_LAUNCHER"  # set by `geomesh launch`: the launcher prints the summary
-REGION_ENV = "GEOMESH_REGION"  # this rank's region (set by `geomesh launch`, else here from the layout)
 
 
 def build_parser() -> argparse.ArgumentParser:

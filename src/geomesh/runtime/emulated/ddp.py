@@ -31,9 +31,7 @@ class DdpLoop(EmulatedCore):
         skipped; ``corrupt`` has no payload to damage and is ignored."""
         tr = self.scenario.training
         shared = cluster.workers[0]
-        names = self._names()
         grad_bytes = 4 * self.scenario.timing().params
-        seq = self.scenario.proxy.seq_len
         loop = LoopState(self.scenario)
 
         def remake() -> None:

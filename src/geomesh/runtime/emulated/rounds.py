@@ -37,9 +37,7 @@ class RoundsLoop(EmulatedCore):
         outer = OuterNesterov(params, lr=tr.outer_lr, momentum=tr.outer_momentum)
         proxy_payload = combiner.payload_nbytes()
         modeled_payload = method.modeled_payload_bytes(self.scenario, manifest)
-        names = self._names()
         loop = LoopState(self.scenario)
-        seq = self.scenario.proxy.seq_len
 
         def make_online(live: list[int]) -> OnlinePlanner:
             return OnlinePlanner([cluster.profiles[i] for i in live], method.constraints(self.scenario, len(live)),
