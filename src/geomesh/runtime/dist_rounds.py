@@ -78,15 +78,13 @@ def run_rounds(run: RankRun) -> dict[str, Any]:
         run._t0 = time.perf_counter() - run._cursor  # the clock goes on from the checkpoint's time
         run._say(f"[{method.name}] resumed from the checkpoint of round {run.rounds} ({run._resume_from})")
     while run.tokens_done < run.budget:
-        steps = [w.inner_steps for w in plan.workers]
-        round_tokens = sum(w.batch * h for w, h in zip(plan.workers, steps)) * seq
         remaining = run.budget - run.tokens_done
-        steps = budget_steps(steps, [w.batch for w in plan.workers], seq, remaining)  # as the emulated runtime
-        round_tokens = sum(w.batch * h for w, h in zip(plan.workers, steps)) * seq
+        steps = budget_steps([w.inner_steps for w in plan.workers], [w.batch for w in plan.workers], seq,
+                             remaining)  # as the emulated runtime
         if overlap is not None:  # a remainder too short to hide the exchange joins this round (as emulated)
             steps = fold_remainder(steps, [w.batch for w in plan.workers], seq, remaining,
                                    plan.sequences_per_round * seq, plan.compute_s, plan.exchange_s)  # fmt: skip
-            round_tokens = sum(w.batch * h for w, h in zip(plan.workers, steps)) * seq
+        round_tokens = sum(w.batch * h for w, h in zip(plan.workers, steps)) * seq
         run._mark("other")
         round_start = run._cursor
         wp, h, start = plan.workers[run.region], steps[run.region], run.tokens_done

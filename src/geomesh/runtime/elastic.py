@@ -289,13 +289,11 @@ class ElasticLoop(ElasticState):
                             "members": [self.names[i] for i in members]})  # fmt: skip
                 planned_for = list(members)
             entries = {i: plan.worker(self.names[i]) for i in members}
-            steps = {i: entries[i].inner_steps for i in members}
-            round_tokens = sum(entries[i].batch * steps[i] for i in members) * self.seq
             remaining = run.budget - run.tokens_done
             # the budget in whole rounds, as in the other loops: the last round shortened (rounded up), a remainder
             # under half a round joined to this one
-            steps = dict(zip(members, budget_steps([steps[i] for i in members], [entries[i].batch for i in members],
-                                                   self.seq, remaining)))  # fmt: skip
+            steps = dict(zip(members, budget_steps([entries[i].inner_steps for i in members],
+                                                   [entries[i].batch for i in members], self.seq, remaining)))  # fmt: skip
             round_tokens = sum(entries[i].batch * steps[i] for i in members) * self.seq
             planned = {i: entries[i].batch * steps[i] * self.seq for i in members}
             # 2. inner steps

@@ -169,15 +169,13 @@ class RoundsLoop(EmulatedCore):
             plan, exchange_s = loop.plan, loop.exchange_s
             live = loop.cluster.live()
             entries = [plan.worker(names[i]) for i in live]
-            steps = [w.inner_steps for w in entries]
-            round_tokens = sum(w.batch * h for w, h in zip(entries, steps)) * seq
             remaining = self.budget - self.tokens_done
-            steps = budget_steps(steps, [w.batch for w in entries], seq, remaining)  # the budget, in whole rounds
-            round_tokens = sum(w.batch * h for w, h in zip(entries, steps)) * seq
+            steps = budget_steps([w.inner_steps for w in entries], [w.batch for w in entries], seq,
+                                 remaining)  # the budget, in whole rounds
             if overlap is not None:  # a remainder too short to hide the exchange joins this round
                 steps = fold_remainder(steps, [w.batch for w in entries], seq, remaining, plan.sequences_per_round * seq,
                                        plan.compute_s, plan.exchange_s)  # fmt: skip
-                round_tokens = sum(w.batch * h for w, h in zip(entries, steps)) * seq
+            round_tokens = sum(w.batch * h for w, h in zip(entries, steps)) * seq
             sent: list[tuple[int, bytes]] = []
             compute: dict[int, float] = {}
             failed: dict[int, str] = {}  # worker -> why its update did not count this round
