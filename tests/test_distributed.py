@@ -373,6 +373,66 @@ def test_fsdp_inside_a_region_trains_as_ddp(tmp_path, small_corpus):
     assert_same_params(finals["fsdp"][0], finals["ddp"][0], rtol=1e-4, atol=1e-5)
 
 
+def strategy_runs(tmp_path: Path, small_corpus, method: str, tokens: int, *extra: str,
+                  env: dict[str, str] | None = None, strategies=("ddp", "fsdp"), region1: str = "ddp") -> dict:  # fmt: skip
+    """The same 3-rank launch with region 0 (2 ranks) under each strategy, region 1 one rank (``region1``)."""
+    runs = {}
+    for strategy in strategies:
+        scenario = write_scenario(tmp_path / strategy, small_corpus, ("A100", "T4"), counts=[2, 1])
+        data = yaml.safe_load(scenario.read_text())
+        data["regions"][0]["strategy"] = strategy
+        data["regions"][1]["strategy"] = region1
+        scenario.write_text(yaml.safe_dump(data))
+        out = tmp_path / strategy / "run"
+        result = launch([str(scenario), "--nproc", "3", "--method", method, "--out", str(out), "--tokens",
+                         str(tokens), "--save-params", "--quiet", "--wan", "none", "--timeout", "60", *extra],
+                        env=env)  # fmt: skip
+        runs[strategy] = (result, out, scenario)
+    return runs
+
+
+@pytest.mark.parametrize("method", ["geomesh", "geomesh-overlap"])
+def test_an_fsdp_region_holds_its_shard_of_theta_and_trains_as_ddp(tmp_path, small_corpus, method):
+    """θ and the outer momentum of an fsdp region are sharded like its replica (what the planner's memory model
+    counts): each of its 2 ranks holds half of them, the region's ranks evaluate θ together, and the run ends
+    where the same run with a ddp region ends (1-bit exchange, plain and overlapped: eager starts, rebase)."""
+    runs = strategy_runs(tmp_path, small_corpus, method, 4000)
+    for result, _, _ in runs.values():
+        assert result.code == 0, result.message
+        assert len(set(result.summary["param_checksums"])) == 1
+    ddp, fsdp = runs["ddp"][0].summary, runs["fsdp"][0].summary
+    whole = ddp["outer_state_bytes_per_rank"]
+    assert whole[0] == whole[1] == whole[2] == 2 * 4 * ddp["model_params"]  # θ and momentum, fp32, on every rank
+    sharded = fsdp["outer_state_bytes_per_rank"]
+    assert sharded[0] + sharded[1] == whole[0] and max(sharded[:2]) < 0.6 * whole[0] and sharded[2] == whole[2]
+    assert ddp["rounds"] == fsdp["rounds"] >= 2
+    assert [c[1] for c in fsdp["curve"]] == [c[1] for c in ddp["curve"]]  # an evaluation after every round
+    assert [c[2] for c in fsdp["curve"]] == pytest.approx([c[2] for c in ddp["curve"]], abs=1e-4)
+    assert_same_params(torch.load(runs["fsdp"][1] / "final_params.pt"), torch.load(runs["ddp"][1] / "final_params.pt"),
+                       rtol=1e-4, atol=1e-5)  # fmt: skip
+
+
+@pytest.mark.parametrize("region1", ["ddp", "fsdp"])
+def test_an_fsdp_region_resumes_its_sharded_theta_exactly(tmp_path, small_corpus, region1):
+    """A rank of the fsdp region exits after round 2; ``--resume`` reads the sharded θ, momentum and AdamW state
+    back from the round-2 checkpoint (written whole by the ddp region, or as shards when every region shards)
+    and ends bit-identical to the run that was not interrupted."""
+    ref = strategy_runs(tmp_path / "ref", small_corpus, "geomesh", 5000, strategies=("fsdp",), region1=region1)
+    assert ref["fsdp"][0].code == 0, ref["fsdp"][0].message
+    cut = strategy_runs(tmp_path / "cut", small_corpus, "geomesh", 5000, "--checkpoint-every", "1", region1=region1,
+                        env={"GEOMESH_TEST_EXIT_AFTER_ROUND": "1:2"}, strategies=("fsdp",))["fsdp"]  # fmt: skip
+    ref = ref["fsdp"]
+    assert cut[0].code != 0 and not (cut[1] / "summary.json").exists(), cut[0].message
+    resumed = launch([str(cut[2]), "--nproc", "3", "--method", "geomesh", "--out", str(cut[1]), "--tokens", "5000",
+                      "--save-params", "--quiet", "--wan", "none", "--timeout", "60", "--resume"])  # fmt: skip
+    assert resumed.code == 0, resumed.message
+    assert resumed.summary["rounds"] == ref[0].summary["rounds"] >= 3
+    assert resumed.summary["final_val_loss"] == ref[0].summary["final_val_loss"]
+    want, got = torch.load(ref[1] / "final_params.pt"), torch.load(cut[1] / "final_params.pt")
+    for name in want:
+        assert torch.equal(want[name], got[name]), name
+
+
 def test_ddp_method_refuses_sharded_regions(tmp_path, small_corpus, capsys):
     scenario = write_scenario(tmp_path, small_corpus, ("A100", "T4"), counts=[2, 1])
     data = yaml.safe_load(scenario.read_text())

@@ -17,14 +17,14 @@ import torch
 import yaml
 from conftest import tiny_scenario_dict
 
-from geomesh.config import ConfigError, load_scenario
+from geomesh.config import ConfigError, TrainingConfig, load_scenario
 from geomesh.methods import OuterLoopMethod, get_method
 from geomesh.methods.overlap import (apply_step, eager_estimate, eager_start, eager_weights, fold_remainder,
                                      merge_results, rebase)  # fmt: skip
 from geomesh.outer import OuterNesterov
 from geomesh.runtime.emulated import EmulatedRun, RunError, RunOptions
 from geomesh.telemetry import read_events
-from geomesh.worker import InnerResult
+from geomesh.worker import InnerResult, Worker
 
 TOKENS = 3 * 19360  # 3 full rounds of the tiny scenario's plan (19,360 tokens each)
 
@@ -94,28 +94,23 @@ def test_eager_estimates():
     assert eager_weights({"a": 30, "b": 10}, "equal") == {"a": 0.5, "b": 0.5}
 
 
-class _Replica:
-    """The two methods of a worker that :func:`rebase` uses, on a dict of tensors."""
-
-    def __init__(self, params):
-        self.params = params
-
-    def pseudo_gradient(self, ref):
-        return {k: ref[k] - v for k, v in self.params.items()}
-
-    def load_global(self, g):
-        self.params = {k: v.clone() for k, v in g.items()}
+def _replica(values: list[float]) -> Worker:
+    """A worker whose replica is one weight row (what :func:`rebase` moves)."""
+    model = torch.nn.Linear(3, 1, bias=False)
+    with torch.no_grad():
+        model.weight.copy_(torch.tensor([values]))
+    return Worker("w", model, None, TrainingConfig())
 
 
 def test_rebase_keeps_the_progress_and_moves_it_onto_theta():
-    start = {"w": torch.tensor([1.0, 1.0, 1.0])}
-    replica = _Replica({"w": torch.tensor([1.5, 0.75, 1.0])})  # trained from start
-    theta = {"w": torch.tensor([2.0, -1.0, 0.0])}
+    start = {"weight": torch.tensor([[1.0, 1.0, 1.0]])}
+    replica = _replica([1.5, 0.75, 1.0])  # trained from start
+    theta = {"weight": torch.tensor([[2.0, -1.0, 0.0]])}
     rebase(replica, start, theta)
-    assert torch.equal(replica.params["w"], torch.tensor([2.5, -1.25, 0.0]))
-    untouched = _Replica({"w": start["w"].clone()})  # nothing trained yet: lands exactly on θ
+    assert torch.equal(replica.model.weight.detach(), torch.tensor([[2.5, -1.25, 0.0]]))
+    untouched = _replica([1.0, 1.0, 1.0])  # nothing trained yet: lands exactly on θ
     rebase(untouched, start, theta)
-    assert torch.equal(untouched.params["w"], theta["w"])
+    assert torch.equal(untouched.model.weight.detach(), theta["weight"])
 
 
 def test_a_remainder_too_short_to_hide_the_exchange_joins_the_round():

@@ -97,6 +97,11 @@ class Worker:
         with torch.no_grad():
             return {name: global_params[name] - p.detach() for name, p in self.model.named_parameters()}
 
+    def move_onto(self, start: Tensors, global_params: Tensors) -> None:
+        """Move the steps trained since ``start`` onto ``global_params``: local ← θ − (start − local)."""
+        drift = self.pseudo_gradient(start)
+        self.load_global({name: global_params[name] - d for name, d in drift.items()})
+
     def accumulate_grad(self, batch: int, stream: BatchStream | None = None, weight: float = 1.0) -> tuple[float, int]:
         """Forward/backward ``batch`` sequences into ``.grad`` (``weight`` × the batch mean); returns (loss, tokens).
 

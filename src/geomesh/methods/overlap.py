@@ -106,8 +106,7 @@ def rebase(worker: Worker, start: Tensors, global_params: Tensors) -> None:
     """Move the steps the worker trained since ``start`` onto the new global parameters:
     local ← θ + (local − start) (computed as θ − (start − local), bit-identical). The worker's inner
     optimizer state carries on, as it does across plain rounds."""
-    drift = worker.pseudo_gradient(start)  # start − local (whole tensors, also for a sharded region)
-    worker.load_global({name: global_params[name] - d for name, d in drift.items()})
+    worker.move_onto(start, global_params)  # a sharded region moves each rank's shard (runtime/region.py)
 
 
 def merge_results(first: InnerResult | None, rest: InnerResult) -> InnerResult:

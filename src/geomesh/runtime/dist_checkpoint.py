@@ -9,7 +9,8 @@ are written by the ranks that own them and can be read back by another layout).
 What a rank contributes (flat keys; DCP flattens nested dicts and lists of plain values):
 
 - ``global.params.<name>`` θ and ``global.outer.buf.<name>`` the outer Nesterov momentum (the same on every
-  rank, written once);
+  rank, written once): by the ranks of the regions that hold them whole, or, when every region shards them
+  (``strategy: fsdp``), as region 0's shards; every rank reads them back into its own layout (DCP reshards);
 - ``region.<name>.model`` / ``.optim``: the region's replica and inner AdamW state, through
   ``torch.distributed.checkpoint.state_dict`` (``get_model_state_dict`` / ``get_optimizer_state_dict``,
   which also cover DDP and FSDP2), ``.codec.<tensor>`` the error-feedback residual, ``.stream`` the data
@@ -192,8 +193,10 @@ class RunCheckpointer:
 
         run, worker = self.run, self.run.worker
         reg = self._region_key()
-        state: dict[str, Any] = {f"global.params.{k}": v for k, v in self.params.items()}
-        state.update({f"global.outer.buf.{k}": v for k, v in self.outer.buf.items()})
+        state: dict[str, Any] = {}
+        if run.saves_global:  # one layout of θ per checkpoint: DCP reads it back into any layout
+            state.update({f"global.params.{k}": v for k, v in self.params.items()})
+            state.update({f"global.outer.buf.{k}": v for k, v in self.outer.buf.items()})
         state[f"{reg}.model"] = get_model_state_dict(worker.model)
         if worker.optimizer.state:  # AdamW has state once it stepped
             state[f"{reg}.optim"] = get_optimizer_state_dict(worker.model, worker.optimizer)

@@ -12,7 +12,7 @@ worker then rebases the steps it trained onto θ. Time spent waiting there is ``
 time in flight is an ``exchange`` event (rank 0's view) in ``events.jsonl``. The last round's exchange is
 completed right after the round (:meth:`RankOverlap.drain`): nothing is left to hide it under.
 
-Rank 0 evaluates θ when it is formed, i.e. inside :meth:`arrive`, labelled with the tokens it contains.
+Rank 0 (with a sharded θ, region 0's ranks together) evaluates θ when it is formed, i.e. inside :meth:`arrive`, labelled with the tokens it contains.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from ..methods.overlap import apply_step, eager_start, eager_weights, planned_tokens
+from .region import lay_out_like
 from .transport import split_gathered
 
 Tensors = dict[str, torch.Tensor]
@@ -58,7 +59,8 @@ class RankOverlap:
         payload, before the update in flight is applied; the round's exchange will be in flight."""
         run = self.run
         weights = eager_weights(planned_tokens(plan.workers, steps), self.method.weighting)
-        mine = self.combiner.combine([payload], device=self.device) if payload is not None else None
+        mine = (lay_out_like(self.combiner.combine([payload], device=self.device), self.params)
+                if payload is not None else None)  # fmt: skip
         name = plan.workers[run.region].name
         self.start = eager_start(self.outer, mine, self.last, weights.get(name, 0.0), run.scenario.geomesh.overlap_start)
         self.in_flight_s = exchange_s
@@ -121,7 +123,7 @@ class RankOverlap:
         self.waited_s += run._cursor - waited_from
         self._apply(exchanged)
         self._expect, self._work, self._buffer = False, None, None
-        if run.rank == 0:
+        if run.evaluates:
             every = run.scenario.training.eval_every_rounds
             if run.rounds % every == 0 or run.tokens_done >= run.budget:
                 run._evaluate(run._now())
@@ -142,6 +144,7 @@ class RankOverlap:
             if not payloads:
                 return
             combined = self.combiner.combine(payloads, device=self.device)
+        combined = lay_out_like(combined, self.params)  # each rank's shard of it, where θ is sharded
         self.outer.step(combined)
         self.last = combined
 

@@ -24,6 +24,7 @@ from ..worker import inner_lr
 from .dist_checkpoint import RunCheckpointer
 from .dist_run import STATIC_FAULTS, TEST_EXIT_ENV, RankRun, params_checksum
 from .payloads import CombineOn
+from .region import lay_out_like
 from .transport import WanShaper, split_gathered, tx_bytes
 
 
@@ -60,6 +61,7 @@ def run_rounds(run: RankRun) -> dict[str, Any]:
     shaper_s = shaper.allreduce_s(wan_nbytes) if dense else shaper.allgather_s(wan_nbytes)
     names = [r.name for r in sc.regions]
     seq = sc.proxy.seq_len
+    lay_out = lambda whole: lay_out_like(whole, params)  # noqa: E731 - updates land as θ is held (sharded or whole)
     overlap = None  # the overlapped round (runtime/dist_overlap.py, docs/overlap.md)
     if method.overlapped(sc):
         from .dist_overlap import RankOverlap
@@ -138,11 +140,12 @@ def run_rounds(run: RankRun) -> dict[str, Any]:
         elif dense:
             if float(exchanged[d]) > 0:
                 flat = exchanged[:d].div(exchanged[d])
-                outer.step({s.name: flat[o : o + s.numel].view(s.shape)
-                            for s, o in zip(manifest, manifest.offsets)})  # fmt: skip
+                outer.step(lay_out({s.name: flat[o : o + s.numel].view(s.shape)
+                                    for s, o in zip(manifest, manifest.offsets)}))  # fmt: skip
         else:
             slots = split_gathered(exchanged, proxy_payload)
-            method.apply([p for p in slots if p is not None], CombineOn(combiner, run.device), outer)
+            method.apply([p for p in slots if p is not None], CombineOn(combiner, run.device, lay_out),
+                         outer)  # fmt: skip
         run.tokens_done += round_tokens
         run.rounds += 1
         if overlap is not None and run.tokens_done >= run.budget:
@@ -156,8 +159,9 @@ def run_rounds(run: RankRun) -> dict[str, Any]:
         infos = run._gather_checked(info, "round", "global parameters")
         if run.rank == 0:
             run._record_round(infos, names)
-            if overlap is None and (run.rounds % tr.eval_every_rounds == 0 or run.tokens_done >= run.budget):
-                run._evaluate(run._now())  # (overlapped: evaluated when the update arrives)
+        if run.evaluates and overlap is None and (run.rounds % tr.eval_every_rounds == 0
+                                                  or run.tokens_done >= run.budget):  # fmt: skip
+            run._evaluate(run._now())  # (overlapped: evaluated when the update arrives)
         if saver is not None and every > 0 and run.rounds % every == 0:
             run._mark("other")
             run.transport.op = f"writing the checkpoint of round {run.rounds}"
@@ -173,6 +177,6 @@ def run_rounds(run: RankRun) -> dict[str, Any]:
             while hang:
                 time.sleep(3600)
             os._exit(17)
-    run._final_telemetry(params)
+    run._final_telemetry(params, outer.buf)
     return {**run._exchange_fields(wan_nbytes, proxy_payload, modeled_payload, shaper_s, method.collective),
             "overlap": overlap is not None}

@@ -32,7 +32,7 @@ from .checkpoint_state import truncate_events
 from .dist_checkpoint import DistCheckpointError, check_resume, fingerprint
 from .layout import rank_layout, region_layout
 from .options import DistOptions, checkpoint_cadence, prepare_run_dir, resolve_run
-from .region import RegionWorker, build_training
+from .region import RegionWorker, build_training, is_sharded, local_bytes, reshard, shard_region
 from .summary import build_summary
 from .transport import Transport
 
@@ -62,10 +62,11 @@ def check_distributed_support(scenario: ScenarioConfig, method: Method) -> None:
 
 
 def params_checksum(params: dict[str, torch.Tensor], samples: int = 4096) -> str:
-    """crc32 of about ``samples`` strided elements of every tensor (bit-exact agreement, cheap at any size)."""
+    """crc32 of about ``samples`` strided elements of every tensor (bit-exact agreement, cheap at any size).
+    A sharded θ is gathered one tensor at a time: every rank of its region must call this together."""
     crc = 0
     for name, p in params.items():
-        flat = p.detach().reshape(-1)
+        flat = (p.full_tensor() if is_sharded(p) else p).detach().reshape(-1)
         step = max(1, flat.numel() // samples)
         crc = zlib.crc32(name.encode(), crc)
         crc = zlib.crc32(flat[::step].to("cpu", torch.float32).contiguous().numpy().tobytes(), crc)
@@ -115,6 +116,9 @@ class RankRun:
         self.rounds = 0
         self.plans: list[Plan] = []
         self.global_model = None
+        self.sharded_global = False  # θ and the outer momentum sharded over this FSDP region's ranks
+        self.saves_global = True  # this rank writes θ and the outer momentum into checkpoints
+        self.evaluates = self.rank == 0  # the ranks that run evaluations of θ (rank 0 records them)
         self._t0 = time.perf_counter()
         self._cursor = 0.0
         self._spans: list[tuple[str, float, float, int]] = []
@@ -199,7 +203,15 @@ class RankRun:
                                    group=self.shard_group, size=len(self.region_ranks),
                                    index=self.region_ranks.index(self.rank), slowdown=region.slowdown,
                                    strategy=region.strategy)  # fmt: skip
-        if self.rank == 0:
+        # θ sharded like the replica in fsdp regions (a joining elastic region receives θ whole: elastic runs keep
+        # it whole); a checkpoint holds one layout of θ: the whole one where a region has it, else region 0's
+        sharded = [r.strategy == "fsdp" and self.options.elastic_region is None for r in sc.regions]
+        self.saves_global = not sharded[self.region] if not all(sharded) else self.region == 0
+        if sharded[self.region]:
+            shard_region(self.global_model, self.worker.mesh)
+            self.sharded_global = True
+            self.evaluates = self.region == 0  # FSDP's forward of θ needs every rank of the region
+        if self.evaluates:
             vx, vy = corpus.val_batches(sc.proxy.seq_len, tr.eval_sequences)
             self.val_x, self.val_y = vx.to(self.device), vy.to(self.device)
             self.corpus = corpus  # for the zero-shot evaluation at the end
@@ -254,15 +266,21 @@ class RankRun:
                 attach_logging(self)
             extra = self._run_loop()
             summary = None
-            if self.rank == 0 and self.writes_summary:
+            if self.evaluates and self.writes_summary:  # (a sharded θ: the ranks of region 0 together)
                 sc = self.scenario
                 extra["zero_shot"] = heldout_zero_shot(self.global_model, self.corpus, sc.proxy.seq_len,
                                                        sc.training.zero_shot_items)  # fmt: skip
+                if self.sharded_global:
+                    reshard(self.global_model)
+                state = None
+                if self.out_dir is not None and self.options.save_params:
+                    state = {k: (v.full_tensor() if is_sharded(v) else v).detach().cpu().clone()
+                             for k, v in self.global_model.state_dict().items()}  # fmt: skip
+            if self.rank == 0 and self.writes_summary:
                 summary = self._summary(extra, time.perf_counter() - started)
                 if self.out_dir is not None:
                     write_json_atomic(self.out_dir / "summary.json", summary)
-                    if self.options.save_params:
-                        state = {k: v.detach().cpu().clone() for k, v in self.global_model.state_dict().items()}
+                    if state is not None:
                         torch.save(state, self.out_dir / "final_params.pt")
             self.transport.barrier(None, what="the final barrier")
             return summary
@@ -276,7 +294,11 @@ class RankRun:
     # ---- what every loop does at its start and end, and after each round ---------------------------
     def _start_records(self, plan: Plan) -> None:
         """Rank 0 of a run that does not resume: the ``run`` and first ``plan`` records, the evaluation at 0."""
-        if self.rank != 0 or self._resume_from is not None:
+        if self._resume_from is not None:
+            return
+        if self.rank != 0:
+            if self.evaluates:  # a rank of region 0 that shares a sharded θ's evaluation
+                self._evaluate(0.0)
             return
         sc, model = self.scenario, self.global_model
         self.telemetry.emit({
@@ -332,10 +354,13 @@ class RankRun:
             "collective": collective,
         }
 
-    def _final_telemetry(self, params: dict[str, torch.Tensor]) -> None:
-        """After the last round: every rank's last spans and θ's checksum to rank 0, which records them."""
+    def _final_telemetry(self, params: dict[str, torch.Tensor], outer_buf: dict[str, torch.Tensor] | None = None
+                         ) -> None:  # fmt: skip
+        """After the last round: every rank's last spans, θ's checksum and the bytes of θ and outer momentum
+        it holds to rank 0, which records them."""
         self._mark("other")
-        final = {"spans": self._spans, "crc": params_checksum(params)}
+        final = {"spans": self._spans, "crc": params_checksum(params),
+                 "outer_bytes": None if outer_buf is None else local_bytes(params) + local_bytes(outer_buf)}  # fmt: skip
         infos = self.transport.all_gather_object(final, what="the final telemetry")
         self._spans = []
         if self.rank == 0:
@@ -344,6 +369,7 @@ class RankRun:
                 self._write_spans(names[self.layout.region_of(r)], i["spans"])
             self._end_s = self._now()
             self.final_checksums = [i["crc"] for i in infos]
+            self.outer_state_bytes = [i["outer_bytes"] for i in infos] if outer_buf is not None else None
 
     # ---- checkpoints (runtime/dist_checkpoint.py) ---------------------------------------------------
     def _checkpoint_fingerprint(self) -> dict[str, Any]:
@@ -411,7 +437,10 @@ class RankRun:
         self.telemetry.emit(record)
 
     def _evaluate(self, at: float) -> float:
+        """Validation loss of θ, recorded by rank 0; every rank with :attr:`evaluates` calls it together."""
         loss = evaluate(self.global_model, self.val_x, self.val_y)
+        if self.sharded_global:
+            reshard(self.global_model)
         self.telemetry.evaluation(at, self.tokens_done, self.rounds, loss)
         self._say(f"[{self.method.name}] round {self.rounds} tokens {self.tokens_done:,} "
                   f"t={at:.1f}s val_loss {loss:.4f}")  # fmt: skip
@@ -449,6 +478,8 @@ class RankRun:
                 "intra_region_bytes": t["intra_region_bytes"],
                 "control_bytes": self.transport.control_bytes,
                 "param_checksums": self.final_checksums,  # per rank: crc32 of strided samples of θ at the end
+                # per rank: bytes of θ and the outer momentum it holds (1/size of them in an fsdp region)
+                "outer_state_bytes_per_rank": getattr(self, "outer_state_bytes", None),
             },
             extra=extra,
         )  # fmt: skip

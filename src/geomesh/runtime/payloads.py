@@ -4,7 +4,7 @@ combined (:func:`screen_payload`), and combine them where θ lives (:class:`Comb
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable  # noqa: UP035
 
 import torch
 
@@ -22,10 +22,13 @@ def screen_payload(codec: Any, payload: bytes) -> str | None:
 
 
 class CombineOn:
-    """A codec whose ``combine`` lands on ``device``, where θ and the outer optimizer live (fp32 there)."""
+    """A codec whose ``combine`` lands on ``device``, where θ and the outer optimizer live (fp32 there), laid
+    out by ``lay_out`` as θ is held (the distributed runtime: each rank's shard of a sharded θ)."""
 
-    def __init__(self, codec: Any, device: torch.device):
-        self.codec, self.device = codec, device
+    def __init__(self, codec: Any, device: torch.device,
+                 lay_out: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None):  # fmt: skip
+        self.codec, self.device, self.lay_out = codec, device, lay_out
 
     def combine(self, payloads: list[bytes]) -> dict[str, torch.Tensor]:
-        return self.codec.combine(payloads, device=self.device)
+        combined = self.codec.combine(payloads, device=self.device)
+        return self.lay_out(combined) if self.lay_out is not None else combined

@@ -10,8 +10,13 @@ region's ranks share it.
 - :class:`RegionWorker` is a :class:`~geomesh.worker.Worker` whose region spans ``size`` ranks, with the
   region's ``strategy``: ``ddp`` (a full replica per rank, gradients all-reduced over the region's group) or
   ``fsdp`` (FSDP2 ``fully_shard`` over the region's group: parameters, gradients and AdamW state sharded).
-  Either way the region computes the emulated worker's gradient (up to float summation order). The global
-  parameters θ stay whole (fp32) on every rank; FSDP shards only the replica that trains.
+  Either way the region computes the emulated worker's gradient (up to float summation order).
+- The global parameters θ and the outer momentum: whole (fp32) on every rank of a ``ddp`` region; in an
+  ``fsdp`` region they are sharded like the replica (:func:`shard_region` on the global model too, so each
+  rank keeps 1/size of them, as the planner's memory model counts them). The outer step is elementwise, so
+  each rank steps its own shard; the payload's pseudo-gradient and the combined update are whole only in
+  passing (:meth:`RegionWorker.pseudo_gradient`, :func:`lay_out_like`), and evaluating θ runs on the region's
+  ranks together (FSDP's forward). Elastic runs keep θ whole (a joining region receives it whole).
 """
 
 from __future__ import annotations
@@ -69,21 +74,58 @@ def build_training(scenario: ScenarioConfig, region: int, seed: int, device: tor
     return RegionTraining(corpus, global_model.to(device), replica.to(device), stream, name)
 
 
-def shard_region(model: torch.nn.Module, group: Any, device: torch.device) -> None:
+def region_mesh(group: Any, device: torch.device) -> Any:
+    """The one-dimensional device mesh of the region's ranks (one object for the replica and θ, so their
+    shards are DTensors of the same mesh)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    return DeviceMesh.from_group(group, device.type)
+
+
+def shard_region(model: torch.nn.Module, mesh: Any) -> None:
     """FSDP2 over the region's ranks: each transformer block is its own unit (all-gathered for its forward
     and backward, resharded after), the rest (embeddings, final norm) the root unit."""
-    from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
 
-    mesh = DeviceMesh.from_group(group, device.type)
     for block in transformer_blocks(model):
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
 
 
+def reshard(model: torch.nn.Module) -> None:
+    """Free the gathered parameters FSDP keeps after a forward without backward (an evaluation): the next
+    forward gathers the current shards again."""
+    for module in model.modules():
+        if hasattr(module, "reshard") and hasattr(module, "unshard"):
+            module.reshard()
+
+
+def is_sharded(t: torch.Tensor) -> bool:
+    return hasattr(t, "to_local")  # a DTensor (an FSDP shard)
+
+
 def _local(p: torch.Tensor) -> torch.Tensor:
     """This rank's part of a parameter (its FSDP shard, or all of it)."""
-    return p.to_local() if hasattr(p, "to_local") else p
+    return p.to_local() if is_sharded(p) else p
+
+
+def local_bytes(tensors: Tensors) -> int:
+    """Bytes of ``tensors`` this rank holds (its shards of sharded ones)."""
+    return sum(_local(t).numel() * t.element_size() for t in tensors.values())
+
+
+def lay_out_like(tensors: Tensors, like: Tensors) -> Tensors:
+    """Whole tensors (the same on every rank) laid out as ``like`` holds θ: this rank's shard where θ is
+    sharded (taken locally, no communication), unchanged where it is whole."""
+    from torch.distributed.tensor import distribute_tensor
+
+    out = {}
+    for name, t in tensors.items():
+        ref = like[name]
+        if is_sharded(ref) and not is_sharded(t):
+            t = distribute_tensor(t.to(ref.dtype), ref.device_mesh, ref.placements, src_data_rank=None)
+        out[name] = t
+    return out
 
 
 class RegionWorker(Worker):
@@ -95,8 +137,10 @@ class RegionWorker(Worker):
         # FSDP needs the group it shards over; a region of one rank may shard too (sharding over one GPU still
         # runs FSDP2's bf16/DTensor code path, as a single-GPU check does)
         self.strategy = strategy if group is not None else "ddp"
+        self.mesh = None
         if self.strategy == "fsdp":
-            shard_region(model, group, device)  # before the optimizer is made: it holds the shards' state
+            self.mesh = region_mesh(group, device)
+            shard_region(model, self.mesh)  # before the optimizer is made: it holds the shards' state
         super().__init__(name, model, stream, cfg)
         self.device = device
         self.group = group
@@ -124,18 +168,24 @@ class RegionWorker(Worker):
     def load_global(self, global_params: Tensors) -> None:
         if not self.sharded:
             return super().load_global(global_params)
-        from torch.distributed.tensor import distribute_tensor
-
-        with torch.no_grad():
-            for name, p in self.model.named_parameters():
-                # every rank holds the whole θ: each takes its own shard without any communication
-                p.copy_(distribute_tensor(global_params[name], p.device_mesh, p.placements, src_data_rank=None))
+        params = dict(self.model.named_parameters())
+        with torch.no_grad():  # a whole θ: each rank takes its own shard without any communication
+            for name, v in lay_out_like(global_params, params).items():
+                params[name].copy_(v)
 
     def pseudo_gradient(self, global_params: Tensors) -> Tensors:
         if not self.sharded:
             return super().pseudo_gradient(global_params)
-        with torch.no_grad():  # the whole Δ on every rank of the region (an all-gather per parameter)
-            return {name: global_params[name] - p.full_tensor() for name, p in self.model.named_parameters()}
+        with torch.no_grad():  # the whole Δ on every rank of the region, one parameter's all-gather at a time
+            return {name: (global_params[name] - p).full_tensor() if is_sharded(global_params[name])
+                    else global_params[name] - p.full_tensor() for name, p in self.model.named_parameters()}  # fmt: skip
+
+    def move_onto(self, start: Tensors, global_params: Tensors) -> None:
+        if not (self.sharded and is_sharded(next(iter(global_params.values())))):
+            return super().move_onto(start, global_params)
+        with torch.no_grad():  # shard by shard: local ← θ − (start − local), as the whole-tensor formula
+            for name, p in self.model.named_parameters():
+                p.copy_(global_params[name] - (start[name] - p))
 
     def accumulate_grad(self, batch: int, stream: BatchStream | None = None, weight: float = 1.0) -> tuple[float, int]:
         if self.size == 1 and self.device.type == "cpu":
