@@ -249,30 +249,57 @@ def test_planner_stretches_a_round_to_the_exchange_it_hides(tmp_path, small_corp
 # ---- refusals ------------------------------------------------------------------------------------------
 
 
-def test_overlap_with_checkpoints_is_refused(tmp_path, small_corpus, capsys):
+def test_overlap_refusals(tmp_path, small_corpus, capsys):
     data = tiny_scenario_dict(small_corpus)
     data["geomesh"]["overlap"] = True
-    data["reliability"] = {"checkpoint_every_rounds": 2}
+    data["reliability"] = {"min_regions": 2}
     path = tmp_path / "bad.yaml"
     path.write_text(yaml.safe_dump(data))
-    with pytest.raises(ConfigError, match="checkpoint_every_rounds"):
+    with pytest.raises(ConfigError, match="min_regions"):  # elastic quorums are per round
         load_scenario(path)
     with pytest.raises(ConfigError, match="overlap_start"):
         load_scenario(write(tmp_path / "start", small_corpus), {"geomesh.overlap_start": "eager"})
-    good = write(tmp_path / "good", small_corpus)
-    with pytest.raises(RunError, match="overlap"):
-        EmulatedRun(load_scenario(good), get_method("geomesh-overlap"),
-                    RunOptions(out_dir=tmp_path / "r", checkpoint_every=1, progress=False))  # fmt: skip
-    from geomesh.cli import main
-
-    code = main(["train", str(good), "--method", "geomesh-overlap", "--out", str(tmp_path / "c"),
-                 "--checkpoint-every", "1", "--quiet"])  # fmt: skip
-    err = capsys.readouterr().err.strip().splitlines()
-    assert code == 2 and len(err) == 1 and err[0].startswith("error: ") and "overlap" in err[0]
     from geomesh.api import GeoMeshSync
 
     with pytest.raises(ConfigError, match="plain rounds"):  # the library API for your own loop runs plain rounds
         GeoMeshSync(torch.nn.Linear(2, 2), method="geomesh-overlap", batch_size=2, inner_steps=2)
+
+
+def test_a_checkpoint_waits_for_the_exchange_and_resumes_bit_identical(tmp_path, small_corpus, monkeypatch):
+    """A checkpoint holds no exchange in flight: the round before it waits for its exchange (one exchange of
+    WAN wait per checkpoint) and the next round starts from θ. A run interrupted after its checkpoint resumes to
+    the very run (summary and events byte for byte) that was never interrupted."""
+    from geomesh.runtime.overlap import EmulatedOverlap
+    from test_reliability import assert_same_run
+
+    path = write(tmp_path, small_corpus)
+    tokens = 5 * 19360  # 5 rounds: checkpoints after rounds 2 and 4
+    plain, _ = run(path, "geomesh-overlap", tmp_path / "plain", tokens=tokens)
+    ref, _ = run(path, "geomesh-overlap", tmp_path / "ref", tokens=tokens, checkpoint_every=2)
+    assert ref["rounds"] == plain["rounds"] == 5
+    exchange = ref["exchange_s_per_round"]
+    for name, totals in ref["per_worker"].items():  # drained after rounds 2 and 4, and the last round's
+        assert totals["comm_wait"] == pytest.approx(3 * exchange, rel=1e-6)
+        assert plain["per_worker"][name]["comm_wait"] == pytest.approx(exchange, rel=1e-6)
+
+    original = EmulatedOverlap.spans
+
+    def crash_in_round_4(self, run_, compute, exchange_s):
+        if run_.rounds == 3:
+            raise KeyboardInterrupt
+        return original(self, run_, compute, exchange_s)
+
+    monkeypatch.setattr(EmulatedOverlap, "spans", crash_in_round_4)
+    with pytest.raises(KeyboardInterrupt):
+        run(path, "geomesh-overlap", tmp_path / "cut", tokens=tokens, checkpoint_every=2)
+    monkeypatch.undo()
+    assert not (tmp_path / "cut" / "summary.json").exists()
+    resumed = EmulatedRun(load_scenario(path), get_method("geomesh-overlap"),
+                          RunOptions(out_dir=tmp_path / "cut", tokens=tokens, progress=False, resume=True,
+                                     checkpoint_every=2, workers_parallel=1))  # fmt: skip
+    assert resumed.resumed_from == 2
+    resumed.run()
+    assert_same_run(tmp_path / "cut", tmp_path / "ref")
 
 
 # ---- the distributed runtime ---------------------------------------------------------------------------
@@ -304,13 +331,29 @@ def test_distributed_overlap_equals_emulated_and_every_rank_agrees(tmp_path, sma
     assert sum(e["type"] == "eval" for e in events) == summary["rounds"] + 1  # θ_0, then each update
 
 
-def test_distributed_overlap_refuses_checkpoints(tmp_path, small_corpus):
+def test_distributed_overlap_checkpoints_equal_emulated_and_resume_exactly(tmp_path, small_corpus):
+    """--checkpoint-every 2 with overlap: the exchange before each checkpoint is waited for as in the emulated
+    runtime (same parameters), and a run whose rank exits after round 3 resumes from round 2 bit for bit."""
     from test_distributed import launch
 
     path = write(tmp_path, small_corpus)
-    result = launch([str(path), "--nproc", "3", "--method", "geomesh-overlap", "--out", str(tmp_path / "r"),
-                     "--checkpoint-every", "1", "--quiet", "--timeout", "60", "--wan", "none"])  # fmt: skip
-    assert result.code != 0 and "overlap" in result.message and "\n" not in result.message.strip()
+    tokens = 5 * 19360
+    argv = [str(path), "--nproc", "3", "--method", "geomesh-overlap", "--tokens", str(tokens), "--save-params",
+            "--quiet", "--timeout", "60", "--wan", "none", "--checkpoint-every", "2"]  # fmt: skip
+    ref = launch([*argv, "--out", str(tmp_path / "ref")])
+    assert ref.code == 0, ref.message
+    _, params = run(path, "geomesh-overlap", tmp_path / "emulated", tokens=tokens, checkpoint_every=2)
+    final = torch.load(tmp_path / "ref" / "final_params.pt")
+    for k, v in params.items():
+        torch.testing.assert_close(final[k], v, rtol=1e-5, atol=1e-6)
+    cut = launch([*argv, "--out", str(tmp_path / "cut")], env={"GEOMESH_TEST_EXIT_AFTER_ROUND": "1:3"})
+    assert cut.code != 0 and not (tmp_path / "cut" / "summary.json").exists()
+    resumed = launch([*argv, "--out", str(tmp_path / "cut"), "--resume"])
+    assert resumed.code == 0, resumed.message
+    assert resumed.summary["final_val_loss"] == ref.summary["final_val_loss"]
+    got = torch.load(tmp_path / "cut" / "final_params.pt")
+    for k, v in final.items():
+        assert torch.equal(got[k], v), k
 
 
 def test_regions_of_two_ranks_share_the_overlapped_update(tmp_path, small_corpus):

@@ -473,10 +473,7 @@ def validate(cfg: ScenarioConfig) -> ScenarioConfig:
     _require(0 <= g.replan_smoothing < 1, "geomesh.replan_smoothing", g.replan_smoothing, "expected [0, 1)")
     _require(g.overlap_start in ("own", "mixture", "stale"), "geomesh.overlap_start", g.overlap_start,
              "expected 'own', 'mixture' or 'stale'")  # fmt: skip
-    if g.overlap:  # the in-flight exchange is not part of a checkpoint, nor of an elastic quorum
-        _require(cfg.reliability.checkpoint_every_rounds == 0, "reliability.checkpoint_every_rounds",
-                 cfg.reliability.checkpoint_every_rounds, "expected 0 with geomesh.overlap: true (an overlapped "
-                 "round's exchange is in flight at every round boundary and is not checkpointed)")  # fmt: skip
+    if g.overlap:  # the in-flight exchange is not part of an elastic quorum (checkpoints wait for it)
         _require(cfg.reliability.min_regions == 0, "reliability.min_regions", cfg.reliability.min_regions,
                  "expected 0 with geomesh.overlap: true (elastic regions join a quorum per round; an "
                  "overlapped exchange spans two rounds)")  # fmt: skip

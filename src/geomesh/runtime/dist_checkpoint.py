@@ -11,6 +11,8 @@ What a rank contributes (flat keys; DCP flattens nested dicts and lists of plain
 - ``global.params.<name>`` θ and ``global.outer.buf.<name>`` the outer Nesterov momentum (the same on every
   rank, written once): by the ranks of the regions that hold them whole, or, when every region shards them
   (``strategy: fsdp``), as region 0's shards; every rank reads them back into its own layout (DCP reshards);
+  with overlap also ``global.overlap.last.<name>``, the last combined update (the exchange in flight is
+  waited for before a checkpoint, so nothing else of the overlapped round is pending);
 - ``region.<name>.model`` / ``.optim``: the region's replica and inner AdamW state, through
   ``torch.distributed.checkpoint.state_dict`` (``get_model_state_dict`` / ``get_optimizer_state_dict``,
   which also cover DDP and FSDP2), ``.codec.<tensor>`` the error-feedback residual, ``.stream`` the data
@@ -178,10 +180,12 @@ class RunCheckpointer:
     this rank's encoder (its error-feedback residual)."""
 
     def __init__(self, run, params: dict[str, torch.Tensor], outer, codec, fp: dict[str, Any],
-                 directory: Path | None = None, extra=None, load_extra=None):  # fmt: skip
+                 directory: Path | None = None, extra=None, load_extra=None, overlap=None):  # fmt: skip
         """``extra()`` returns ``{"common": ..., "rank0": ...}`` (plain JSON values: a loop's own state, the
-        same on every rank / rank 0's only) and ``load_extra(that)`` restores it (elastic regions)."""
+        same on every rank / rank 0's only) and ``load_extra(that)`` restores it (elastic regions). ``overlap``:
+        the overlapped round's state (its last combined update; nothing is in flight at a checkpoint)."""
         self.run, self.params, self.outer, self.codec, self.fp = run, params, outer, codec, fp
+        self.overlap = overlap
         self.directory = directory or ckpt.checkpoint_dir(run.out_dir)
         self.extra, self.load_extra = extra, load_extra
 
@@ -197,6 +201,8 @@ class RunCheckpointer:
         if run.saves_global:  # one layout of θ per checkpoint: DCP reads it back into any layout
             state.update({f"global.params.{k}": v for k, v in self.params.items()})
             state.update({f"global.outer.buf.{k}": v for k, v in self.outer.buf.items()})
+            if self.overlap is not None and self.overlap.last is not None:
+                state.update({f"global.overlap.last.{k}": v for k, v in self.overlap.last.items()})
         state[f"{reg}.model"] = get_model_state_dict(worker.model)
         if worker.optimizer.state:  # AdamW has state once it stepped
             state[f"{reg}.optim"] = get_optimizer_state_dict(worker.model, worker.optimizer)
@@ -241,6 +247,8 @@ class RunCheckpointer:
         for k, v in self.params.items():
             if f"global.outer.buf.{k}" in keys:
                 state[f"global.outer.buf.{k}"] = torch.zeros_like(v)
+            if f"global.overlap.last.{k}" in keys:
+                state[f"global.overlap.last.{k}"] = torch.zeros_like(v)
         state[f"{reg}.model"] = get_model_state_dict(worker.model)
         has_optim = any(k.startswith(f"{reg}.optim.") for k in keys)
         if has_optim:  # a fresh AdamW gets its state's shape (lr 0, zero gradients) to be loaded into
@@ -262,6 +270,8 @@ class RunCheckpointer:
         with torch.no_grad():
             self.outer.buf = {k: state[f"global.outer.buf.{k}"] for k in self.params
                               if f"global.outer.buf.{k}" in state}  # fmt: skip
+            if self.overlap is not None and f"global.overlap.last.{next(iter(self.params))}" in state:
+                self.overlap.last = {k: state[f"global.overlap.last.{k}"] for k in self.params}
         set_model_state_dict(worker.model, state[f"{reg}.model"])
         if has_optim:
             set_optimizer_state_dict(worker.model, worker.optimizer, state[f"{reg}.optim"])

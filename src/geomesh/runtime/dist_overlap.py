@@ -123,6 +123,7 @@ class RankOverlap:
         self.waited_s += run._cursor - waited_from
         self._apply(exchanged)
         self._expect, self._work, self._buffer = False, None, None
+        self.in_flight_s = 0.0  # (this round's apply step is taken; a round after a drain starts from θ)
         if run.evaluates:
             every = run.scenario.training.eval_every_rounds
             if run.rounds % every == 0 or run.tokens_done >= run.budget:
@@ -149,7 +150,8 @@ class RankOverlap:
         self.last = combined
 
     def drain(self) -> None:
-        """The last round's exchange: nothing is left to hide it under, so wait for it now."""
+        """Wait for the exchange in flight now: the last round's (nothing is left to hide it under), or one a
+        checkpoint must not hold (the next round then starts from θ, as a plain round)."""
         self.arrive(before="other")
 
     def take_waited(self) -> float:

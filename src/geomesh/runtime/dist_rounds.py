@@ -73,7 +73,7 @@ def run_rounds(run: RankRun) -> dict[str, Any]:
     every, keep = run._checkpoint_cadence()
     saver = None
     if every > 0 or run._resume_from is not None:
-        saver = RunCheckpointer(run, params, outer, codec, run._checkpoint_fingerprint())
+        saver = RunCheckpointer(run, params, outer, codec, run._checkpoint_fingerprint(), overlap=overlap)
     if run._resume_from is not None:
         saver.restore(Path(run._resume_from))
         plan = run.plans[-1]
@@ -148,8 +148,10 @@ def run_rounds(run: RankRun) -> dict[str, Any]:
                          outer)  # fmt: skip
         run.tokens_done += round_tokens
         run.rounds += 1
-        if overlap is not None and run.tokens_done >= run.budget:
-            overlap.drain()  # the last round's exchange: nothing is left to hide it under
+        checkpoint_due = saver is not None and every > 0 and run.rounds % every == 0
+        if overlap is not None and (run.tokens_done >= run.budget or checkpoint_due):
+            # the last round's exchange (nothing is left to hide it under), or one a checkpoint must not hold
+            overlap.drain()
             comm_s += overlap.take_waited()
         checksum = params_checksum(params)
         run._mark("other")
@@ -162,7 +164,7 @@ def run_rounds(run: RankRun) -> dict[str, Any]:
         if run.evaluates and overlap is None and (run.rounds % tr.eval_every_rounds == 0
                                                   or run.tokens_done >= run.budget):  # fmt: skip
             run._evaluate(run._now())  # (overlapped: evaluated when the update arrives)
-        if saver is not None and every > 0 and run.rounds % every == 0:
+        if checkpoint_due:
             run._mark("other")
             run.transport.op = f"writing the checkpoint of round {run.rounds}"
             try:

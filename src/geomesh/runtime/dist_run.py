@@ -254,10 +254,10 @@ class RankRun:
                                "distributed runtime (round-based methods are)")  # fmt: skip
             if isinstance(self.method, OuterLoopMethod) and self.method.overlapped(self.scenario):
                 o = self.options
-                if o.checkpoint_every or o.resume or o.elastic_region is not None or o.min_regions:
-                    raise RunError(f"{self.method.name} with overlap: checkpoints, --resume and elastic regions are "
-                                   "not supported (an overlapped round's exchange is still in flight at every round "
-                                   "boundary); run without them")  # fmt: skip
+                if o.elastic_region is not None or o.min_regions:
+                    raise RunError(f"{self.method.name} with overlap: elastic regions are not supported (a quorum "
+                                   "is formed per round; an overlapped exchange spans two rounds); run without "
+                                   "--min-regions")  # fmt: skip
             self._resume_from = self._prepare_resume() if self.options.resume else None
             self._setup()
             if self.rank == 0:  # the scenario's TensorBoard / W&B sinks, on the rank that writes the records

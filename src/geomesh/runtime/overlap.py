@@ -120,10 +120,19 @@ class EmulatedOverlap:
         return length
 
     def drain(self, run: Any, live: list[int]) -> float:
-        """The last round's exchange, which no round hides: every live worker waits for it (``comm_wait``);
+        """The exchange in flight, waited for by every live worker (``comm_wait``): the last round's, which no
+        round hides, or one before a checkpoint (the next round then starts from θ, as a plain round);
         returns its length."""
         tail, t0 = self.in_flight_s, run.clock
         for i, name in enumerate(run._names()):
             run.telemetry.span(name, "comm_wait" if i in live else "other", t0, t0 + tail, run.rounds)
         self.in_flight_s = 0.0
         return tail
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint keeps (taken after :meth:`drain`, or after the last round): the last combined
+        update (``mixture`` starts, a dropped worker's estimate) and the exchange still in flight."""
+        return {"last": self.last, "in_flight_s": self.in_flight_s}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.last, self.in_flight_s = state["last"], float(state["in_flight_s"])

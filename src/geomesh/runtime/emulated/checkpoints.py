@@ -51,8 +51,12 @@ class EmulatedCheckpoints:
         residual = isinstance(m, OuterLoopMethod) and m.codec == "sign" and self.scenario.geomesh.error_feedback
         return ckpt.estimate_bytes(numel, len(self.scenario.regions), residual)
 
+    def _checkpoint_due(self) -> bool:
+        """Whether the round that just ended writes a checkpoint."""
+        return self.out_dir is not None and self.checkpoint_every > 0 and self.rounds % self.checkpoint_every == 0
+
     def _maybe_checkpoint(self, state: Callable[[], dict[str, Any]]) -> None:
-        if self.out_dir is None or self.checkpoint_every <= 0 or self.rounds % self.checkpoint_every != 0:
+        if not self._checkpoint_due():
             return
         directory = ckpt.checkpoint_dir(self.out_dir)
         info = {"tokens": self.tokens_done, "time": self.clock, "method": self.method.name,
@@ -64,7 +68,7 @@ class EmulatedCheckpoints:
                         f"{exc.strerror or exc}") from None  # fmt: skip
 
     def _state(self, cluster: Cluster, loop: LoopState, outer: OuterNesterov | None = None,
-               codecs: list[Any] | None = None) -> dict[str, Any]:  # fmt: skip
+               codecs: list[Any] | None = None, overlap: Any = None) -> dict[str, Any]:  # fmt: skip
         """Everything the run needs to continue from this round boundary as if it had never stopped."""
         tel = self.telemetry
         events = self.out_dir / "events.jsonl"
@@ -75,6 +79,7 @@ class EmulatedCheckpoints:
             "bytes_sent": self.bytes_sent, "proxy_bytes_sent": self.proxy_bytes_sent,
             "global_model": cluster.global_model.state_dict(),
             "outer": outer.state_dict() if outer is not None else None,
+            "overlap": overlap.state_dict() if overlap is not None else None,
             "workers": [w.state_dict() for w in cluster.workers],
             "codecs": [c.state_dict() if hasattr(c, "state_dict") else None for c in codecs] if codecs else None,
             "rng": rng_state(),
@@ -108,14 +113,16 @@ class EmulatedCheckpoints:
         self.resumed_from = int(state["rounds"])
 
     def _restore(self, cluster: Cluster, loop: LoopState, outer: OuterNesterov | None = None,
-                 codecs: list[Any] | None = None,
-                 make_online: Callable[[list[int]], OnlinePlanner] | None = None) -> None:  # fmt: skip
+                 codecs: list[Any] | None = None, make_online: Callable[[list[int]], OnlinePlanner] | None = None,
+                 overlap: Any = None) -> None:  # fmt: skip
         s = self._resume
         cluster.global_model.load_state_dict(s["global_model"])
         for worker, ws in zip(cluster.workers, s["workers"]):
             worker.load_state_dict(ws)
         if outer is not None:
             outer.load_state_dict(s["outer"])
+        if overlap is not None:
+            overlap.load_state_dict(s["overlap"])
         for codec, cs in zip(codecs or [], s["codecs"] or []):
             if cs is not None and hasattr(codec, "load_state_dict"):
                 codec.load_state_dict(cs)

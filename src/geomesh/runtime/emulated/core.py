@@ -40,9 +40,6 @@ class EmulatedCore(EmulatedCheckpoints):
         o = self.options
         self.checkpoint_every, self.keep_checkpoints = checkpoint_cadence(o, rel)
         self.max_failures = rel.max_consecutive_failures
-        if isinstance(method, OuterLoopMethod) and method.overlapped(scenario) and (self.checkpoint_every > 0 or o.resume):
-            raise RunError(f"{method.name} with overlap: checkpoints and --resume are not supported (an overlapped "
-                           "round's exchange is still in flight at every round boundary); run without them")  # fmt: skip
         self.device = resolve_device(self.options.device)
         self.workers_parallel = self._workers_parallel()
         if o.worker_threads is not None and (isinstance(o.worker_threads, bool) or not isinstance(o.worker_threads, int)

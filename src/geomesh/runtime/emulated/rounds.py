@@ -72,7 +72,7 @@ class RoundsLoop(EmulatedCore):
             overlap = EmulatedOverlap(params, len(cluster.workers), share=self.workers_parallel > 1,
                                       start_kind=g.overlap_start)  # fmt: skip
         if self._resume is not None:
-            self._restore(cluster, loop, outer=outer, codecs=codecs, make_online=make_online)
+            self._restore(cluster, loop, outer=outer, codecs=codecs, make_online=make_online, overlap=overlap)
         else:
             new_plan()
             loop.last_loss = self._evaluate(cluster)
@@ -156,7 +156,7 @@ class RoundsLoop(EmulatedCore):
         def checkpoint_state() -> dict[str, Any]:
             if pool is not None:
                 self._pull(pool, cluster, codecs)
-            return self._state(cluster, loop, outer=outer, codecs=codecs)
+            return self._state(cluster, loop, outer=outer, codecs=codecs, overlap=overlap)
 
         while self.tokens_done < self.budget:
             effects = self._apply_faults(loop.cluster)
@@ -237,6 +237,9 @@ class RoundsLoop(EmulatedCore):
                 loop.last_loss = self._evaluate(cluster, at)
             self._progress(loop.last_loss)
             self._end_round(length, round_tokens - sum(lost.values()), lost, live, failed)
+            if overlap is not None and self._checkpoint_due() and self.tokens_done < self.budget:
+                # a checkpoint holds no exchange in flight: wait for it (docs/overlap.md, as the distributed runtime)
+                self.clock += overlap.drain(self, loop.cluster.live())
             self._maybe_checkpoint(checkpoint_state)
         if overlap is not None:  # the last round's exchange: nothing left to hide it under
             self.clock += overlap.drain(self, loop.cluster.live())
