@@ -241,7 +241,7 @@ class RankRun:
                 measured[region] = load_profile(path)
             except ValueError as exc:
                 raise ConfigError(f"--profile {region}: {exc}") from None
-        profiles = sc.worker_profiles(measured)
+        profiles = sc.worker_profiles(measured, elastic=self.options.elastic_region is not None)
         return profiles
 
     # ---- the run ----------------------------------------------------------------------------------
