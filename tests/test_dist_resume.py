@@ -147,3 +147,33 @@ def test_only_complete_checkpoints_count(tmp_path):
     assert [r for r, _, _ in dist_checkpoint.list_complete(d)] == [2, 3]
     with pytest.raises(dist_checkpoint.DistCheckpointError, match="no checkpoint in"):
         dist_checkpoint.newest(tmp_path / "nothing")
+
+
+def test_the_ddp_baseline_resumes_bit_identical(tmp_path, small_corpus):
+    """``--method ddp`` checkpoints every N steps too: a rank that exits after step 5 leaves the checkpoint of
+    step 3, and ``--resume`` ends with the uninterrupted run's parameters, loss and step records."""
+    path = scenario(tmp_path, small_corpus)
+    tokens = 10 * 3 * 4 * 32  # 10 steps: 3 regions x training.batch x seq_len each
+
+    def ddp(out: Path, *extra: str, env: dict[str, str] | None = None):
+        args = cli_launch.build_parser().parse_args(
+            ["launch", str(path), "--nproc", "3", "--method", "ddp", "--out", str(out), "--tokens", str(tokens),
+             "--save-params", "--quiet", "--wan", "none", "--timeout", "90", *extra])  # fmt: skip
+        return cli_launch.launch(args, extra_env={"OMP_NUM_THREADS": "1", **(env or {})})
+
+    ref = ddp(tmp_path / "ref")
+    assert ref.code == 0, ref.message
+    cut = ddp(tmp_path / "run", "--checkpoint-every", "3", env={"GEOMESH_TEST_EXIT_AFTER_ROUND": "1:5"})
+    assert cut.code != 0 and not (tmp_path / "run" / "summary.json").exists()
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["round-000003"]
+    resumed = ddp(tmp_path / "run", "--checkpoint-every", "3", "--resume")
+    assert resumed.code == 0, resumed.message
+    assert resumed.summary["rounds"] == ref.summary["rounds"] == 10
+    assert resumed.summary["final_val_loss"] == ref.summary["final_val_loss"]
+    want, got = torch.load(tmp_path / "ref" / "final_params.pt"), torch.load(tmp_path / "run" / "final_params.pt")
+    for name in want:
+        assert torch.equal(want[name], got[name]), name
+    events = [json.loads(line) for line in (tmp_path / "run" / "events.jsonl").read_text().splitlines()]
+    assert [e["round"] for e in events if e["type"] == "round"] == list(range(1, 11))
+    keys = dist_checkpoint.stored_keys(tmp_path / "run" / "checkpoints" / "round-000009")
+    assert any(".optim.state." in k for k in keys) and not any(k.startswith("global.outer") for k in keys)

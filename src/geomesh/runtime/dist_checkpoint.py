@@ -177,7 +177,8 @@ def stored_keys(path: Path) -> set[str]:
 class RunCheckpointer:
     """Builds this rank's part of a distributed run's checkpoint (:class:`~geomesh.runtime.dist_run.RankRun`) and
     restores it. ``params`` is θ (the global model's parameters), ``outer`` the outer optimizer, ``codec``
-    this rank's encoder (its error-feedback residual)."""
+    this rank's encoder (its error-feedback residual); the ``ddp`` baseline has neither (None), and its θ is
+    the replica every rank holds (``params`` empty: the region's model is saved)."""
 
     def __init__(self, run, params: dict[str, torch.Tensor], outer, codec, fp: dict[str, Any],
                  directory: Path | None = None, extra=None, load_extra=None, overlap=None):  # fmt: skip
@@ -200,13 +201,13 @@ class RunCheckpointer:
         state: dict[str, Any] = {}
         if run.saves_global:  # one layout of θ per checkpoint: DCP reads it back into any layout
             state.update({f"global.params.{k}": v for k, v in self.params.items()})
-            state.update({f"global.outer.buf.{k}": v for k, v in self.outer.buf.items()})
+            state.update({f"global.outer.buf.{k}": v for k, v in (self.outer.buf if self.outer else {}).items()})
             if self.overlap is not None and self.overlap.last is not None:
                 state.update({f"global.overlap.last.{k}": v for k, v in self.overlap.last.items()})
         state[f"{reg}.model"] = get_model_state_dict(worker.model)
         if worker.optimizer.state:  # AdamW has state once it stepped
             state[f"{reg}.optim"] = get_optimizer_state_dict(worker.model, worker.optimizer)
-        residual = self.codec.residual if hasattr(self.codec, "residual") else {}
+        residual = getattr(self.codec, "residual", None) or {}
         state.update({f"{reg}.codec.{k}": v.detach().cpu().clone() for k, v in residual.items()})
         state[f"{reg}.stream"] = json.dumps(worker.stream.state_dict())
         state[f"rank.{run.rank}"] = {"rng": rng_state(), "clock": json.dumps(
@@ -268,8 +269,9 @@ class RunCheckpointer:
                 state["run.extra0"] = ""
         load(path, state)
         with torch.no_grad():
-            self.outer.buf = {k: state[f"global.outer.buf.{k}"] for k in self.params
-                              if f"global.outer.buf.{k}" in state}  # fmt: skip
+            if self.outer is not None:
+                self.outer.buf = {k: state[f"global.outer.buf.{k}"] for k in self.params
+                                  if f"global.outer.buf.{k}" in state}  # fmt: skip
             if self.overlap is not None and f"global.overlap.last.{next(iter(self.params))}" in state:
                 self.overlap.last = {k: state[f"global.overlap.last.{k}"] for k in self.params}
         set_model_state_dict(worker.model, state[f"{reg}.model"])

@@ -10,18 +10,22 @@ round-based methods); across regions, the leaders all-reduce one flat fp32 buffe
 WAN, held by the shaper to ``WanModel.allreduce_s`` for its bytes, like any other exchange) and broadcast
 the sum inside their region. Spans per step, as for a round: ``compute`` (forward/backward), ``straggler_wait``
 (the leaders' barrier), ``comm_wait`` (all-reduce, shaper hold, broadcast), ``other`` (the step, checksum,
-telemetry, evaluation).
+telemetry, evaluation). With ``--checkpoint-every N`` every N steps are a DCP checkpoint (the replica and
+AdamW state of each region, data positions, RNG, clock; θ is the replica), and ``--resume`` continues bit for
+bit, as for the round-based methods.
 """
 
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from ..planner import Plan, plan_uniform
 from ..worker import inner_lr
+from .dist_checkpoint import RunCheckpointer
 from .dist_run import RankRun, params_checksum
 from .transport import WanShaper, tx_bytes
 
@@ -66,8 +70,16 @@ def run_ddp(run: RankRun) -> dict[str, Any]:
     run.plans.append(plan)
     worker.follow_plan(plan.workers[run.region])
     worker.load_global({k: p.detach() for k, p in run.global_model.named_parameters()})
-    run._start_records(plan)  # (the ddp baseline never resumes)
+    run._start_records(plan)
     run._start_clock()
+    every, keep = run._checkpoint_cadence()
+    saver = None
+    if every > 0 or run._resume_from is not None:  # θ is the replica: the region's model holds it
+        saver = RunCheckpointer(run, {}, None, None, run._checkpoint_fingerprint())
+    if run._resume_from is not None:
+        saver.restore(Path(run._resume_from))
+        run._t0 = time.perf_counter() - run._cursor  # the clock goes on from the checkpoint's time
+        run._say(f"[ddp] resumed from the checkpoint of step {run.rounds} ({run._resume_from})")
     step_tokens = n * tr.batch * seq
     model.train()
     while run.tokens_done < run.budget:
@@ -117,6 +129,9 @@ def run_ddp(run: RankRun) -> dict[str, Any]:
             if run.rounds % tr.inner_steps == 0 or run.tokens_done >= run.budget:
                 run.global_model.load_state_dict(model.state_dict())
                 run._evaluate(run._now())
+        if every > 0 and run.rounds % every == 0:
+            run._save_checkpoint(saver, keep)
+        run._test_exit_point()
     run.global_model.load_state_dict(model.state_dict())  # θ = the replica every rank holds
     run._final_telemetry({k: p.detach() for k, p in model.named_parameters()})
     return run._exchange_fields(grad_nbytes, grad_nbytes, timing_nbytes, shaper_s, "all_reduce")

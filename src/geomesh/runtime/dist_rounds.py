@@ -6,8 +6,6 @@ the outer step on every rank, the checksum of θ, records and checkpoints (see
 
 from __future__ import annotations
 
-import os
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -22,7 +20,7 @@ from ..outer import OuterNesterov
 from ..planner import Plan
 from ..worker import inner_lr
 from .dist_checkpoint import RunCheckpointer
-from .dist_run import STATIC_FAULTS, TEST_EXIT_ENV, RankRun, params_checksum
+from .dist_run import STATIC_FAULTS, RankRun, params_checksum
 from .payloads import CombineOn
 from .region import lay_out_like
 from .transport import WanShaper, split_gathered, tx_bytes
@@ -165,20 +163,8 @@ def run_rounds(run: RankRun) -> dict[str, Any]:
                                                   or run.tokens_done >= run.budget):  # fmt: skip
             run._evaluate(run._now())  # (overlapped: evaluated when the update arrives)
         if checkpoint_due:
-            run._mark("other")
-            run.transport.op = f"writing the checkpoint of round {run.rounds}"
-            try:
-                saver.save(keep)
-            except OSError as exc:
-                raise RunError(f"could not write the checkpoint of round {run.rounds} in "
-                               f"{run.out_dir / 'checkpoints'}: {exc.strerror or exc}") from None  # fmt: skip
-        if run._exit_after is not None and run.rounds >= run._exit_after[0]:
-            hang = run._exit_after[1]
-            print(f"rank {run.rank}: {'hanging' if hang else 'exiting abruptly'} after round {run.rounds} "
-                  f"({TEST_EXIT_ENV})", file=sys.stderr, flush=True)  # fmt: skip
-            while hang:
-                time.sleep(3600)
-            os._exit(17)
+            run._save_checkpoint(saver, keep)
+        run._test_exit_point()
     run._final_telemetry(params, outer.buf)
     return {**run._exchange_fields(wan_nbytes, proxy_payload, modeled_payload, shaper_s, method.collective),
             "overlap": overlap is not None}

@@ -249,9 +249,6 @@ class RankRun:
         """Train; returns the summary on rank 0 (``None`` on the other ranks)."""
         started = time.perf_counter()
         try:
-            if self.method.kind != "outer" and self.options.checkpoint_every:
-                raise RunError(f"--checkpoint-every: method {self.method.name} is not checkpointed by the "
-                               "distributed runtime (round-based methods are)")  # fmt: skip
             if isinstance(self.method, OuterLoopMethod) and self.method.overlapped(self.scenario):
                 o = self.options
                 if o.elastic_region is not None or o.min_regions:
@@ -386,15 +383,32 @@ class RankRun:
             raise RunError("--checkpoint-every needs a run folder (--out)")
         return every, keep
 
+    def _save_checkpoint(self, saver: Any, keep: int) -> None:
+        """Every rank writes its part of the checkpoint of the round (step) that just ended."""
+        self._mark("other")
+        self.transport.op = f"writing the checkpoint of round {self.rounds}"
+        try:
+            saver.save(keep)
+        except OSError as exc:
+            raise RunError(f"could not write the checkpoint of round {self.rounds} in "
+                           f"{self.out_dir / 'checkpoints'}: {exc.strerror or exc}") from None  # fmt: skip
+
+    def _test_exit_point(self) -> None:
+        """The test hook: this rank exits abruptly (or hangs) once its round is done (:data:`TEST_EXIT_ENV`)."""
+        if self._exit_after is None or self.rounds < self._exit_after[0]:
+            return
+        hang = self._exit_after[1]
+        print(f"rank {self.rank}: {'hanging' if hang else 'exiting abruptly'} after round {self.rounds} "
+              f"({TEST_EXIT_ENV})", file=sys.stderr, flush=True)  # fmt: skip
+        while hang:
+            time.sleep(3600)
+        os._exit(17)
+
     def _prepare_resume(self) -> str:
         """Rank 0 finds the newest complete checkpoint, checks it belongs to this run and cuts
         ``events.jsonl`` back to it; every rank gets its folder (or the same one-line error)."""
         if self.out_dir is None:
             raise RunError("--resume needs the run folder of the interrupted run (--out)")
-        if self.method.kind != "outer":
-            raise RunError(f"--resume: method {self.method.name} is not checkpointed by the distributed runtime; "
-                           "run it again from the start")  # fmt: skip
-
         def check() -> str:
             try:
                 _, path, _ = check_resume(self.out_dir, self._checkpoint_fingerprint(), self._checkpoint_dir())
