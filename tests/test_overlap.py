@@ -9,7 +9,6 @@ emulated one (3 ranks, one per region, over the WAN shaper).
 from __future__ import annotations
 
 import itertools
-import json
 from pathlib import Path
 
 import pytest
@@ -22,7 +21,7 @@ from geomesh.methods import OuterLoopMethod, get_method
 from geomesh.methods.overlap import (apply_step, eager_estimate, eager_start, eager_weights, fold_remainder,
                                      merge_results, rebase)  # fmt: skip
 from geomesh.outer import OuterNesterov
-from geomesh.runtime.emulated import EmulatedRun, RunError, RunOptions
+from geomesh.runtime.emulated import EmulatedRun, RunOptions
 from geomesh.telemetry import read_events
 from geomesh.worker import InnerResult, Worker
 

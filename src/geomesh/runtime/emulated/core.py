@@ -16,7 +16,7 @@ from ... import checkpoint as ckpt
 from ...config import ScenarioConfig
 from ...errors import RunError
 from ...evaluation import evaluate, heldout_zero_shot
-from ...methods.base import Method, OuterLoopMethod, payload_key
+from ...methods.base import Method, payload_key
 from ...models import model_name
 from ...planner import Plan
 from ...telemetry import Telemetry, write_json_atomic
