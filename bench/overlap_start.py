@@ -1,7 +1,7 @@
 """Where an overlapped round starts while the previous update is on the wire (docs/overlap.md), side by side.
 
 Usage:  PYTHONPATH=src python bench/overlap_start.py [SCENARIO] [--set FIELD=VALUE ...] [--tokens N]
-        [--out runs/bench-overlap-start]
+        [--checkpoints N,M,...] [--out runs/bench-overlap-start]
 
 Runs plain ``geomesh`` and ``geomesh-overlap`` with each ``geomesh.overlap_start`` (``own``: the worker's
 own fresh update stands in for the combined one; ``mixture``: Kale et al.'s eager mixture, own share at its
@@ -10,6 +10,10 @@ scenario, token budget and seed, in the emulated runtime. The longer the exchang
 the more inner steps run from the start point before the update arrives, so a slow link is the stress
 test (e.g. ``--set wan.bandwidth_gbps=0.05`` on ``default``). Prints one JSON line per run and a Markdown
 table (validation loss after each round, final loss, WAN idle, modeled time); writes ``OUT/results.json``.
+
+``--checkpoints 1,2`` runs, instead of the three starts, plain ``geomesh`` and ``geomesh-overlap`` without
+checkpoints and with a checkpoint every N rounds for each N: the round before a checkpoint waits for its
+exchange, so the next round starts from θ (docs/overlap.md); the table shows what that costs.
 """
 
 from __future__ import annotations
@@ -25,8 +29,16 @@ from geomesh.config import load_scenario
 from geomesh.methods import get_method
 from geomesh.runtime.emulated import EmulatedRun, RunOptions
 
-VARIANTS = [("geomesh", None), ("geomesh-overlap", "own"), ("geomesh-overlap", "mixture"),
-            ("geomesh-overlap", "stale")]  # fmt: skip
+# (label, method, overlap start, checkpoint every N rounds)
+VARIANTS = [("geomesh", "geomesh", None, 0), ("geomesh-overlap (own)", "geomesh-overlap", "own", 0),
+            ("geomesh-overlap (mixture)", "geomesh-overlap", "mixture", 0),
+            ("geomesh-overlap (stale)", "geomesh-overlap", "stale", 0)]  # fmt: skip
+
+
+def checkpoint_variants(spec: str) -> list[tuple[str, str, str | None, int]]:
+    every = [int(n) for n in spec.split(",")]
+    return [("geomesh", "geomesh", None, 0), ("geomesh-overlap", "geomesh-overlap", None, 0)] + [
+        (f"geomesh-overlap, checkpoint every {n}", "geomesh-overlap", None, n) for n in every]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -34,6 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("scenario", nargs="?", default="default")
     p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE")
     p.add_argument("--tokens", type=int, default=None)
+    p.add_argument("--checkpoints", default=None, metavar="N,M", help="checkpoint cadences to compare instead")
     p.add_argument("--out", default="runs/bench-overlap-start")
     args = p.parse_args(argv)
     overrides = {}
@@ -43,11 +56,11 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rows = []
-    for method, start in VARIANTS:
+    variants = checkpoint_variants(args.checkpoints) if args.checkpoints else VARIANTS
+    for k, (name, method, start, every) in enumerate(variants):
         scenario = load_scenario(args.scenario, {**overrides, **({"geomesh.overlap_start": start} if start else {})})
-        name = method if start is None else f"{method} ({start})"
-        run = EmulatedRun(scenario, get_method(method), RunOptions(out_dir=out / (start or method),
-                                                                   tokens=args.tokens, progress=False))  # fmt: skip
+        run = EmulatedRun(scenario, get_method(method), RunOptions(out_dir=out / f"run-{k}", tokens=args.tokens,
+                                                                   progress=False, checkpoint_every=every))  # fmt: skip
         s = run.run()
         plan = s["plan"]
         row = {"run": name, "rounds": s["rounds"], "tokens": s["tokens"], "final_val_loss": s["final_val_loss"],
