@@ -121,6 +121,8 @@ def train_check(out: Path, device: str, s: dict[str, Any], quiet: bool = True) -
             "model_params": summary["model_params"], "tokens": summary["tokens"], "rounds": summary["rounds"],
             "train_s": summary["modeled_time_s"], "tokens_per_s": summary["tokens"] / summary["modeled_time_s"],
             "peak_gpu_memory_gib": summary.get("peak_gpu_memory_gib"),
+            # θ + outer momentum on rank 0: 1/ranks of 8·P with fsdp, 8·P with ddp
+            "outer_state_gib": summary["outer_state_bytes_per_rank"][0] / 2**30,
             "val_loss_start": summary["curve"][0][2], "val_loss_end": summary["final_val_loss"],
             "checksums_agree": len(set(summary["param_checksums"])) == 1,
             "launch_s": time.perf_counter() - started,
@@ -171,13 +173,13 @@ def run_checks(out: Path, device: str, smoke: bool, quiet: bool = True) -> dict[
 
 
 def table(results: dict[str, Any]) -> str:
-    lines = ["| run | model | ranks | tokens/s | peak GiB (rank 0) | val loss start -> end | checksums agree |",
-             "|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines = ["| run | model | ranks | tokens/s | peak GiB (rank 0) | θ + momentum GiB (rank 0) | val loss start -> end "
+             "| checksums agree |", "|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in results["train"]:
         peak = f"{r['peak_gpu_memory_gib']:.2f}" if r["peak_gpu_memory_gib"] is not None else "-"
         lines.append(f"| {r['run']} | {r['model']}, {r['model_params'] / 1e6:.1f}M | {r['ranks']} ({r['backend']}) | "
-                     f"{r['tokens_per_s']:,.0f} | {peak} | {r['val_loss_start']:.3f} -> {r['val_loss_end']:.3f} | "
-                     f"{r['checksums_agree']} |")  # fmt: skip
+                     f"{r['tokens_per_s']:,.0f} | {peak} | {r['outer_state_gib']:.3f} | "
+                     f"{r['val_loss_start']:.3f} -> {r['val_loss_end']:.3f} | {r['checksums_agree']} |")  # fmt: skip
     lines += ["", "| codec params | wire ratio | encode GB/s | combine GB/s | copy GB/s |", "|---|---|---|---|---|"]
     for c in results["codec"]:
         lines.append(f"| {c['params']:,} | {c['wire_ratio']} | {c['encode_gbps']} | {c['combine_gbps']} | "

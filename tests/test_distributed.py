@@ -496,6 +496,7 @@ def test_gpu_check_script_runs_at_cpu_size(tmp_path):
     results = json.loads((tmp_path / "gpu_check.json").read_text())
     fsdp, ddp = results["train"]
     assert (fsdp["strategy"], fsdp["precision"], ddp["strategy"], ddp["precision"]) == ("fsdp", "bf16", "ddp", "fp32")
+    assert fsdp["outer_state_gib"] == pytest.approx(ddp["outer_state_gib"] / 2, rel=1e-3)  # θ, momentum sharded
     for run in (fsdp, ddp):
         assert run["model"] == "nano (built-in)" and run["ranks"] == 2 and run["checksums_agree"]
         assert run["val_loss_end"] < run["val_loss_start"] and run["tokens_per_s"] > 0
