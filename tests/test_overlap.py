@@ -258,6 +258,14 @@ def test_overlap_refusals(tmp_path, small_corpus, capsys):
         load_scenario(path)
     with pytest.raises(ConfigError, match="overlap_start"):
         load_scenario(write(tmp_path / "start", small_corpus), {"geomesh.overlap_start": "eager"})
+    from geomesh import cli_launch
+
+    capsys.readouterr()
+    code = cli_launch.main(["launch", str(write(tmp_path / "el", small_corpus)), "--nproc", "3", "--method",
+                            "geomesh-overlap", "--min-regions", "2", "--out", str(tmp_path / "el" / "run")])  # fmt: skip
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "--min-regions" in err[0]  # before any rank starts
+    assert not (tmp_path / "el" / "run").exists()
     from geomesh.api import GeoMeshSync
 
     with pytest.raises(ConfigError, match="plain rounds"):  # the library API for your own loop runs plain rounds

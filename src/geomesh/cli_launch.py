@@ -92,6 +92,9 @@ def _check(args: argparse.Namespace):
     if _elastic(args, scenario):
         if args.wan == "netns":
             raise ConfigError("--wan netns: not with elastic regions (min_regions >= 1); use --wan shaper or none")
+        if method.kind == "outer" and method.overlapped(scenario):
+            raise ConfigError(f"--min-regions: {method.name} overlaps its exchange with the next round, which elastic "
+                              "regions do not support (a quorum is formed per round); run it without --min-regions")  # fmt: skip
     if args.resume:  # refused before anything in the run folder is touched
         from .runtime.dist_checkpoint import DistCheckpointError, check_resume, fingerprint
 
