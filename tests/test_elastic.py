@@ -29,10 +29,12 @@ SRC = str(Path(__file__).resolve().parents[1] / "src")
 TAG_ENV = "GEOMESH_TEST_TAG"
 
 
-def scenario(folder: Path, paths: list[str], slowdown: float = 1.0, faults=None, **reliability) -> Path:
+def scenario(folder: Path, paths: list[str], slowdown: float = 1.0, faults=None, strategy: str = "ddp",
+             **reliability) -> Path:  # fmt: skip
     data = tiny_scenario_dict(paths, ("H100", "A100", "T4"))
     for region in data["regions"]:
         region["slowdown"] = slowdown  # inner steps padded with sleep: longer rounds that cost no CPU
+        region["strategy"] = strategy  # fsdp: θ and the outer momentum sharded over the region's ranks
     # a generous deadline: a dead region is noticed at once (closed connections, no heartbeat), and a slow one
     # must not be left out because this shared machine is busy
     data["reliability"] = {"min_regions": 2, "round_deadline_s": 120, **reliability}
@@ -168,11 +170,14 @@ def test_a_hung_region_misses_the_deadline_and_is_left_out(tmp_path, small_corpu
     assert result.summary["elastic"]["regions_at_end"] == ["r0-h100", "r1-a100"]
 
 
-def test_a_restarted_region_rejoins_with_the_live_state(tmp_path, small_corpus):
-    """The killed region is r0-h100, of 2 ranks (DDP inside), the one that writes events.jsonl: r1-a100 takes
-    the file over while it is away, and r0-h100's leader, healed, takes it back and writes the summary."""
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_a_restarted_region_rejoins_with_the_live_state(tmp_path, small_corpus, strategy):
+    """The killed region is r0-h100, of 2 ranks, the one that writes events.jsonl: r1-a100 takes the file over
+    while it is away, and r0-h100's leader, healed, takes it back and writes the summary. With ``fsdp`` every
+    region shards θ and the momentum: the live leader serves them whole from its host copy, the restarted
+    region's ranks each take their shard, and they evaluate θ and write the summary together."""
     # 20 rounds padded with sleep (no CPU): room for the restarted processes to import, load and rejoin
-    path = scenario(tmp_path, small_corpus, slowdown=5.0)
+    path = scenario(tmp_path, small_corpus, slowdown=5.0, strategy=strategy)
     out, tag = tmp_path / "run", uuid.uuid4().hex
     proc = start(argv(path, out, 7680 * 5, ranks="2,1,1"), tag, out)
     restarted = []
@@ -242,16 +247,18 @@ def test_scenario_faults_on_real_processes(tmp_path, small_corpus):
     assert len(set(summary["param_checksums"].values())) == 1
 
 
-def test_sigkill_every_region_then_resume_is_bit_identical(tmp_path, small_corpus):
+@pytest.mark.parametrize("strategy,ranks", [("ddp", "1"), ("fsdp", "2,1,1")])
+def test_sigkill_every_region_then_resume_is_bit_identical(tmp_path, small_corpus, strategy, ranks):
     """Elastic regions checkpoint too (each region into DIR/checkpoints/<region>, with DCP): every process
-    killed after the second of four rounds, the same command with --resume ends as the uninterrupted run."""
-    path = scenario(tmp_path, small_corpus)
+    killed after the second of four rounds, the same command with --resume ends as the uninterrupted run (also
+    with every region sharding θ, one of them over 2 ranks)."""
+    path = scenario(tmp_path, small_corpus, strategy=strategy)
     ref = tmp_path / "ref"
-    done = cli_launch.launch(cli_launch.build_parser().parse_args(argv(path, ref, 7680)),
+    done = cli_launch.launch(cli_launch.build_parser().parse_args(argv(path, ref, 7680, ranks=ranks)),
                              extra_env={"OMP_NUM_THREADS": "1"})  # fmt: skip
     assert done.code == 0, done.message
     out, tag = tmp_path / "run", uuid.uuid4().hex
-    cmd = [*argv(path, out, 7680), "--checkpoint-every", "1"]
+    cmd = [*argv(path, out, 7680, ranks=ranks), "--checkpoint-every", "1"]
     proc = start(cmd, tag, out)
     try:
         deadline = time.monotonic() + 240
@@ -275,13 +282,16 @@ def test_sigkill_every_region_then_resume_is_bit_identical(tmp_path, small_corpu
     assert rounds == [1, 2, 3, 4]
 
 
-@pytest.mark.parametrize("method", ["geomesh-sign-only", "diloco"])  # all-gather of payloads; fp32 all-reduce
-def test_elastic_run_without_faults_equals_the_static_one(tmp_path, small_corpus, method):
-    """Membership through torchft changes nothing when no region is lost: the same bits as the static run."""
-    path = scenario(tmp_path, small_corpus)
+@pytest.mark.parametrize("method,strategy,ranks", [("geomesh-sign-only", "ddp", "1"), ("diloco", "ddp", "1"),
+                                                   ("geomesh-sign-only", "fsdp", "2,1,1")])  # fmt: skip
+def test_elastic_run_without_faults_equals_the_static_one(tmp_path, small_corpus, method, strategy, ranks):
+    """Membership through torchft changes nothing when no region is lost: the same bits as the static run
+    (all-gather of payloads, fp32 all-reduce; and regions that shard θ, one of them over 2 ranks)."""
+    path = scenario(tmp_path, small_corpus, strategy=strategy)
     runs = {}
     for name, extra in (("elastic", []), ("static", ["--min-regions", "0"])):
-        args = cli_launch.build_parser().parse_args([*argv(path, tmp_path / name, 3840, method=method), *extra])
+        args = cli_launch.build_parser().parse_args([*argv(path, tmp_path / name, 3840, method=method, ranks=ranks),
+                                                     *extra])  # fmt: skip
         result = cli_launch.launch(args, extra_env={"OMP_NUM_THREADS": "1"})
         assert result.code == 0, result.message
         runs[name] = result.summary

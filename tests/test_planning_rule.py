@@ -158,24 +158,6 @@ def test_memory_model_with_sharding_matches_a_hand_computation():
     assert fsdp.max_micro_batch == 4 * BIG.max_micro_batch(a10g, 4, "fsdp")
 
 
-def test_elastic_fsdp_regions_count_their_outer_state_whole(tmp_path):
-    """Elastic regions keep θ and the outer momentum whole on every GPU (a joining region receives them whole),
-    and the memory model counts them so: 8·P per GPU instead of 8·P/g."""
-    P = BIG.params
-    assert BIG.state_bytes(8, "fsdp", outer_sharded=False) == 16 * P / 8 + 8 * P + 2 * 2 * (32000 * 2048)
-    t4 = gpu_spec("T4")
-    assert BIG.max_micro_batch(t4, 8, "fsdp", True) >= 1  # fits with the outer state sharded ...
-    assert BIG.max_micro_batch(t4, 8, "fsdp", True, outer_sharded=False) == 0  # ... not with it whole on a T4
-    scenario = load_scenario(big_regions(tmp_path, activation_checkpointing=True))
-    assert scenario.worker_profiles()[1].max_micro_batch >= 1
-    with pytest.raises(ConfigError, match="region t4-india") as info:
-        scenario.worker_profiles(elastic=True)
-    assert "GB per GPU for state" in str(info.value)
-    scenario.reliability.min_regions = 1  # the scenario's own reliability section makes it elastic
-    with pytest.raises(ConfigError, match="region t4-india"):
-        scenario.worker_profiles()
-
-
 def big_regions(tmp_path, strategy="fsdp", **extra):
     data = {
         "name": "big",

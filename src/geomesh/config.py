@@ -237,34 +237,30 @@ class ScenarioConfig:
         return {name: GpuSpec(name, g.tflops, g.memory_gb, g.mem_bw_gbs, g.mfu, g.micro_overhead_s, g.link_gbs, g.link)
                 for name, g in self.gpus.items()}  # fmt: skip
 
-    def region_profile(self, region: RegionConfig, elastic: bool = False) -> WorkerProfile:
-        """The cost-model profile of one region (one worker: its GPUs, strategy and checkpointing; ``elastic``:
-        its outer state is whole on every GPU, as elastic regions keep it)."""
+    def region_profile(self, region: RegionConfig) -> WorkerProfile:
+        """The cost-model profile of one region (one worker: its GPUs, strategy and checkpointing)."""
         profile = model_profile(region.name, gpu_spec(region.gpu, self.gpu_specs()), region.count, self.timing(),
-                                strategy=region.strategy, activation_checkpointing=region.activation_checkpointing,
-                                outer_sharded=not elastic)  # fmt: skip
+                                strategy=region.strategy, activation_checkpointing=region.activation_checkpointing)  # fmt: skip
         profile.slowdown = region.slowdown
         return profile
 
-    def worker_profiles(self, measured: dict[str, WorkerProfile] | None = None, require_fit: bool = True,
-                        elastic: bool | None = None) -> list[WorkerProfile]:  # fmt: skip
+    def worker_profiles(self, measured: dict[str, WorkerProfile] | None = None,
+                        require_fit: bool = True) -> list[WorkerProfile]:  # fmt: skip
         """One profile per region, in scenario order: ``measured[name]`` where given (renamed to the region,
         its ``slowdown`` set), else the cost model. With ``require_fit`` a region whose GPUs fit no
-        micro-batch of the timing model is a ConfigError naming it and what would make it fit. ``elastic``
-        (default: ``reliability.min_regions >= 1``): regions keep their outer state whole."""
-        elastic = self.reliability.min_regions > 0 if elastic is None else elastic
+        micro-batch of the timing model is a ConfigError naming it and what would make it fit."""
         profiles = []
         for region in self.regions:
             given = (measured or {}).get(region.name)
             if given is not None:
                 given.name = region.name  # a measured profile carries the name it was measured under
                 given.slowdown = region.slowdown
-            profile = given or self.region_profile(region, elastic)
+            profile = given or self.region_profile(region)
             if require_fit and profile.max_micro_batch < 1:
                 spec = gpu_spec(region.gpu, self.gpu_specs())
                 raise ConfigError(f"region {region.name}: the timing model does not fit a micro-batch of 1 on "
                                   f"{region.gpu} (x{region.count}, {region.strategy}): " + fit_advice(spec, region.count, self.timing(), region.strategy,
-                                                               region.activation_checkpointing, not elastic))  # fmt: skip
+                                                               region.activation_checkpointing))  # fmt: skip
             profiles.append(profile)
         return profiles
 

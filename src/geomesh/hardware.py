@@ -131,14 +131,13 @@ class TimingModel:
         logits = self.logits_bytes_per_elem * self.seq_len * micro_batch * self.vocab
         return layers + logits
 
-    def state_bytes(self, gpus: int = 1, strategy: str = "ddp", outer_sharded: bool = True) -> float:
+    def state_bytes(self, gpus: int = 1, strategy: str = "ddp") -> float:
         """Weights, gradients and AdamW state on one GPU of a region of ``gpus`` GPUs, plus the outer state.
 
         ``ddp``: a full replica (P·bytes_per_param). ``fsdp``: that divided over the GPUs, plus the bf16
         weights of the two largest units FSDP2 holds gathered at once (the one computing, the one prefetched).
         Both add P·outer_bytes_per_param, the global parameters and outer momentum: whole with ``ddp``,
-        sharded like the replica with ``fsdp`` (as the distributed runtime holds them), unless
-        ``outer_sharded`` is False (elastic regions keep them whole: a joining region receives them whole).
+        sharded like the replica with ``fsdp``.
         """
         if strategy not in STRATEGIES:
             raise ValueError(f"strategy {strategy!r}: expected one of {', '.join(STRATEGIES)}")
@@ -147,15 +146,15 @@ class TimingModel:
         if strategy == "ddp" or gpus <= 1:
             return full + outer
         unit = max(12 * self.hidden**2, self.vocab * self.hidden)  # one block, or the embedding
-        return full / gpus + (outer / gpus if outer_sharded else outer) + 2 * 2.0 * unit
+        return (full + outer) / gpus + 2 * 2.0 * unit
 
     def max_micro_batch(self, gpu: GpuSpec, gpus: int = 1, strategy: str = "ddp",
-                        activation_checkpointing: bool = False, outer_sharded: bool = True) -> int:  # fmt: skip
+                        activation_checkpointing: bool = False) -> int:  # fmt: skip
         """Largest micro-batch per GPU that fits: 0 when not even the weights fit.
 
         floor((0.9·M_gpu − M_ctx − state on one GPU) / (activations at b=1)).
         """
-        free = 0.9 * gpu.memory_gb * 1e9 - self.context_gib * GIB - self.state_bytes(gpus, strategy, outer_sharded)
+        free = 0.9 * gpu.memory_gb * 1e9 - self.context_gib * GIB - self.state_bytes(gpus, strategy)
         if free <= 0:
             return 0
         return int(free // self.activation_bytes(1, activation_checkpointing))
@@ -179,12 +178,11 @@ class TimingModel:
         passes = 3 if strategy == "fsdp" else 2
         return passes * (gpus - 1) / gpus * self.params * 2 / bytes_per_s
 
-    def min_fsdp_gpus(self, gpu: GpuSpec, activation_checkpointing: bool = False, limit: int = 4096,
-                      outer_sharded: bool = True) -> int | None:  # fmt: skip
+    def min_fsdp_gpus(self, gpu: GpuSpec, activation_checkpointing: bool = False, limit: int = 4096) -> int | None:
         """The fewest GPUs of this kind over which FSDP fits a micro-batch of one per GPU (None: none do)."""
         g = 1
         while g <= limit:
-            if self.max_micro_batch(gpu, g, "fsdp", activation_checkpointing, outer_sharded) >= 1:
+            if self.max_micro_batch(gpu, g, "fsdp", activation_checkpointing) >= 1:
                 return g
             g *= 2
         return None
@@ -268,7 +266,7 @@ class WorkerProfile:
 
 
 def model_profile(name: str, gpu: str | GpuSpec, gpu_count: int, timing: TimingModel, *, strategy: str = "ddp",
-                  activation_checkpointing: bool = False, outer_sharded: bool = True) -> WorkerProfile:  # fmt: skip
+                  activation_checkpointing: bool = False) -> WorkerProfile:  # fmt: skip
     """A worker profile from the cost model: a region of ``gpu_count`` GPUs (a catalog name or a spec).
 
     The worker's micro-batch m is split over the GPUs (ceil(m/g) on the busiest one); the memory model
@@ -277,7 +275,7 @@ def model_profile(name: str, gpu: str | GpuSpec, gpu_count: int, timing: TimingM
     """
     spec = gpu if isinstance(gpu, GpuSpec) else gpu_spec(gpu)
     ckpt = activation_checkpointing
-    per_gpu_cap = timing.max_micro_batch(spec, gpu_count, strategy, ckpt, outer_sharded)
+    per_gpu_cap = timing.max_micro_batch(spec, gpu_count, strategy, ckpt)
     cap = per_gpu_cap * gpu_count
     points = sorted({1, 2, 4, 8, 16, 32, 64, 128, 256, 512, max(cap, 1)})
     table = {m: timing.micro_step_s(spec, math.ceil(m / gpu_count), ckpt) for m in points if m <= max(cap, 1)}
@@ -293,15 +291,14 @@ def model_profile(name: str, gpu: str | GpuSpec, gpu_count: int, timing: TimingM
     )
 
 
-def fit_advice(gpu: GpuSpec, gpu_count: int, timing: TimingModel, strategy: str, activation_checkpointing: bool,
-               outer_sharded: bool = True) -> str:  # fmt: skip
+def fit_advice(gpu: GpuSpec, gpu_count: int, timing: TimingModel, strategy: str, activation_checkpointing: bool) -> str:
     """What would make the timing model fit a region that fits no micro-batch (for error messages)."""
-    need = timing.state_bytes(gpu_count, strategy, outer_sharded) + timing.context_gib * GIB
+    need = timing.state_bytes(gpu_count, strategy) + timing.context_gib * GIB
     have = 0.9 * gpu.memory_gb * 1e9
     ways = []
-    if not activation_checkpointing and timing.max_micro_batch(gpu, gpu_count, strategy, True, outer_sharded) >= 1:
+    if not activation_checkpointing and timing.max_micro_batch(gpu, gpu_count, strategy, True) >= 1:
         ways.append("activation_checkpointing: true")
-    shards = timing.min_fsdp_gpus(gpu, activation_checkpointing, outer_sharded=outer_sharded)
+    shards = timing.min_fsdp_gpus(gpu, activation_checkpointing)
     if shards is not None and (strategy != "fsdp" or shards > gpu_count):
         ways.append(f"strategy: fsdp over at least {max(shards, 2)} {gpu.name} GPUs")
     ways.append("a GPU with more memory or a smaller timing model")

@@ -188,7 +188,7 @@ class RankRun:
         self.shard_group = None  # the ranks FSDP shards over (a region of one GPU too)
         for i in range(len(self.layout.counts)):
             ranks = self.layout.ranks_of(i)
-            if len(ranks) > 1 or sc.regions[i].strategy == "fsdp":
+            if len(ranks) > 1 or (ranks and sc.regions[i].strategy == "fsdp"):  # (elastic: other regions have none)
                 g = dist.new_group(ranks, timeout=self.transport.timeout)
                 if i == self.region:
                     self.shard_group = g
@@ -203,14 +203,16 @@ class RankRun:
                                    group=self.shard_group, size=len(self.region_ranks),
                                    index=self.region_ranks.index(self.rank), slowdown=region.slowdown,
                                    strategy=region.strategy)  # fmt: skip
-        # θ sharded like the replica in fsdp regions (a joining elastic region receives θ whole: elastic runs keep
-        # it whole); a checkpoint holds one layout of θ: the whole one where a region has it, else region 0's
-        sharded = [r.strategy == "fsdp" and self.options.elastic_region is None for r in sc.regions]
-        self.saves_global = not sharded[self.region] if not all(sharded) else self.region == 0
+        # θ sharded like the replica in fsdp regions; a checkpoint holds one layout of θ: the whole one where a
+        # region has it, else region 0's (with elastic regions each region writes its own checkpoint)
+        sharded = [r.strategy == "fsdp" for r in sc.regions]
+        elastic = self.options.elastic_region is not None
+        self.saves_global = elastic or (not sharded[self.region] if not all(sharded) else self.region == 0)
         if sharded[self.region]:
             shard_region(self.global_model, self.worker.mesh)
             self.sharded_global = True
-            self.evaluates = self.region == 0  # FSDP's forward of θ needs every rank of the region
+            # FSDP's forward of θ needs every rank of the region (elastic: every leader evaluates, so every rank)
+            self.evaluates = elastic or self.region == 0
         if self.evaluates:
             vx, vy = corpus.val_batches(sc.proxy.seq_len, tr.eval_sequences)
             self.val_x, self.val_y = vx.to(self.device), vy.to(self.device)
@@ -241,7 +243,7 @@ class RankRun:
                 measured[region] = load_profile(path)
             except ValueError as exc:
                 raise ConfigError(f"--profile {region}: {exc}") from None
-        profiles = sc.worker_profiles(measured, elastic=self.options.elastic_region is not None)
+        profiles = sc.worker_profiles(measured)
         return profiles
 
     # ---- the run ----------------------------------------------------------------------------------

@@ -62,6 +62,7 @@ from .faults import FAULT_KINDS, ONE_ROUND_FAULTS, corrupt_payload, faults_at, o
 from .layout import RegionLayout, min_regions_of, region_layout
 from .membership import LIGHTHOUSE_ENV, ExchangeFailed, Membership, MembershipError
 from .payloads import screen_payload
+from .region import lay_out_like
 from .transport import WanShaper
 
 TEST_KILL_ENV = "GEOMESH_TEST_KILL_MID_ROUND"  # "REGION:ROUND[:hang]": its ranks die (or hang) before that exchange
@@ -110,6 +111,7 @@ class ElasticLoop(ElasticState):
         self.away: set[int] = set()  # regions out of the run by a scheduled `leave` until their `join`
         self.written = -1  # records already in events.jsonl (-1: this leader has not written it)
         self.healed_state: dict | None = None
+        self.whole: tuple[dict, dict] | None = None  # a sharded θ and momentum, gathered (the leader: _snapshot)
         self.membership: Membership | None = None
         region, _, at = os.environ.get(TEST_KILL_ENV, "").partition(":")
         at, _, how = at.partition(":")
@@ -253,6 +255,7 @@ class ElasticLoop(ElasticState):
             if self.membership is not None:
                 self.membership.set_step(run.rounds)
             self._say(f"resumed from the checkpoint of round {run.rounds} ({run._resume_from})")
+        self._snapshot()  # θ as a region behind may ask for it at the first quorum
         while True:
             # 1. quorum
             ctrl = None
@@ -321,10 +324,10 @@ class ElasticLoop(ElasticState):
                 os.kill(os.getpid(), signal.SIGKILL)  # tests: die with the payload unsent
             # 3. exchange over the quorum's leaders
             result = None
+            crc = _crc(self.params)  # (a sharded θ is gathered: every rank of the region takes part)
             if run.is_leader:
                 info = {"region": self.me, "active": self.me in members, "compute_s": compute_s,
-                        "spans": run._spans, "stream": run.worker.stream.state_dict(),
-                        "crc": _crc(self.params)}  # fmt: skip
+                        "spans": run._spans, "stream": run.worker.stream.state_dict(), "crc": crc}  # fmt: skip
                 run._spans = []
                 result = self._exchange(payload, info, members)
             result = self._share(result, "the round's exchange")
@@ -417,8 +420,9 @@ class ElasticLoop(ElasticState):
             flat = result["flat"]
             if float(flat[self.d]) > 0:
                 update = flat[: self.d].div(flat[self.d]).to(next(iter(self.params.values())).device)
-                self.outer.step({s.name: update[o : o + s.numel].view(s.shape)
-                                 for s, o in zip(self.manifest, self.manifest.offsets)})  # fmt: skip
+                self.outer.step(lay_out_like({s.name: update[o : o + s.numel].view(s.shape)
+                                              for s, o in zip(self.manifest, self.manifest.offsets)}, self.params))  # fmt: skip
+                self._snapshot()
             result["dropped"] = [i["region"] for i in result["infos"] if i["active"] and not i["sent"]]
             result["rejected"] = [(i["region"], i["rejected"]) for i in result["infos"] if i["rejected"]]
             return
@@ -437,7 +441,8 @@ class ElasticLoop(ElasticState):
                 result["rejected"].append((i, reason))
         if arrived:
             device = next(iter(self.params.values())).device
-            self.outer.step(self.combiner.combine(arrived, device=device))
+            self.outer.step(lay_out_like(self.combiner.combine(arrived, device=device), self.params))
+            self._snapshot()
 
     def _restarted_in_place(self, rejoined: list[int]) -> None:
         """``leave`` and ``join`` records for regions that came back behind the others while still members: their
@@ -515,8 +520,9 @@ class ElasticLoop(ElasticState):
                         "members": [names[i] for i in took_part], "compute_s": [i["compute_s"] for i in infos],
                         "exchange_s": result["comm_s"], "bytes_sent": result["wan_bytes"] * len(infos),
                         "tokens_lost": {names[i]: t for i, t in lost.items()}})  # fmt: skip
-            if run.rounds % self.tr.eval_every_rounds == 0 or run.tokens_done >= run.budget:
-                run._evaluate(run._now())
+        if run.evaluates and (run.rounds % self.tr.eval_every_rounds == 0 or run.tokens_done >= run.budget):
+            run._evaluate(run._now())  # (every leader: any may become the writer; a sharded θ: its region's ranks)
+        if run.is_leader:
             self._write_events(took_part)
 
     def _finish(self) -> dict[str, Any]:
@@ -537,6 +543,8 @@ class ElasticLoop(ElasticState):
             self._write_events(final)
             self.membership.shutdown()
         writer = self._writer(final) if run.is_leader else False
+        if self.run.sharded_global:  # its ranks evaluate θ and gather it for the summary together
+            writer = self._share(writer, "whether this region writes the summary")
         run.writes_summary = bool(writer)
         run._end_s = run._now()
         run.final_checksums = list(checksums.values())

@@ -17,6 +17,7 @@ import torch
 from ..planner import Plan
 from ..telemetry import _jsonable
 from .dist_checkpoint import RunCheckpointer
+from .region import lay_out_like
 
 
 class Records:
@@ -37,11 +38,28 @@ class ElasticState:
     of its class: it reads the loop's and the run's fields)."""
 
     # ---- torchft's recovery: what a live region sends, and how a joiner loads it ---------------------
+    def _snapshot(self) -> None:
+        """A region that shards θ (``strategy: fsdp``) gathers θ and the outer momentum after every change, one
+        tensor at a time (every rank takes part), and its leader keeps them whole in host memory: torchft's
+        recovery asks the leader for them from its own thread, where the region's ranks cannot gather."""
+        if not self.run.sharded_global:
+            return
+        with torch.no_grad():
+            params = {k: v.full_tensor().cpu() for k, v in self.params.items()}
+            buf = {k: v.full_tensor().cpu() for k, v in self.outer.buf.items()}
+        if self.run.is_leader:
+            self.whole = (params, buf)
+
     def state_dict(self) -> dict[str, Any]:
         run, tel = self.run, self.run.telemetry
+        if run.sharded_global:
+            params, buf = self.whole
+            outer = {**self.outer.state_dict(), "buf": {k: v.clone() for k, v in buf.items()}}
+        else:
+            params, outer = {k: v.detach().cpu().clone() for k, v in self.params.items()}, self.outer.state_dict()
         return {
-            "params": {k: v.detach().cpu().clone() for k, v in self.params.items()},
-            "outer": self.outer.state_dict(),
+            "params": params,
+            "outer": outer,
             "run": {"rounds": run.rounds, "tokens_done": run.tokens_done, "plans": [p.to_json() for p in run.plans],
                     "records": list(self.records), **tel.state_dict(), "run_totals": dict(run.totals),
                     "stats": json.loads(json.dumps(self.stats)), "faults": list(self.faults),
@@ -54,11 +72,13 @@ class ElasticState:
 
     def _apply_healed(self, state: dict[str, Any]) -> None:
         run = self.run
-        with torch.no_grad():
-            for k, v in self.params.items():
-                v.copy_(state["params"][k].to(v.device))
-        self.outer.load_state_dict({**state["outer"], "buf": {k: t.to(self.params[k].device)
-                                                              for k, t in state["outer"]["buf"].items()}})  # fmt: skip
+        with torch.no_grad():  # whole tensors; a sharded θ takes each rank's shard of them
+            whole = {k: state["params"][k].to(v.device) for k, v in self.params.items()}
+            for k, v in lay_out_like(whole, self.params).items():
+                self.params[k].copy_(v)
+        buf = {k: t.to(self.params[k].device) for k, t in state["outer"]["buf"].items()}
+        self.outer.load_state_dict({**state["outer"], "buf": lay_out_like(buf, self.params)})
+        self._snapshot()
         s = state["run"]
         run.rounds, run.tokens_done = int(s["rounds"]), int(s["tokens_done"])
         run.plans = [Plan.from_json(p) for p in s["plans"]]

@@ -16,7 +16,8 @@ region's ranks share it.
   rank keeps 1/size of them, as the planner's memory model counts them). The outer step is elementwise, so
   each rank steps its own shard; the payload's pseudo-gradient and the combined update are whole only in
   passing (:meth:`RegionWorker.pseudo_gradient`, :func:`lay_out_like`), and evaluating θ runs on the region's
-  ranks together (FSDP's forward). Elastic runs keep θ whole (a joining region receives it whole).
+  ranks together (FSDP's forward). Elastic regions shard θ too; their leader keeps a whole host copy for
+  torchft's recovery (:meth:`~geomesh.runtime.elastic_state.ElasticState._snapshot`).
 """
 
 from __future__ import annotations
