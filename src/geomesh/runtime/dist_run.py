@@ -119,6 +119,7 @@ class RankRun:
         self.sharded_global = False  # θ and the outer momentum sharded over this FSDP region's ranks
         self.saves_global = True  # this rank writes θ and the outer momentum into checkpoints
         self.evaluates = self.rank == 0  # the ranks that run evaluations of θ (rank 0 records them)
+        self.outer_state_bytes: list[int] | None = None  # per rank, at the end (rank 0; round-based loops)
         self._t0 = time.perf_counter()
         self._cursor = 0.0
         self._spans: list[tuple[str, float, float, int]] = []
@@ -495,7 +496,7 @@ class RankRun:
                 "control_bytes": self.transport.control_bytes,
                 "param_checksums": self.final_checksums,  # per rank: crc32 of strided samples of θ at the end
                 # per rank: bytes of θ and the outer momentum it holds (1/size of them in an fsdp region)
-                "outer_state_bytes_per_rank": getattr(self, "outer_state_bytes", None),
+                "outer_state_bytes_per_rank": self.outer_state_bytes,
             },
             extra=extra,
         )  # fmt: skip

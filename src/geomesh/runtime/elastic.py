@@ -56,7 +56,6 @@ from ..planner import Plan
 from ..telemetry import Telemetry
 from ..worker import inner_lr
 from .checkpoint_state import run_fingerprint
-from .dist_run import params_checksum
 from .elastic_state import ElasticState, Records
 from .faults import FAULT_KINDS, ONE_ROUND_FAULTS, corrupt_payload, faults_at, optimizer_finite, poisoned
 from .layout import RegionLayout, min_regions_of, region_layout
@@ -324,10 +323,10 @@ class ElasticLoop(ElasticState):
                 os.kill(os.getpid(), signal.SIGKILL)  # tests: die with the payload unsent
             # 3. exchange over the quorum's leaders
             result = None
-            crc = _crc(self.params)  # (a sharded θ is gathered: every rank of the region takes part)
             if run.is_leader:
                 info = {"region": self.me, "active": self.me in members, "compute_s": compute_s,
-                        "spans": run._spans, "stream": run.worker.stream.state_dict(), "crc": crc}  # fmt: skip
+                        "spans": run._spans, "stream": run.worker.stream.state_dict(),
+                        "crc": self._theta_crc()}  # fmt: skip
                 run._spans = []
                 result = self._exchange(payload, info, members)
             result = self._share(result, "the round's exchange")
@@ -529,7 +528,7 @@ class ElasticLoop(ElasticState):
         run = self.run
         run._mark("other")
         final = [self.me]
-        checksums = {self.names[self.me]: _crc(self.params)}
+        checksums = {self.names[self.me]: self._theta_crc()}
         if run.is_leader and self.membership is not None:
             for kind, a, b, r in run._spans:
                 run.telemetry.span(self.names[self.me], kind, a, b, r)
@@ -565,10 +564,6 @@ class ElasticLoop(ElasticState):
             "param_checksums": checksums,
             "rejected_payloads": int(run.telemetry.counters.get("rejected_payloads", 0)),
         }
-
-
-def _crc(params: dict[str, torch.Tensor]) -> str:
-    return params_checksum(params)
 
 
 __all__ = ["RegionLayout", "min_regions_of", "region_layout", "run_elastic"]

@@ -17,6 +17,7 @@ import torch
 from ..planner import Plan
 from ..telemetry import _jsonable
 from .dist_checkpoint import RunCheckpointer
+from .dist_run import params_checksum
 from .region import lay_out_like
 
 
@@ -49,6 +50,13 @@ class ElasticState:
             buf = {k: v.full_tensor().cpu() for k, v in self.outer.buf.items()}
         if self.run.is_leader:
             self.whole = (params, buf)
+
+    def _theta_crc(self) -> str | None:
+        """θ's checksum on this region's leader (the region's own ranks do not need it): from the whole host
+        copy when θ is sharded (gathered at its last change, so no second gather), else from θ itself."""
+        if not self.run.sharded_global:
+            return params_checksum(self.params)
+        return params_checksum(self.whole[0]) if self.run.is_leader else None
 
     def state_dict(self) -> dict[str, Any]:
         run, tel = self.run, self.run.telemetry
