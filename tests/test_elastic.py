@@ -30,8 +30,8 @@ TAG_ENV = "GEOMESH_TEST_TAG"
 
 
 def scenario(folder: Path, paths: list[str], slowdown: float = 1.0, faults=None, strategy: str = "ddp",
-             **reliability) -> Path:  # fmt: skip
-    data = tiny_scenario_dict(paths, ("H100", "A100", "T4"))
+             gpus=("H100", "A100", "T4"), **reliability) -> Path:  # fmt: skip
+    data = tiny_scenario_dict(paths, gpus)
     for region in data["regions"]:
         region["slowdown"] = slowdown  # inner steps padded with sleep: longer rounds that cost no CPU
         region["strategy"] = strategy  # fsdp: θ and the outer momentum sharded over the region's ranks
@@ -47,7 +47,7 @@ def scenario(folder: Path, paths: list[str], slowdown: float = 1.0, faults=None,
 
 def argv(path: Path, out: Path, tokens: int, method: str = "geomesh-sign-only", ranks: str = "1") -> list[str]:
     # the sign codec on DiLoCo's plan (b=4, H=5 per region): the same rounds whatever the planner's tuning
-    nproc = str(sum(int(k) for k in ranks.split(","))) if "," in ranks else "3"
+    nproc = str(sum(int(k) for k in ranks.split(","))) if "," in ranks else "3"  # 3 regions of `ranks` each
     return ["launch", str(path), "--nproc", nproc, "--ranks-per-region", ranks, "--method", method, "--out",
             str(out), "--tokens", str(tokens), "--save-params", "--quiet", "--wan", "none", "--timeout", "90"]  # fmt: skip
 
@@ -132,6 +132,34 @@ def test_a_killed_region_is_left_out_and_the_survivors_finish(tmp_path, small_co
     checksums = summary["param_checksums"]
     assert list(checksums) == ["r0-h100", "r2-t4"] and len(set(checksums.values())) == 1
     assert not left
+
+
+@pytest.mark.parametrize("method", ["geomesh-sign-only", "diloco"])  # the all-gather, the fp32 all-reduce
+def test_survivors_that_did_not_touch_the_lost_region_are_not_held_to_the_deadline(tmp_path, small_corpus, method):
+    """4 regions, the first of 2 ranks: a region dies mid-run. Gloo's ring all-gather fails at once only on
+    the dead region's neighbours; the others wait on a neighbour that has left the collective. The leaders
+    that see the failure tear their group down, so the rest fail at once too: the new quorum of 3 (the
+    minimum here) forms well inside the round deadline and every survivor, both ranks of the first region
+    included, ends with the same θ."""
+    path = scenario(tmp_path, small_corpus, slowdown=2.0, gpus=("H100", "A100", "V100", "T4"), min_regions=3,
+                    round_deadline_s=600)  # fmt: skip
+    out, tag = tmp_path / "run", uuid.uuid4().hex
+    proc = start([*argv(path, out, 7680 * 2, method=method, ranks="2,1,1,1"), "--timeout", "120"], tag, out)
+    try:
+        wait_for_round(out, proc, 2)
+        killed_at = time.monotonic()
+        kill_region(tag, "r2-v100")
+        stdout, stderr = proc.communicate(timeout=240)
+        took = time.monotonic() - killed_at
+    finally:
+        proc.kill()
+        _kill_all(tag)
+    assert proc.returncode == 0, stderr[-3000:]
+    assert took < 120, f"the survivors waited {took:.0f}s: someone sat out the round deadline"
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["elastic"]["regions_at_end"] == ["r0-h100", "r1-a100", "r3-t4"]
+    checksums = summary["param_checksums"]
+    assert len(checksums) == 3 and len(set(checksums.values())) == 1
 
 
 def test_a_region_dying_mid_round_loses_that_round_s_tokens(tmp_path, small_corpus):

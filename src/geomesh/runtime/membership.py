@@ -137,7 +137,12 @@ class Membership:
         return self.step != before, self.manager.num_participants()
 
     def report(self, exc: Exception) -> None:
+        """A collective failed: the round is void for torchft, and this leader's group is torn down at once.
+        Its peers may still be blocked in the same collective on a link that never touched the lost region
+        (a ring's other half); closing our connections fails them now instead of at the round deadline, so
+        every survivor asks for the next quorum together."""
         self.manager.report_error(exc)
+        self.pg.abort()
 
     def commit(self) -> bool:
         """End the round for torchft (the step count advances); False when the round must not count."""
@@ -147,8 +152,12 @@ class Membership:
     def _wait(self, work) -> None:
         try:
             work.wait()
+            return
         except Exception as exc:  # noqa: BLE001 - Gloo: connection closed, timed out
-            raise ExchangeFailed(_short(exc)) from None
+            why = _short(exc)
+        # the failed work holds the Gloo context: dropped here, not kept alive by the traceback we raise
+        del work
+        raise ExchangeFailed(why)
 
     def all_gather_bytes(self, data: bytes) -> list[bytes]:
         """Every quorum member's ``data`` in quorum order (sizes may differ)."""
