@@ -55,8 +55,10 @@ class OuterNesterov:
             out[name] = p.sub(g, alpha=self.lr)
         return out
 
-    def state_dict(self) -> dict:
-        return {"lr": self.lr, "momentum": self.momentum, "buf": {k: v.clone() for k, v in self.buf.items()}}
+    def state_dict(self, buf: dict[str, torch.Tensor] | None = None) -> dict:
+        """``buf``: the momentum to record in place of this optimizer's own (a sharded one's whole copy)."""
+        buf = self.buf if buf is None else buf
+        return {"lr": self.lr, "momentum": self.momentum, "buf": {k: v.clone() for k, v in buf.items()}}
 
     def load_state_dict(self, state: dict) -> None:
         self.lr, self.momentum = state["lr"], state["momentum"]

@@ -62,7 +62,7 @@ class ElasticState:
         run, tel = self.run, self.run.telemetry
         if run.sharded_global:
             params, buf = self.whole
-            outer = {"lr": self.outer.lr, "momentum": self.outer.momentum, "buf": {k: v.clone() for k, v in buf.items()}}
+            outer = self.outer.state_dict(buf=buf)
         else:
             params, outer = {k: v.detach().cpu().clone() for k, v in self.params.items()}, self.outer.state_dict()
         return {
