@@ -18,8 +18,10 @@ from conftest import tiny_scenario_dict
 
 from geomesh.config import ConfigError, TrainingConfig, load_scenario
 from geomesh.methods import OuterLoopMethod, get_method
-from geomesh.methods.overlap import (apply_step, eager_estimate, eager_start, eager_weights, fold_remainder,
-                                     merge_results, rebase)  # fmt: skip
+from geomesh.codec import Manifest
+from geomesh.methods.overlap import (TailSplit, apply_step, eager_estimate, eager_start, eager_weights,
+                                     fold_remainder, fragment_manifest, merge_results, rebase, split_manifest,
+                                     tail_fragment_count)  # fmt: skip
 from geomesh.outer import OuterNesterov
 from geomesh.runtime.emulated import EmulatedRun, RunOptions
 from geomesh.telemetry import read_events
@@ -127,6 +129,49 @@ def test_merge_results_weights_the_two_parts():
     assert not merge_results(InnerResult(2, 64, 3.0, False), InnerResult(1, 32, 1.0, True)).finite
 
 
+def test_the_last_exchange_is_split_by_how_much_of_it_is_bytes():
+    """F = sqrt(bytes time / latency): a latency-bound exchange stays whole, a bytes-bound one is split."""
+    assert tail_fragment_count(0.36, 1.0) == 2  # `default`: 1 Gbit/s, 100-240 ms RTTs
+    assert tail_fragment_count(0.2, 0.1) == 1  # mostly latency: a split would only add latencies
+    assert tail_fragment_count(0.36, 38.5) == 10
+    assert tail_fragment_count(0.0, 1.0) == 16 and tail_fragment_count(0.36, 0.0) == 1
+    assert tail_fragment_count(0.36, 1.0, requested=5) == 5  # geomesh.overlap_tail_fragments
+
+
+def test_split_manifest_makes_consecutive_groups_of_about_equal_size():
+    m = Manifest.from_shapes({"a": [100], "b": [10], "c": [10], "d": [50], "e": [30], "f": [1]})
+    assert split_manifest(m, 1) == [("a", "b", "c", "d", "e", "f")]
+    assert split_manifest(m, 2) == [("a",), ("b", "c", "d", "e", "f")]
+    assert split_manifest(m, 3) == [("a",), ("b", "c"), ("d", "e", "f")]
+    six = split_manifest(m, 6)
+    assert six == [(n,) for n in "abcdef"] and split_manifest(m, 9) == six  # never an empty group
+    assert [s.name for s in fragment_manifest(m, ("e", "b"))] == ["b", "e"]  # the manifest's order
+
+
+def test_fragments_leave_as_late_as_their_exchanges_allow():
+    split = TailSplit((("a",), ("b",), ("c",)), exchange_s=(1.0, 0.5, 0.7), lead_s=(1.5, 0.5, 0.0))
+    assert split.send_steps(0.25, 20, 0) == [14, 18, 20]  # 1.5 s and 0.5 s before the end, in steps
+    assert split.send_steps(0.3, 20, 0) == [15, 18, 20]  # a partial step: taken at the boundary before
+    assert split.send_steps(0.25, 20, 16) == [16, 18, 20]  # never before the update in flight is applied
+    assert split.send_steps(1.0, 1, 0) == [1, 1, 1]  # at least one step: a payload with tokens
+    assert split.send_steps(0.0, 20, 0) == [20, 20, 20]
+
+
+def test_a_fragment_payload_holds_the_whole_payloads_values():
+    """Chunks never cross tensors, so a fragment's payload decodes to what the whole payload holds for its
+    tensors: splitting the exchange changes *when* a fragment is taken, not how it is coded."""
+    from geomesh.codec import SignCodec
+
+    torch.manual_seed(0)
+    delta = {"a": torch.randn(5000), "b": torch.randn(3, 700), "c": torch.randn(9000)}
+    m = Manifest.from_tensors(delta)
+    whole = SignCodec(m, chunk_size=4096).decode(SignCodec(m, chunk_size=4096).encode(delta, 100)).tensors
+    part_m = fragment_manifest(m, ("b", "c"))
+    part = SignCodec(part_m, chunk_size=4096)
+    decoded = part.decode(part.encode({k: delta[k] for k in ("b", "c")}, 100)).tensors
+    assert decoded.keys() == {"b", "c"} and all(torch.equal(decoded[k], whole[k]) for k in decoded)
+
+
 # ---- the emulated runtime -----------------------------------------------------------------------------
 
 
@@ -145,7 +190,7 @@ def test_zero_exchange_time_is_the_plain_round_bit_for_bit(tmp_path, small_corpu
 
 
 def test_overlap_hides_every_exchange_but_the_last(tmp_path, small_corpus):
-    path = write(tmp_path, small_corpus, gbps=1.0)
+    path = write(tmp_path, small_corpus, gbps=1.0, overlap_tail_fragments=1)  # the last exchange in one piece
     plain, p_params = run(path, "geomesh", tmp_path / "plain")
     over, o_params = run(path, "geomesh-overlap", tmp_path / "over")
     x = plain["exchange_s_per_round"]
@@ -180,6 +225,44 @@ def test_overlap_hides_every_exchange_but_the_last(tmp_path, small_corpus):
 
     plot_timeline(tmp_path / "over" / "events.jsonl", tmp_path / "timeline.png", "overlap")
     assert (tmp_path / "timeline.png").stat().st_size > 0
+
+
+def test_the_last_exchange_leaves_in_fragments_and_only_the_last_is_waited_for(tmp_path, small_corpus):
+    """The last round's fragments go on the wire one after another while the round still computes; the run
+    waits only for what is left after the compute, and that is less than the whole exchange."""
+    whole = write(tmp_path / "whole", small_corpus, gbps=0.2, overlap_tail_fragments=1)
+    split = write(tmp_path / "split", small_corpus, gbps=0.2, overlap_tail_fragments=3)
+    one, _ = run(whole, "geomesh-overlap", tmp_path / "one")
+    three, params = run(split, "geomesh-overlap", tmp_path / "three")
+    x = one["exchange_s_per_round"]
+    assert one["per_worker"]["r0-h100"]["comm_wait"] == pytest.approx(x)
+    events = read_events(tmp_path / "three" / "events.jsonl")
+    last = three["rounds"] - 1
+    tail = [e for e in events if e["type"] == "exchange" and e["round"] == last]
+    assert [e["fragment"] for e in tail] == [0, 1, 2]
+    for a, b in itertools.pairwise(tail):  # the WAN carries them one after another
+        assert b["start"] >= a["end"] - 1e-9
+    computed = max(e["end"] for e in events if e["type"] == "span" and e["kind"] == "compute")
+    assert tail[0]["start"] < computed  # the first fragment left while the round still computed
+    wait = three["modeled_time_s"] - computed
+    assert tail[-1]["end"] == pytest.approx(three["modeled_time_s"])
+    assert 0 < wait < x and all(w["comm_wait"] == pytest.approx(wait) for w in three["per_worker"].values())
+    assert three["wan_idle_frac"] < one["wan_idle_frac"]
+    assert three["tokens"] == one["tokens"] and all(torch.isfinite(v).all() for v in params.values())
+    assert three["final_val_loss"] == pytest.approx(one["final_val_loss"], rel=0.02)
+    evals = [e for e in events if e["type"] == "eval"]
+    assert evals[-1]["time"] == pytest.approx(three["modeled_time_s"])  # θ exists once the last fragment is in
+
+
+def test_fragments_taken_at_the_round_end_are_the_whole_exchange_bit_for_bit(tmp_path, small_corpus, monkeypatch):
+    """The split only changes *when* a fragment is taken: taken after the last step, the fragments' combined
+    updates are the whole exchange's, and the run ends with the very parameters of the unsplit run."""
+    whole = write(tmp_path / "whole", small_corpus, gbps=0.2, overlap_tail_fragments=1)
+    split = write(tmp_path / "split", small_corpus, gbps=0.2, overlap_tail_fragments=3)
+    _, a = run(whole, "geomesh-overlap")
+    monkeypatch.setattr(TailSplit, "send_steps", lambda self, step_s, steps, apply_at: [steps] * self.fragments)
+    _, b = run(split, "geomesh-overlap")
+    assert all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_scenario_switch_overlaps_any_outer_method(tmp_path, small_corpus):
@@ -258,6 +341,9 @@ def test_overlap_refusals(tmp_path, small_corpus, capsys):
         load_scenario(path)
     with pytest.raises(ConfigError, match="overlap_start"):
         load_scenario(write(tmp_path / "start", small_corpus), {"geomesh.overlap_start": "eager"})
+    for bad in (0, 17, 2.5, "many"):
+        with pytest.raises(ConfigError, match="overlap_tail_fragments"):
+            load_scenario(write(tmp_path / "tail", small_corpus), {"geomesh.overlap_tail_fragments": bad})
     from geomesh import cli_launch
 
     capsys.readouterr()
@@ -286,8 +372,9 @@ def test_a_checkpoint_waits_for_the_exchange_and_resumes_bit_identical(tmp_path,
     assert ref["rounds"] == plain["rounds"] == 5
     exchange = ref["exchange_s_per_round"]
     for name, totals in ref["per_worker"].items():  # drained after rounds 2 and 4, and the last round's
-        assert totals["comm_wait"] == pytest.approx(3 * exchange, rel=1e-6)
-        assert plain["per_worker"][name]["comm_wait"] == pytest.approx(exchange, rel=1e-6)
+        tail = plain["per_worker"][name]["comm_wait"]  # what is left of the last exchange, in fragments
+        assert 0 < tail < exchange
+        assert totals["comm_wait"] == pytest.approx(2 * exchange + tail, rel=1e-6)
 
     original = EmulatedOverlap.spans
 
@@ -326,7 +413,7 @@ def test_distributed_overlap_equals_emulated_and_every_rank_agrees(tmp_path, sma
     summary = result.summary
     assert summary["overlap"] is True and summary["rounds"] >= 3
     assert len(set(summary["param_checksums"])) == 1  # every rank holds the same θ (checked every round too)
-    emulated, params = run(path, "geomesh-overlap")
+    emulated, params = run(path, "geomesh-overlap", tmp_path / "emulated")
     final = torch.load(out / "final_params.pt")
     for k, v in params.items():
         torch.testing.assert_close(final[k], v, rtol=1e-5, atol=1e-6)
@@ -334,7 +421,12 @@ def test_distributed_overlap_equals_emulated_and_every_rank_agrees(tmp_path, sma
     assert summary["final_val_loss"] == pytest.approx(emulated["final_val_loss"], rel=1e-5)
     events = read_events(out / "events.jsonl")
     flights = [e for e in events if e["type"] == "exchange"]
-    assert len(flights) == summary["rounds"] and all(e["end"] >= e["start"] for e in flights)
+    assert all(e["end"] >= e["start"] for e in flights)
+    # one exchange per round, the last one in the fragments the emulated runtime split it into
+    emulated_flights = [e for e in read_events(out.parent / "emulated" / "events.jsonl") if e["type"] == "exchange"]
+    assert [(e["round"], e.get("fragment")) for e in flights] == [(e["round"], e.get("fragment"))
+                                                                 for e in emulated_flights]  # fmt: skip
+    assert max(e.get("fragment", 0) for e in flights) >= 1
     assert sum(e["type"] == "eval" for e in events) == summary["rounds"] + 1  # θ_0, then each update
 
 

@@ -156,6 +156,12 @@ class GeoMeshConfig:
     # where a worker starts a round while the previous update is on the wire: "own" (its own fresh update
     # stands in for the combined one), "mixture" (Kale et al.'s eager mixture) or "stale" (the last θ)
     overlap_start: str = "own"
+    # how many fragments the last overlapped round's exchange leaves in, so that only the last fragment's is
+    # waited for (docs/overlap.md): null, the rule F = sqrt(bandwidth time / latency) of the exchange; 1: one
+    overlap_tail_fragments: int | None = None
+
+
+MAX_TAIL_FRAGMENTS = 16  # each fragment is one more collective, and pays the WAN's latency once more
 
 
 FAULT_KINDS = ("slowdown", "leave", "join", "bandwidth", "nan", "corrupt")
@@ -473,6 +479,10 @@ def validate(cfg: ScenarioConfig) -> ScenarioConfig:
     _require(0 <= g.replan_smoothing < 1, "geomesh.replan_smoothing", g.replan_smoothing, "expected [0, 1)")
     _require(g.overlap_start in ("own", "mixture", "stale"), "geomesh.overlap_start", g.overlap_start,
              "expected 'own', 'mixture' or 'stale'")  # fmt: skip
+    _require(g.overlap_tail_fragments is None or (isinstance(g.overlap_tail_fragments, int)
+                                                  and 1 <= g.overlap_tail_fragments <= MAX_TAIL_FRAGMENTS),
+             "geomesh.overlap_tail_fragments", g.overlap_tail_fragments,
+             f"expected null (the rule) or 1..{MAX_TAIL_FRAGMENTS} fragments")  # fmt: skip
     if g.overlap:  # the in-flight exchange is not part of an elastic quorum (checkpoints wait for it)
         _require(cfg.reliability.min_regions == 0, "reliability.min_regions", cfg.reliability.min_regions,
                  "expected 0 with geomesh.overlap: true (elastic regions join a quorum per round; an "

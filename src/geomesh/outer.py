@@ -30,7 +30,11 @@ class OuterNesterov:
 
     @torch.no_grad()
     def step(self, outer_grad: Tensors) -> None:
+        """One outer step; a tensor missing from ``outer_grad`` (a fragment of the last overlapped round that no
+        payload arrived for) keeps its value and momentum."""
         for name, p in self.params.items():
+            if name not in outer_grad:
+                continue
             g = outer_grad[name].to(p.dtype)
             if self.momentum > 0:
                 if name not in self.buf:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Collection
 
 import torch
 
@@ -92,10 +92,12 @@ class Worker:
             for name, p in self.model.named_parameters():
                 p.copy_(global_params[name])
 
-    def pseudo_gradient(self, global_params: Tensors) -> Tensors:
-        """Δ = θ_global − θ_local (what the outer optimizer descends along)."""
+    def pseudo_gradient(self, global_params: Tensors, names: Collection[str] | None = None) -> Tensors:
+        """Δ = θ_global − θ_local (what the outer optimizer descends along); only the tensors ``names`` when
+        given (a fragment of the last overlapped round, methods/overlap.py)."""
         with torch.no_grad():
-            return {name: global_params[name] - p.detach() for name, p in self.model.named_parameters()}
+            return {name: global_params[name] - p.detach() for name, p in self.model.named_parameters()
+                    if names is None or name in names}  # fmt: skip
 
     def move_onto(self, start: Tensors, global_params: Tensors) -> None:
         """Move the steps trained since ``start`` onto ``global_params``: local ← θ − (start − local)."""

@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 import warnings
 from dataclasses import dataclass
-from typing import Callable, Literal
+from typing import Any, Callable, Literal
 
 import torch
 
@@ -28,6 +28,7 @@ from ..network import WanModel
 from ..outer import OuterNesterov
 from ..planner import Plan, PlanConstraints, plan_balanced, plan_uniform
 from ..worker import InnerResult, Worker
+from .overlap import TailSend
 
 Tensors = dict[str, torch.Tensor]
 Codec = SignCodec | DenseCodec
@@ -117,26 +118,37 @@ class OuterLoopMethod(Method):
         """Inner steps from θ, then the payload (None when the worker's update is non-finite)."""
         worker.load_global(global_params)
         result = worker.train(steps, batch, lr_at_step)
+        return self._payload(worker, global_params, codec, result), result
+
+    @staticmethod
+    def _payload(worker: Worker, global_params: Tensors, codec: Codec, result: InnerResult,
+                 names: tuple[str, ...] | None = None) -> bytes | None:  # fmt: skip
+        """The worker's pseudo-gradient against θ (only the tensors ``names``: a fragment), encoded with the
+        steps' tokens; None (warned) when the steps or the pseudo-gradient are not finite."""
         if not result.finite:
             warnings.warn(f"worker {worker.name}: non-finite loss or parameters; its update is dropped this round")
-            return None, result
-        delta = worker.pseudo_gradient(global_params)
+            return None
+        delta = worker.pseudo_gradient(global_params, names)
         try:
-            return codec.encode(delta, result.tokens), result
+            return codec.encode(delta, result.tokens)
         except ValueError as exc:  # NaN/inf in the pseudo-gradient
             warnings.warn(f"worker {worker.name}: {exc}; its update is dropped this round")
-            return None, result
+            return None
 
     def local_phase_overlapped(self, worker: Worker, steps: int, batch: int, start: Tensors, apply_at: int,
-                               arrive: Callable[[], Tensors], codec: Codec,
-                               lr_at_step: Callable[[int], float]) -> tuple[bytes | None, InnerResult]:  # fmt: skip
+                               arrive: Callable[[], Tensors], codec: Codec, lr_at_step: Callable[[int], float],
+                               tail: TailSend | None = None) -> tuple[Any, InnerResult]:  # fmt: skip
         """The overlapped round (docs/overlap.md): the previous round's exchange is still in flight when this
         round starts, so the worker starts from its eager ``start`` (:func:`~geomesh.methods.overlap.eager_start`),
         runs ``apply_at`` inner steps, then ``arrive()`` waits for the combined update, takes the outer step and
         returns θ (the same on every worker); the steps already trained are moved onto θ
         (:func:`~geomesh.methods.overlap.rebase`) and the rest of the round runs from there. The payload is
         the round's pseudo-gradient against θ, as in :meth:`local_phase`. With ``apply_at`` 0 (nothing in
-        flight, or an exchange that takes no time) this is :meth:`local_phase` exactly."""
+        flight, or an exchange that takes no time) this is :meth:`local_phase` exactly.
+
+        ``tail`` (the last round of a run): the payload is a tuple, one per fragment of ``tail.split``, each
+        taken after its step ``tail.at[f]`` with the tokens trained so far and handed to ``tail.send`` as it
+        leaves (all but the last, which leaves with the round)."""
         from .overlap import merge_results, rebase
 
         first, k0 = None, max(0, min(apply_at, steps))
@@ -148,17 +160,19 @@ class OuterLoopMethod(Method):
             first = worker.train(k0, batch, lr_at_step)
             global_params = arrive()
             rebase(worker, start, global_params)
-        rest = worker.train(steps - k0, batch, lambda k: lr_at_step(k + k0))
-        result = merge_results(first, rest)
-        if not result.finite:
-            warnings.warn(f"worker {worker.name}: non-finite loss or parameters; its update is dropped this round")
-            return None, result
-        delta = worker.pseudo_gradient(global_params)
-        try:
-            return codec.encode(delta, result.tokens), result
-        except ValueError as exc:  # NaN/inf in the pseudo-gradient
-            warnings.warn(f"worker {worker.name}: {exc}; its update is dropped this round")
-            return None, result
+        if tail is None:
+            result = merge_results(first, worker.train(steps - k0, batch, lambda k: lr_at_step(k + k0)))
+            return self._payload(worker, global_params, codec, result), result
+        parts, done, result = [], k0, first
+        last = tail.split.fragments - 1
+        for f, (names, at, part_codec) in enumerate(zip(tail.split.names, tail.at, tail.codecs)):
+            at = steps if f == last else min(steps, max(done, at))
+            segment = worker.train(at - done, batch, lambda k, o=done: lr_at_step(k + o))
+            result, done = merge_results(result, segment), at
+            parts.append(self._payload(worker, global_params, part_codec, result, names))
+            if tail.send is not None and f < last:
+                tail.send(f, parts[-1])
+        return tuple(parts), result
 
     @staticmethod
     def apply(payloads: list[bytes], codec: Codec, outer: OuterNesterov) -> bool:

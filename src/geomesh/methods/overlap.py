@@ -22,15 +22,28 @@ exchange really arrives and how its bytes move):
    recursion θ_{r+1} = Nesterov(θ_r, combine(payloads of round r)) is the plain round's. Only the first
    ``apply_at`` steps of a round see a point a little off θ_{r+1}. With ``apply_at`` 0 (no exchange in
    flight, or one that takes no time) the overlapped round *is* the plain round, bit for bit.
+5. **The last round** has no next round to hide its exchange under. Its payload leaves in fragments
+   (:func:`tail_split`, Streaming DiLoCo's fragments, Douillard et al. 2025, used for this one exchange):
+   fragment f (consecutive tensors, about equal size) is taken against θ at the inner step
+   (:meth:`TailSplit.send_steps`) from which the exchanges of fragments f..F−2 still fit in the round's
+   compute, and goes on the wire at once; the last fragment leaves when the round ends. Only its exchange
+   is waited for. A fragment sent early keeps θ + its combined update: the steps it trained after it left
+   are not part of the model (the other fragments' steps are), so the rule that picks F weighs the wait
+   it removes against the training it drops.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
+from ..codec import Manifest
+from ..config import MAX_TAIL_FRAGMENTS
+from ..network import WanModel
 from ..outer import OuterNesterov
 from ..worker import InnerResult, Worker
 
@@ -137,3 +150,116 @@ def fold_remainder(steps: Sequence[int], batches: Sequence[int], seq_len: int, r
     if left <= 0 or tokens <= 0 or plan_tokens <= 0 or compute_s * left / plan_tokens >= exchange_s:
         return list(steps)
     return [math.ceil(h * remaining_tokens / tokens) for h in steps]
+
+
+@dataclass(frozen=True)
+class TailSplit:
+    """How the last round's exchange leaves (docs/overlap.md): fragment f holds the tensors ``names[f]``;
+    its exchange takes ``exchange_s[f]`` (the WAN model, on the timing model's share of the payload) and it
+    is sent ``lead_s[f]`` seconds before the round's compute ends, so that the fragments' exchanges, one
+    after another on the WAN, are done when the last fragment (lead 0) leaves."""
+
+    names: tuple[tuple[str, ...], ...]
+    exchange_s: tuple[float, ...]
+    lead_s: tuple[float, ...]
+
+    @property
+    def fragments(self) -> int:
+        return len(self.names)
+
+    def send_steps(self, planned_step_s: float, steps: int, apply_at: int) -> list[int]:
+        """The inner step of this round (of ``steps``) after which each fragment is taken and sent, in this
+        worker's own planned steps: ``steps − ceil(lead / planned_step_s)``, never before the update in
+        flight is applied (``apply_at``: the pseudo-gradient is taken against the new θ); the last fragment
+        after the last step. Non-decreasing."""
+        out = []
+        for lead in self.lead_s:
+            if lead <= 0 or not planned_step_s > 0 or not math.isfinite(lead / planned_step_s):
+                out.append(steps)
+                continue
+            early = math.ceil(lead / planned_step_s - 1e-9)
+            out.append(min(steps, max(apply_at, steps - early, 1)))  # at least one step: a token count
+        return out
+
+
+@dataclass
+class TailSend:
+    """One worker's part of the last round's split exchange: the step after which each fragment leaves
+    (:meth:`TailSplit.send_steps`), each fragment's codec (on :func:`fragment_manifest`), and ``send(f,
+    payload)``, called as fragments 0..F−2 leave during the round (a distributed leader launches their
+    collectives; the emulated runtime times them from the plan and needs no call)."""
+
+    split: TailSplit
+    at: list[int]
+    codecs: list[Any]
+    send: Callable[[int, bytes | None], None] | None = None
+
+
+def fragment_manifest(manifest: Manifest, names: Sequence[str]) -> Manifest:
+    """The manifest of one fragment: the tensors ``names`` of ``manifest``, in its order. Its codec is the
+    method's codec on it; chunks never cross tensors, so a fragment's payload holds what the whole payload
+    would hold for its tensors."""
+    wanted = set(names)
+    return Manifest([s for s in manifest if s.name in wanted])
+
+
+def tail_fragment_count(latency_s: float, bandwidth_s: float, requested: int | None = None) -> int:
+    """How many fragments the last round's exchange leaves in (``geomesh.overlap_tail_fragments``; None:
+    the rule). With F fragments the wait at the end is the latency L plus B/F (B: the exchange's
+    bytes/bandwidth time), and the fragments sent early drop, on average, about half of the time they
+    lead by, (F−1)·(L + B/F)/2 of training on their tensors. The sum, L·(F+1)/2 + B·(F+1)/(2F), is
+    least at F = sqrt(B / L): a link whose exchange is mostly latency gains nothing from fragments, one
+    that is mostly bytes gains from many."""
+    if requested is not None:
+        return max(1, requested)
+    if bandwidth_s <= 0:
+        return 1
+    if latency_s <= 0:
+        return MAX_TAIL_FRAGMENTS
+    return max(1, min(MAX_TAIL_FRAGMENTS, round(math.sqrt(bandwidth_s / latency_s))))
+
+
+def tail_fragments(scenario) -> int | None:
+    """What the scenario asks of the last round's split (``geomesh.overlap_tail_fragments``; None: the rule).
+    With error feedback the exchange is not split: a fragment's codec would leave the residual behind."""
+    g = scenario.geomesh
+    return 1 if g.error_feedback else g.overlap_tail_fragments
+
+
+def split_manifest(manifest: Manifest, fragments: int) -> list[tuple[str, ...]]:
+    """``manifest``'s tensors in at most ``fragments`` groups of consecutive tensors of about equal size: a
+    group ends at the tensor boundary nearest its share of the elements (no group is empty)."""
+    specs = list(manifest)
+    fragments = max(1, min(fragments, len(specs)))
+    total, groups, current, done = manifest.numel, [], [], 0
+    for k, spec in enumerate(specs):
+        target = total * (len(groups) + 1) / fragments
+        groups_left, specs_left = fragments - len(groups) - 1, len(specs) - k
+        nearer = abs(done - target) <= abs(done + spec.numel - target)
+        if current and groups_left > 0 and (nearer or specs_left == groups_left):
+            groups.append(tuple(current))
+            current = []
+        current.append(spec.name)
+        done += spec.numel
+    groups.append(tuple(current))
+    return groups
+
+
+def tail_split(method, wan: WanModel, manifest: Manifest, modeled_payload: int,
+               requested: int | None = None) -> TailSplit | None:  # fmt: skip
+    """The fragments of the last round's exchange over ``wan`` (None: one exchange, as every other round).
+    ``modeled_payload`` is the timing model's payload per worker; a fragment's is its share of the
+    elements."""
+    whole, _ = method.exchange(wan, modeled_payload)
+    latency, _ = method.exchange(wan, 0)
+    count = tail_fragment_count(latency, whole - latency, requested)
+    if count <= 1 or whole <= 0:
+        return None
+    names = split_manifest(manifest, count)
+    if len(names) <= 1:
+        return None
+    sizes = {s.name: s.numel for s in manifest}
+    exchange = tuple(method.exchange(wan, round(modeled_payload * sum(sizes[n] for n in group) / manifest.numel))[0]
+                     for group in names)  # fmt: skip
+    lead = tuple(sum(exchange[f:-1]) for f in range(len(names)))
+    return TailSplit(tuple(names), exchange, lead)

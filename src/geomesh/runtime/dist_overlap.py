@@ -10,19 +10,23 @@ for the collective and the WAN shaper's hold (the exchange lasts max(measured, m
 in the plain round), broadcasts the bytes inside its region, and every rank takes the same outer step; the
 worker then rebases the steps it trained onto θ. Time spent waiting there is ``comm_wait``; the exchange's
 time in flight is an ``exchange`` event (rank 0's view) in ``events.jsonl``. The last round's exchange is
-completed right after the round (:meth:`RankOverlap.drain`): nothing is left to hide it under.
+completed right after the round (:meth:`RankOverlap.drain`): nothing is left to hide it under. It leaves in
+fragments (:meth:`RankOverlap.tail_send`): the leader launches each fragment's collective at its send step,
+inside the round, and the shaper holds the fragments one after another, as the WAN would carry them.
 
 Rank 0 (with a sharded θ, region 0's ranks together) evaluates θ when it is formed, i.e. inside :meth:`arrive`, labelled with the tokens it contains.
 """
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from ..methods.overlap import apply_step, eager_start, eager_weights, planned_tokens
+from ..methods.overlap import (TailSend, TailSplit, apply_step, eager_start, eager_weights, fragment_manifest,
+                               planned_tokens, tail_fragments, tail_split)  # fmt: skip
 from .region import lay_out_like
 from .transport import split_gathered
 
@@ -48,6 +52,9 @@ class RankOverlap:
         self._buffer: torch.Tensor | None = None
         self._since = 0.0
         self._launched_at = 0.0
+        self._split: TailSplit | None = None  # the last round's fragments
+        self._fragment_codecs: list[Any] = []
+        self._fragments: dict[int, tuple[Any, torch.Tensor, float, float]] = {}  # f -> work, buffer, since, at
 
     def apply_at(self, wp: Any, steps: int) -> int:
         """This round's apply step, from the plan's predicted step time (as the emulated runtime)."""
@@ -68,34 +75,95 @@ class RankOverlap:
 
     def launch(self, payload: bytes | None, since: float) -> None:
         """The leader hands its payload to the cross-region collective and does not wait for it."""
+        self.run.transport.op = f"the exchange of round {self.run.rounds + 1} (overlapped)"
+        self._work, self._buffer = self._start(payload, self.combiner)
+        self._since = since
+        self._launched_at = self.run._now()
+
+    def _start(self, payload: bytes | None, codec: Any) -> tuple[Any, torch.Tensor]:
+        """Launch the collective of one payload made by ``codec`` (the whole model's or a fragment's):
+        (work, the buffer it fills)."""
         run, group = self.run, self.run.leaders_group
-        transport = run.transport
-        transport.op = f"the exchange of round {run.rounds + 1} (overlapped)"
         if self.dense:
-            d = self.manifest.numel
+            d = codec.manifest.numel
             flat = torch.zeros(d + 1, dtype=torch.float32, device=self.device)
             if payload is not None:
-                decoded = self.combiner.decode(payload, device=self.device)
-                w = decoded.tokens / 2**20 if self.combiner.weighting == "tokens" else 1.0
+                decoded = codec.decode(payload, device=self.device)
+                w = decoded.tokens / 2**20 if codec.weighting == "tokens" else 1.0
                 torch.cat([t.reshape(-1) for t in decoded.tensors.values()], out=flat[:d])
                 flat[:d].mul_(w)
                 flat[d] = w
-            self._work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group, async_op=True)
-            self._buffer = flat
-            transport.wan_bytes += flat.numel() * flat.element_size()
-        else:
-            nbytes, size = self.proxy_payload, len(run.layout.leaders)
-            mine = torch.zeros(nbytes, dtype=torch.uint8)
-            if payload is not None:
-                mine = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-            mine = mine.to(self.device)
-            out = torch.empty(size * nbytes, dtype=torch.uint8, device=self.device)
-            gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-            self._work = gather(out, mine, group=group, async_op=True)
-            self._buffer = out
-            transport.wan_bytes += nbytes
-        self._since = since
-        self._launched_at = run._now()
+            run.transport.wan_bytes += flat.numel() * flat.element_size()
+            return dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group, async_op=True), flat
+        nbytes, size = codec.payload_nbytes(), len(run.layout.leaders)
+        mine = torch.zeros(nbytes, dtype=torch.uint8)
+        if payload is not None:
+            mine = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        mine = mine.to(self.device)
+        out = torch.empty(size * nbytes, dtype=torch.uint8, device=self.device)
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        run.transport.wan_bytes += nbytes
+        return gather(out, mine, group=group, async_op=True), out
+
+    def _empty(self, codec: Any) -> torch.Tensor:
+        """The buffer a non-leader receives one exchanged payload set into, from its leader."""
+        if self.dense:
+            return torch.empty(codec.manifest.numel + 1, dtype=torch.float32, device=self.device)
+        return torch.empty(len(self.run.layout.leaders) * codec.payload_nbytes(), dtype=torch.uint8)
+
+    def _shaper_s(self, codec: Any) -> float:
+        """What the WAN shaper holds the exchange of one payload made by ``codec`` for."""
+        if self.dense:
+            return self.shaper.allreduce_s(4 * (codec.manifest.numel + 1))
+        return self.shaper.allgather_s(codec.payload_nbytes())
+
+    # ---- the last round: its exchange in fragments -------------------------------------------------
+    def tail_split(self, wan: Any, modeled_payload: int) -> TailSplit | None:
+        """The fragments of the last round's exchange (None: one exchange), as the emulated runtime splits it."""
+        return tail_split(self.method, wan, self.manifest, modeled_payload, tail_fragments(self.run.scenario))
+
+    def tail_send(self, split: TailSplit, wp: Any, steps: int, apply_at: int) -> TailSend:
+        """This rank's part of the last round's split exchange: the plan's send steps, the fragments' codecs,
+        and (a leader) the launch of each fragment's collective as it leaves."""
+        self._split, self._fragments = split, {}
+        self._fragment_codecs = [self.method.make_codec(fragment_manifest(self.manifest, names), self.run.scenario,
+                                                        key=self.combiner.key) for names in split.names]  # fmt: skip
+        at = split.send_steps(wp.compute_s / max(wp.inner_steps, 1), steps, apply_at)
+        send = self.launch_fragment if self.run.is_leader else None
+        return TailSend(split, at, self._fragment_codecs, send)
+
+    def launch_fragment(self, f: int, payload: bytes | None) -> None:
+        """The leader launches fragment ``f``'s collective and goes on training."""
+        self.run.transport.op = f"fragment {f} of the exchange of round {self.run.rounds + 1} (overlapped)"
+        work, buffer = self._start(payload, self._fragment_codecs[f])
+        self._fragments[f] = (work, buffer, time.perf_counter(), self.run._now())
+
+    def _arrive_tail(self) -> Tensors | None:
+        """Every fragment of the last round's exchange, in order (the leader waits for each collective and the
+        shaper, which holds fragment f from when it left or when fragment f−1 was released, whichever is
+        later), shared inside the region; their combined updates, as one update of θ."""
+        run = self.run
+        combined: Tensors = {}
+        released = 0.0
+        for f, codec in enumerate(self._fragment_codecs):
+            exchanged = None
+            if run.is_leader:
+                work, exchanged, since, launched_at = self._fragments[f]
+                run.transport.op = f"fragment {f} of the exchange of round {run.rounds} (overlapped)"
+                work.wait()
+                since = max(since, released)
+                self.shaper.hold(self._shaper_s(codec), since)
+                released = since + self._shaper_s(codec)
+                if run.rank == 0:
+                    run.telemetry.emit({"type": "exchange", "round": run.rounds - 1, "start": launched_at,
+                                        "end": run._now(), "workers": [r.name for r in run.scenario.regions],
+                                        "fragment": f})  # fmt: skip
+            if run.region_group is not None:
+                exchanged = run.transport.broadcast(exchanged if exchanged is not None else self._empty(codec),
+                                                    run.leader, run.region_group)  # fmt: skip
+            combined.update(self._combined(exchanged, codec) or {})
+        self._split, self._fragments = None, {}
+        return combined or None
 
     def arrive(self, before: str = "compute") -> Tensors:
         """Complete the exchange in flight (the leader waits for it and the shaper, then the region's ranks
@@ -121,7 +189,12 @@ class RankOverlap:
             exchanged = run.transport.broadcast(exchanged, run.leader, run.region_group)
         run._mark("comm_wait")
         self.waited_s += run._cursor - waited_from
-        self._apply(exchanged)
+        self._step(self._combined(exchanged, self.combiner))
+        return self._formed()
+
+    def _formed(self) -> Tensors:
+        """θ after the outer step: nothing is in flight any more; rank 0 evaluates it when it is due."""
+        run = self.run
         self._expect, self._work, self._buffer = False, None, None
         self.in_flight_s = 0.0  # (this round's apply step is taken; a round after a drain starts from θ)
         if run.evaluates:
@@ -132,27 +205,45 @@ class RankOverlap:
         return self.params
 
     @torch.no_grad()
-    def _apply(self, exchanged: torch.Tensor) -> None:
-        """The outer step from the exchanged bytes, the same on every rank; remembered as the last update."""
+    def _combined(self, exchanged: torch.Tensor, codec: Any) -> Tensors | None:
+        """The combined update in the exchanged bytes of payloads made by ``codec``; None when none arrived."""
         if self.dense:
-            d = self.manifest.numel
+            manifest = codec.manifest
+            d = manifest.numel
             if float(exchanged[d]) <= 0:
-                return
+                return None
             flat = exchanged[:d].div(exchanged[d])
-            combined = {s.name: flat[o : o + s.numel].view(s.shape) for s, o in zip(self.manifest, self.manifest.offsets)}
-        else:
-            payloads = [p for p in split_gathered(exchanged.cpu(), self.proxy_payload) if p is not None]
-            if not payloads:
-                return
-            combined = self.combiner.combine(payloads, device=self.device)
+            return {s.name: flat[o : o + s.numel].view(s.shape) for s, o in zip(manifest, manifest.offsets)}
+        payloads = [p for p in split_gathered(exchanged.cpu(), codec.payload_nbytes()) if p is not None]
+        if not payloads:
+            return None
+        return codec.combine(payloads, device=self.device)
+
+    @torch.no_grad()
+    def _step(self, combined: Tensors | None) -> None:
+        """The outer step, the same on every rank; a whole update is remembered as the last one."""
+        if combined is None:
+            return
         combined = lay_out_like(combined, self.params)  # each rank's shard of it, where θ is sharded
         self.outer.step(combined)
-        self.last = combined
+        if len(combined) == len(self.params):
+            self.last = combined
 
     def drain(self) -> None:
-        """Wait for the exchange in flight now: the last round's (nothing is left to hide it under), or one a
-        checkpoint must not hold (the next round then starts from θ, as a plain round)."""
-        self.arrive(before="other")
+        """Wait for the exchange in flight now: the last round's (nothing is left to hide it under; in
+        fragments, :meth:`tail_send`), or one a checkpoint must not hold (the next round then starts from θ,
+        as a plain round)."""
+        if self._split is None:
+            self.arrive(before="other")
+            return
+        run = self.run
+        run._mark("other")
+        waited_from = run._cursor
+        combined = self._arrive_tail()
+        run._mark("comm_wait")
+        self.waited_s += run._cursor - waited_from
+        self._step(combined)
+        self._formed()
 
     def take_waited(self) -> float:
         waited, self.waited_s = self.waited_s, 0.0

@@ -93,10 +93,16 @@ def run_rounds(run: RankRun) -> dict[str, Any]:
         def lr_at(k: int, h: int = h, start: int = start, total: int = round_tokens) -> float:
             return inner_lr(start + k / h * total, run.budget, tr)
 
+        split = None  # the last overlapped round's exchange leaves in fragments (as emulated)
+        if overlap is not None and run.tokens_done + round_tokens >= run.budget:
+            split = overlap.tail_split(wan, modeled_payload)
         if overlap is not None:  # the previous round's update is applied inside this one, when it arrives
-            payload, _ = method.local_phase_overlapped(run.worker, h, wp.batch, overlap.start,
-                                                       overlap.apply_at(wp, h), overlap.arrive, codec, lr_at)
-            overlap.prepare_next(payload, plan, steps, plan.exchange_s)
+            apply_at = overlap.apply_at(wp, h)
+            tail = overlap.tail_send(split, wp, h, apply_at) if split is not None else None
+            payload, _ = method.local_phase_overlapped(run.worker, h, wp.batch, overlap.start, apply_at,
+                                                       overlap.arrive, codec, lr_at, tail)  # fmt: skip
+            if split is None:
+                overlap.prepare_next(payload, plan, steps, plan.exchange_s)
         else:
             payload, _ = method.local_phase(run.worker, h, wp.batch, params, codec, lr_at)
         run._mark("compute")
@@ -109,7 +115,9 @@ def run_rounds(run: RankRun) -> dict[str, Any]:
             run._mark("straggler_wait")
             comm_start = run._cursor
             since = time.perf_counter()
-            if overlap is not None:  # launched, not waited for: it arrives inside the next round
+            if split is not None:  # the last fragment, launched as the others were; drained below
+                overlap.launch_fragment(split.fragments - 1, payload[-1])
+            elif overlap is not None:  # launched, not waited for: it arrives inside the next round
                 overlap.launch(payload, since)
             elif dense:
                 flat = torch.zeros(d + 1, dtype=torch.float32, device=run.device)
@@ -153,9 +161,10 @@ def run_rounds(run: RankRun) -> dict[str, Any]:
             comm_s += overlap.take_waited()
         checksum = params_checksum(params)
         run._mark("other")
+        parts = payload if split is not None else (payload,)
         info = run._round_info(checksum, compute_s, comm_s, sent_before, wire_before, wire_after,
-                               proxy_bytes=len(payload) if (payload is not None and run.is_leader) else 0,
-                               dropped=payload is None and run.is_leader)  # fmt: skip
+                               proxy_bytes=sum(len(p) for p in parts if p is not None) if run.is_leader else 0,
+                               dropped=any(p is None for p in parts) and run.is_leader)  # fmt: skip
         infos = run._gather_checked(info, "round", "global parameters")
         if run.rank == 0:
             run._record_round(infos, names)

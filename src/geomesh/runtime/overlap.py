@@ -19,17 +19,23 @@ the WAN model's time X_r; round r+1 starts at that moment. Worker i computes unt
 step (``reach_i``), waits ``max(0, X_r − reach_i)`` for the update (``comm_wait``), computes the rest, and
 waits at the end of the round for the slowest worker (``straggler_wait``). So a round lasts
 max(compute, exchange) instead of compute + exchange. The last round's exchange has no next round to hide
-under: it is waited for at the end of the run (:meth:`EmulatedOverlap.drain`). Each exchange in flight is an
-``exchange`` event in ``events.jsonl`` (docs/formats.md), which the timeline plot draws under the compute.
+under: it is waited for at the end of the run (:meth:`EmulatedOverlap.drain`), in fragments
+(:func:`~geomesh.methods.overlap.tail_split`): fragment f leaves when the slowest worker has reached its send
+step (or when the WAN is free of the fragment before it), so only what is left of the fragments' exchanges
+after the round's compute is waited for. Each exchange in flight (each fragment) is an ``exchange`` event in
+``events.jsonl`` (docs/formats.md), which the timeline plot draws under the compute.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from ..methods.overlap import apply_step, eager_start, eager_weights, planned_tokens
+from ..codec import Manifest
+from ..methods.overlap import (TailSend, TailSplit, apply_step, eager_start, eager_weights, fragment_manifest,
+                               planned_tokens, tail_split)  # fmt: skip
 
 Tensors = dict[str, torch.Tensor]
 
@@ -38,8 +44,15 @@ class EmulatedOverlap:
     """The overlapped schedule's state in one emulated run: every worker's eager start (``share``: in shared
     memory, for worker processes), the last combined update, and the exchange still in flight."""
 
-    def __init__(self, params: Tensors, n_workers: int, share: bool = False, start_kind: str = "own"):
+    def __init__(self, params: Tensors, n_workers: int, share: bool = False, start_kind: str = "own",
+                 make_codec: Callable[[Manifest], Any] | None = None, tail_fragments: int | None = None):  # fmt: skip
         self.start_kind = start_kind  # geomesh.overlap_start
+        self.manifest = Manifest.from_tensors(params)
+        self.make_codec = make_codec  # the method's codec on a manifest (a fragment's)
+        self.tail_fragments = tail_fragments  # geomesh.overlap_tail_fragments (None: the rule; 1: no split)
+        self._fragment_codecs: dict[tuple, list[Any]] = {}
+        self._split: TailSplit | None = None
+        self._send_at: dict[int, list[int] | None] = {}
         self.starts: list[Tensors] = []
         for _ in range(n_workers):
             start = {k: v.detach().clone() for k, v in params.items()}
@@ -53,22 +66,42 @@ class EmulatedOverlap:
         self._steps: dict[int, int] = {}
 
     # ---- a round's jobs ---------------------------------------------------------------------------
-    def with_apply_steps(self, jobs: list[tuple[int, tuple]], entries: list[Any], steps: list[int]) -> list:
+    def tail_split(self, method: Any, wan: Any, modeled_payload: int) -> TailSplit | None:
+        """The fragments of the last round's exchange over the live workers' ``wan`` (None: one exchange)."""
+        return tail_split(method, wan, self.manifest, modeled_payload, self.tail_fragments)
+
+    def with_apply_steps(self, jobs: list[tuple[int, tuple]], entries: list[Any], steps: list[int],
+                         split: TailSplit | None = None) -> list:  # fmt: skip
         """The round's phase jobs, each with its apply step appended (from the plan's predicted step time,
-        as the distributed runtime computes it)."""
+        as the distributed runtime computes it), and for the last round (``split``) the steps after which
+        its fragments leave."""
         out = []
-        self._apply_at, self._steps = {}, {}
+        self._apply_at, self._steps, self._send_at, self._split = {}, {}, {}, split
         for (i, job), wp, h in zip(jobs, entries, steps):
-            k = apply_step(self.in_flight_s, wp.compute_s / max(wp.inner_steps, 1), h)
-            self._apply_at[i], self._steps[i] = k, h
-            out.append((i, (*job, k)))
+            step_s = wp.compute_s / max(wp.inner_steps, 1)
+            k = apply_step(self.in_flight_s, step_s, h)
+            at = split.send_steps(step_s, h, k) if split is not None else None
+            self._apply_at[i], self._steps[i], self._send_at[i] = k, h, at
+            out.append((i, (*job, k, split, at)))
         return out
 
+    def codecs_of(self, split: TailSplit, codec: Any) -> list[Any]:
+        """One codec per fragment of ``split``, like ``codec`` (kept: the same split is asked for by every
+        worker of the round)."""
+        if split.names not in self._fragment_codecs:
+            self._fragment_codecs = {split.names: [self.make_codec(fragment_manifest(codec.manifest, names))
+                                                   for names in split.names]}  # fmt: skip
+        return self._fragment_codecs[split.names]
+
     def local_phase(self, method: Any, i: int, worker: Any, job: tuple, params: Tensors, codec: Any,
-                    lr_at: Any) -> tuple[bytes | None, Any]:  # fmt: skip
-        """Worker ``i``'s overlapped round; θ (``params``) already holds the update that was in flight."""
-        h, batch, apply_at = job[0], job[1], job[-1]
-        return method.local_phase_overlapped(worker, h, batch, self.starts[i], apply_at, lambda: params, codec, lr_at)
+                    lr_at: Any) -> tuple[Any, Any]:  # fmt: skip
+        """Worker ``i``'s overlapped round; θ (``params``) already holds the update that was in flight. The
+        last round returns one payload per fragment."""
+        h, batch = job[0], job[1]
+        apply_at, split, at = job[-3:]
+        tail = TailSend(split, at, self.codecs_of(split, codec)) if split is not None else None
+        return method.local_phase_overlapped(worker, h, batch, self.starts[i], apply_at, lambda: params, codec,
+                                             lr_at, tail)  # fmt: skip
 
     # ---- the end of a round -----------------------------------------------------------------------
     @torch.no_grad()
@@ -87,6 +120,20 @@ class EmulatedOverlap:
         if arrived:
             combined = combiner.combine(arrived, device=device)
             outer.step(combined)
+            self.last = combined
+
+    @torch.no_grad()
+    def finish_tail(self, outer: Any, combiners: list[Any], arrived: list[list[bytes]]) -> None:
+        """The last round's outer step: each fragment's payloads combined by its codec, one step on the union
+        (a fragment no payload arrived for keeps θ and its momentum)."""
+        device = next(iter(outer.params.values())).device
+        combined: Tensors = {}
+        for combiner, payloads in zip(combiners, arrived):
+            if payloads:
+                combined.update(combiner.combine(payloads, device=device))
+        if combined:
+            outer.step(combined)
+        if len(combined) == len(outer.params):
             self.last = combined
 
     def spans(self, run: Any, compute: dict[int, float], exchange_s: float) -> float:
@@ -113,11 +160,31 @@ class EmulatedOverlap:
             else:  # the update arrived before the worker needed it: one unbroken compute span
                 tel.span(name, "compute", t0, end, r)
             tel.span(name, "straggler_wait", end, t0 + length, r)
+        if self._split is not None and exchange_s > 0:
+            self.in_flight_s = self._tail_spans(run, compute, waits, length)
+            return length
         if exchange_s > 0:
             tel.emit({"type": "exchange", "round": r, "start": t0 + length, "end": t0 + length + exchange_s,
                       "workers": [names[i] for i in compute]})  # fmt: skip
         self.in_flight_s = exchange_s
         return length
+
+    def _tail_spans(self, run: Any, compute: dict[int, float], waits: dict[int, float], length: float) -> float:
+        """The last round's fragments on the wire: fragment f leaves when the slowest worker has taken it (its
+        send step, after any wait for the update that was in flight) and the WAN has carried the fragment
+        before it; returns how long after the round's compute the last one arrives."""
+        split, names, t0 = self._split, run._names(), run.clock
+        wire = self.in_flight_s  # the previous round's exchange holds the WAN until then
+        last = split.fragments - 1
+        for f, x in enumerate(split.exchange_s):
+            ready = length if f == last else max(
+                c * self._send_at[i][f] / self._steps[i] + waits[i] if self._steps.get(i) else c + waits[i]
+                for i, c in compute.items())  # fmt: skip
+            start = max(ready, wire)
+            wire = start + x
+            run.telemetry.emit({"type": "exchange", "round": run.rounds, "start": t0 + start, "end": t0 + wire,
+                                "workers": [names[i] for i in compute], "fragment": f})  # fmt: skip
+        return max(0.0, wire - length)
 
     def drain(self, run: Any, live: list[int]) -> float:
         """The exchange in flight, waited for by every live worker (``comm_wait``): the last round's, which no

@@ -27,7 +27,7 @@ import time
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Collection
 
 import torch
 import torch.distributed as dist
@@ -174,12 +174,13 @@ class RegionWorker(Worker):
             for name, v in lay_out_like(global_params, params).items():
                 params[name].copy_(v)
 
-    def pseudo_gradient(self, global_params: Tensors) -> Tensors:
+    def pseudo_gradient(self, global_params: Tensors, names: Collection[str] | None = None) -> Tensors:
         if not self.sharded:
-            return super().pseudo_gradient(global_params)
+            return super().pseudo_gradient(global_params, names)
         with torch.no_grad():  # the whole Δ on every rank of the region, one parameter's all-gather at a time
             return {name: (global_params[name] - p).full_tensor() if is_sharded(global_params[name])
-                    else global_params[name] - p.full_tensor() for name, p in self.model.named_parameters()}  # fmt: skip
+                    else global_params[name] - p.full_tensor() for name, p in self.model.named_parameters()
+                    if names is None or name in names}  # fmt: skip
 
     def move_onto(self, start: Tensors, global_params: Tensors) -> None:
         if not (self.sharded and is_sharded(next(iter(global_params.values())))):

@@ -13,7 +13,7 @@ import torch
 
 from ...codec import Manifest
 from ...methods.base import OuterLoopMethod, budget_steps
-from ...methods.overlap import fold_remainder
+from ...methods.overlap import fold_remainder, tail_fragments
 from ...outer import OuterNesterov
 from ...planner import OnlinePlanner, Plan
 from ...worker import Worker, inner_lr
@@ -70,7 +70,9 @@ class RoundsLoop(EmulatedCore):
             from ..overlap import EmulatedOverlap
 
             overlap = EmulatedOverlap(params, len(cluster.workers), share=self.workers_parallel > 1,
-                                      start_kind=g.overlap_start)  # fmt: skip
+                                      start_kind=g.overlap_start,
+                                      make_codec=lambda m: method.make_codec(m, self.scenario, key=self._key),
+                                      tail_fragments=tail_fragments(self.scenario))  # fmt: skip
         if self._resume is not None:
             self._restore(cluster, loop, outer=outer, codecs=codecs, make_online=make_online, overlap=overlap)
         else:
@@ -176,42 +178,51 @@ class RoundsLoop(EmulatedCore):
                 steps = fold_remainder(steps, [w.batch for w in entries], seq, remaining, plan.sequences_per_round * seq,
                                        plan.compute_s, plan.exchange_s)  # fmt: skip
             round_tokens = sum(w.batch * h for w, h in zip(entries, steps)) * seq
-            sent: list[tuple[int, bytes]] = []
+            split = None  # the last overlapped round's exchange leaves in fragments (docs/overlap.md)
+            if overlap is not None and self.tokens_done + round_tokens >= self.budget:
+                split = overlap.tail_split(method, loop.cluster.wan(live), modeled_payload)
+            combiners = [combiner] if split is None else overlap.codecs_of(split, combiner)
+            sent: list[tuple[int, int, bytes]] = []  # (worker, fragment, payload)
             compute: dict[int, float] = {}
             failed: dict[int, str] = {}  # worker -> why its update did not count this round
             lost: dict[int, int] = {}  # worker -> tokens it trained that did not reach the global model
             jobs = [(i, (h, wp.batch, self.tokens_done, round_tokens, "nan" in effects.once.get(i, ())))
                     for i, wp, h in zip(live, entries, steps)]  # fmt: skip
             if overlap is not None:
-                jobs = overlap.with_apply_steps(jobs, entries, steps)
+                jobs = overlap.with_apply_steps(jobs, entries, steps, split)
             payloads = run_calls("phase", jobs)
             for i, wp, h, payload in zip(live, entries, steps, payloads):
                 once = effects.once.get(i, set())
-                if payload is not None:
-                    if "corrupt" in once:
-                        payload = corrupt_payload(payload)
-                    sent.append((i, payload))
-                    self.proxy_bytes_sent += len(payload)
-                else:  # local_phase has warned (and phase healed the worker's AdamW)
+                parts = payload if split is not None else (payload,)
+                for f, part in enumerate(parts):
+                    if part is not None:
+                        part = corrupt_payload(part) if "corrupt" in once else part
+                        sent.append((i, f, part))
+                        self.proxy_bytes_sent += len(part)
+                if any(part is None for part in parts):  # local_phase has warned (and phase healed AdamW)
                     self.telemetry.count("dropped_updates")
                     failed[i], lost[i] = "non-finite loss, parameters or pseudo-gradient", wp.batch * h * seq
                     self._warn(names[i], f"{failed[i]}; its update is dropped this round", console=False)
                 # the truth (profile × injected slowdown); the planner only learns it by observing
                 compute[i] = h * cluster.profiles[i].step_s(wp.micro_batch, wp.accum) * loop.cluster.speed[i]
-            arrived = []
-            for i, payload in sent:  # every receiver checks every payload before combining any
-                reason = screen_payload(combiner, payload)
+            arrived: list[list[bytes]] = [[] for _ in combiners]
+            for i, f, payload in sent:  # every receiver checks every payload before combining any
+                reason = screen_payload(combiners[f], payload)
                 if reason is None:
-                    arrived.append(payload)
+                    arrived[f].append(payload)
                     continue
                 self.telemetry.count("rejected_payloads")
+                if i in failed:  # (another fragment of it already failed)
+                    continue
                 k = live.index(i)
                 failed[i], lost[i] = f"payload rejected: {reason}", entries[k].batch * steps[k] * seq
                 self._warn(names[i], f"{failed[i]}; its update is dropped this round")
-            if overlap is not None:  # next round's eager starts from θ_r, then the outer step
-                overlap.finish(method, outer, combiner, arrived, dict(zip(live, payloads)), names, entries, steps)
+            if split is not None:  # the run's last outer step, fragment by fragment
+                overlap.finish_tail(outer, combiners, arrived)
+            elif overlap is not None:  # next round's eager starts from θ_r, then the outer step
+                overlap.finish(method, outer, combiner, arrived[0], dict(zip(live, payloads)), names, entries, steps)
             else:
-                method.apply(arrived, CombineOn(combiner, self.device), outer)
+                method.apply(arrived[0], CombineOn(combiner, self.device), outer)
             if overlap is not None:
                 length = overlap.spans(self, compute, exchange_s)
             else:
