@@ -395,8 +395,10 @@ def strategy_runs(tmp_path: Path, small_corpus, method: str, tokens: int, *extra
 def test_an_fsdp_region_holds_its_shard_of_theta_and_trains_as_ddp(tmp_path, small_corpus, method):
     """θ and the outer momentum of an fsdp region are sharded like its replica (what the planner's memory model
     counts): each of its 2 ranks holds half of them, the region's ranks evaluate θ together, and the run ends
-    where the same run with a ddp region ends (1-bit exchange, plain and overlapped: eager starts, rebase)."""
-    runs = strategy_runs(tmp_path, small_corpus, method, 4000)
+    where the same run with a ddp region ends (1-bit exchange, plain and overlapped: eager starts, rebase, the
+    last exchange in 3 fragments taken from the sharded replica)."""
+    split = ("--set", "geomesh.overlap_tail_fragments=3") if method == "geomesh-overlap" else ()
+    runs = strategy_runs(tmp_path, small_corpus, method, 4000, *split)
     for result, _, _ in runs.values():
         assert result.code == 0, result.message
         assert len(set(result.summary["param_checksums"])) == 1

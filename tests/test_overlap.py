@@ -328,6 +328,24 @@ def test_planner_stretches_a_round_to_the_exchange_it_hides(tmp_path, small_corp
     assert "stretched to the exchange" in over.rule and over.to_json()["overlap"] is True
 
 
+def test_geomesh_plan_says_how_the_last_exchange_leaves(tmp_path, small_corpus, capsys):
+    import json
+
+    from geomesh.cli import main
+
+    path = write(tmp_path, small_corpus, gbps=0.2)
+    for fragments in (None, 1, 3):
+        extra = [] if fragments is None else ["--set", f"geomesh.overlap_tail_fragments={fragments}"]
+        assert main(["plan", str(path), "--json", "--set", "geomesh.overlap=true", *extra]) == 0
+        tail = json.loads(capsys.readouterr().out)["last_exchange"]
+        assert tail["fragments"] == (fragments or tail["fragments"]) and tail["wait_s"] <= tail["whole_s"]
+        assert (tail["wait_s"] < tail["whole_s"]) == (tail["fragments"] > 1)
+    assert main(["plan", str(path), "--set", "geomesh.overlap=true"]) == 0
+    assert "last round's exchange" in capsys.readouterr().out
+    assert main(["plan", str(path), "--json"]) == 0  # not overlapped: every exchange is waited for whole
+    assert "last_exchange" not in json.loads(capsys.readouterr().out)
+
+
 # ---- refusals ------------------------------------------------------------------------------------------
 
 
@@ -456,11 +474,12 @@ def test_distributed_overlap_checkpoints_equal_emulated_and_resume_exactly(tmp_p
 
 
 def test_regions_of_two_ranks_share_the_overlapped_update(tmp_path, small_corpus):
-    """The leader completes the exchange at the apply step and broadcasts it inside its region; DDP keeps
-    running in between: every rank ends with the same θ."""
+    """The leader completes the exchange at the apply step and broadcasts it inside its region (the last one
+    fragment by fragment); DDP keeps running in between: every rank ends with the same θ."""
     from test_distributed import launch, write_scenario
 
-    path = write_scenario(tmp_path, small_corpus, ("A100", "T4"), counts=[2, 2], geomesh={"overlap": True})
+    path = write_scenario(tmp_path, small_corpus, ("A100", "T4"), counts=[2, 2],
+                          geomesh={"overlap": True, "overlap_tail_fragments": 3})  # the last exchange in fragments
     result = launch([str(path), "--nproc", "4", "--method", "geomesh", "--out", str(tmp_path / "run"), "--tokens",
                      "20000", "--quiet", "--timeout", "60", "--wan", "none"])  # fmt: skip
     assert result.code == 0, result.message
