@@ -271,15 +271,19 @@ def test_scenario_switch_overlaps_any_outer_method(tmp_path, small_corpus):
     assert summary["overlap"] is True and summary["plan"]["overlap"] is True
 
 
-def test_faults_in_overlapped_rounds(tmp_path, small_corpus):
+@pytest.mark.parametrize("fragments", [1, 3])
+def test_faults_in_overlapped_rounds(tmp_path, small_corpus, fragments):
     """A NaN round and a corrupted payload are left out of the combination, a worker leaves and rejoins (it
-    starts from the others' eager estimate): the run completes like the plain one."""
+    starts from the others' eager estimate): the run completes like the plain one. The second corruption hits
+    the last round, whose exchange may leave in fragments: each damaged fragment is rejected."""
     data = tiny_scenario_dict(small_corpus)
     data["geomesh"].pop("round_sequences_factor", None)
+    data["geomesh"]["overlap_tail_fragments"] = fragments
     data["faults"] = [{"at_round": 1, "region": "r1-a100", "kind": "nan"},
                       {"at_round": 1, "region": "r2-t4", "kind": "leave"},
                       {"at_round": 2, "region": "r2-t4", "kind": "join"},
-                      {"at_round": 2, "region": "r0-h100", "kind": "corrupt"}]  # fmt: skip
+                      {"at_round": 2, "region": "r0-h100", "kind": "corrupt"},
+                      {"at_round": 3, "region": "r1-a100", "kind": "corrupt"}]  # fmt: skip
     path = tmp_path / "faults.yaml"
     path.write_text(yaml.safe_dump(data))
     with pytest.warns(UserWarning):
@@ -287,7 +291,8 @@ def test_faults_in_overlapped_rounds(tmp_path, small_corpus):
     with pytest.warns(UserWarning):
         over, params = run(path, "geomesh-overlap", tokens=TOKENS)
     assert over["status"] == plain["status"] == "complete" and over["rounds"] == plain["rounds"]
-    assert (over["dropped_updates"], over["rejected_payloads"]) == (1, 1)
+    assert over["rounds"] == 4  # (the round without r2-t4 trained fewer tokens)
+    assert (over["dropped_updates"], over["rejected_payloads"]) == (1, 1 + fragments)
     assert [f["tokens_lost"] for f in over["faults"]] == [f["tokens_lost"] for f in plain["faults"]]
     assert all(torch.isfinite(v).all() for v in params.values())
     assert over["final_val_loss"] == pytest.approx(plain["final_val_loss"], rel=0.05)
