@@ -21,7 +21,7 @@ from geomesh.methods import OuterLoopMethod, get_method
 from geomesh.codec import Manifest
 from geomesh.methods.overlap import (TailSplit, apply_step, eager_estimate, eager_start, eager_weights,
                                      fold_remainder, fragment_manifest, merge_results, rebase, split_manifest,
-                                     tail_fragment_count)  # fmt: skip
+                                     tail_cost, tail_split)  # fmt: skip
 from geomesh.outer import OuterNesterov
 from geomesh.runtime.emulated import EmulatedRun, RunOptions
 from geomesh.telemetry import read_events
@@ -130,12 +130,28 @@ def test_merge_results_weights_the_two_parts():
 
 
 def test_the_last_exchange_is_split_by_how_much_of_it_is_bytes():
-    """F = sqrt(bytes time / latency): a latency-bound exchange stays whole, a bytes-bound one is split."""
-    assert tail_fragment_count(0.36, 1.0) == 2  # `default`: 1 Gbit/s, 100-240 ms RTTs
-    assert tail_fragment_count(0.2, 0.1) == 1  # mostly latency: a split would only add latencies
-    assert tail_fragment_count(0.36, 38.5) == 10
-    assert tail_fragment_count(0.0, 1.0) == 16 and tail_fragment_count(0.36, 0.0) == 1
-    assert tail_fragment_count(0.36, 1.0, requested=5) == 5  # geomesh.overlap_tail_fragments
+    """The rule: the count whose cost (the wait for the last fragment plus the training the early fragments
+    drop) is least; for equal fragments that is F = sqrt(bytes time / latency)."""
+    from geomesh.network import WanModel
+
+    method = get_method("geomesh")
+    manifest = Manifest.from_shapes({f"t{k}": [1000] for k in range(48)})  # equal tensors, 48 = 2·3·8·16
+
+    def link(latency_s: float, bytes_s: float) -> tuple[WanModel, int]:  # 2 workers: one ring step
+        return WanModel(((0.0, 2 * latency_s), (2 * latency_s, 0.0)), ((1.0, 1e6), (1e6, 1.0))), round(bytes_s * 1e6)
+
+    for latency, bytes_s, expected in [(1.0, 9.0, 3), (1.0, 0.5, 1), (0.36, 1.0, 2), (0.1, 6.4, 8), (0.0, 1.0, 16)]:
+        wan, payload = link(latency, bytes_s)
+        split = tail_split(method, wan, manifest, payload)
+        assert (split.fragments if split else 1) == expected, (latency, bytes_s)
+        if split:  # the cost of F equal fragments: (L + B/F)·(F + 1)/2, less than the whole exchange
+            f = split.fragments
+            assert tail_cost(split, manifest, 0.0) == pytest.approx((latency + bytes_s / f) * (f + 1) / 2, rel=1e-3)
+            assert split.lead_s[-1] == 0 and split.lead_s[0] == pytest.approx(sum(split.exchange_s[:-1]))
+    wan, payload = link(1.0, 9.0)
+    assert tail_split(method, wan, manifest, payload, requested=5).fragments == 5  # geomesh.overlap_tail_fragments
+    assert tail_split(method, wan, manifest, payload, requested=1) is None
+    assert tail_split(method, link(0.0, 0.0)[0], manifest, 0) is None  # nothing to wait for
 
 
 def test_split_manifest_makes_consecutive_groups_of_about_equal_size():

@@ -157,7 +157,8 @@ class GeoMeshConfig:
     # stands in for the combined one), "mixture" (Kale et al.'s eager mixture) or "stale" (the last θ)
     overlap_start: str = "own"
     # how many fragments the last overlapped round's exchange leaves in, so that only the last fragment's is
-    # waited for (docs/overlap.md): null, the rule F = sqrt(bandwidth time / latency) of the exchange; 1: one
+    # waited for (docs/overlap.md): null, the rule (the wait left against the training the early fragments
+    # drop; about sqrt(bytes time / latency) of the exchange); 1: one exchange
     overlap_tail_fragments: int | None = None
 
 

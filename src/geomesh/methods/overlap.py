@@ -203,22 +203,6 @@ def fragment_manifest(manifest: Manifest, names: Sequence[str]) -> Manifest:
     return Manifest([s for s in manifest if s.name in wanted])
 
 
-def tail_fragment_count(latency_s: float, bandwidth_s: float, requested: int | None = None) -> int:
-    """How many fragments the last round's exchange leaves in (``geomesh.overlap_tail_fragments``; None:
-    the rule). With F fragments the wait at the end is the latency L plus B/F (B: the exchange's
-    bytes/bandwidth time), and the fragments sent early drop, on average, about half of the time they
-    lead by, (F−1)·(L + B/F)/2 of training on their tensors. The sum, L·(F+1)/2 + B·(F+1)/(2F), is
-    least at F = sqrt(B / L): a link whose exchange is mostly latency gains nothing from fragments, one
-    that is mostly bytes gains from many."""
-    if requested is not None:
-        return max(1, requested)
-    if bandwidth_s <= 0:
-        return 1
-    if latency_s <= 0:
-        return MAX_TAIL_FRAGMENTS
-    return max(1, min(MAX_TAIL_FRAGMENTS, round(math.sqrt(bandwidth_s / latency_s))))
-
-
 def tail_fragments(scenario) -> int | None:
     """What the scenario asks of the last round's split (``geomesh.overlap_tail_fragments``; None: the rule).
     With error feedback the exchange is not split: a fragment's codec would leave the residual behind."""
@@ -245,16 +229,18 @@ def split_manifest(manifest: Manifest, fragments: int) -> list[tuple[str, ...]]:
     return groups
 
 
-def tail_split(method, wan: WanModel, manifest: Manifest, modeled_payload: int,
-               requested: int | None = None) -> TailSplit | None:  # fmt: skip
-    """The fragments of the last round's exchange over ``wan`` (None: one exchange, as every other round).
-    ``modeled_payload`` is the timing model's payload per worker; a fragment's is its share of the
-    elements."""
-    whole, _ = method.exchange(wan, modeled_payload)
-    latency, _ = method.exchange(wan, 0)
-    count = tail_fragment_count(latency, whole - latency, requested)
-    if count <= 1 or whole <= 0:
-        return None
+def tail_cost(split: TailSplit | None, manifest: Manifest, whole_s: float) -> float:
+    """What an exchange sent as ``split`` costs the run, in seconds of all workers' time (the rule's measure):
+    the wait for the last fragment, plus, for each fragment sent early, its lead (the training its tensors
+    drop) times its share of the elements. ``None`` (one exchange): the whole exchange, ``whole_s``."""
+    if split is None:
+        return whole_s
+    sizes = {s.name: s.numel for s in manifest}
+    dropped = sum(sum(sizes[n] for n in names) / manifest.numel * lead for names, lead in zip(split.names, split.lead_s))
+    return split.exchange_s[-1] + dropped
+
+
+def _split_into(method, wan: WanModel, manifest: Manifest, modeled_payload: int, count: int) -> TailSplit | None:
     names = split_manifest(manifest, count)
     if len(names) <= 1:
         return None
@@ -263,3 +249,27 @@ def tail_split(method, wan: WanModel, manifest: Manifest, modeled_payload: int,
                      for group in names)  # fmt: skip
     lead = tuple(sum(exchange[f:-1]) for f in range(len(names)))
     return TailSplit(tuple(names), exchange, lead)
+
+
+def tail_split(method, wan: WanModel, manifest: Manifest, modeled_payload: int,
+               requested: int | None = None) -> TailSplit | None:  # fmt: skip
+    """The fragments of the last round's exchange over ``wan`` (None: one exchange, as every other round).
+    ``modeled_payload`` is the timing model's payload per worker; a fragment's is its share of the elements.
+
+    ``requested`` (``geomesh.overlap_tail_fragments``) fixes the count; otherwise the rule takes the count of
+    1..16 whose :func:`tail_cost` is least (the fewest on a tie). With F equal fragments of an exchange of
+    latency L and bytes time B, the cost is (L + B/F)·(F + 1)/2, least at F = √(B/L): a link whose exchange is
+    mostly latency keeps one exchange, one that is mostly bytes splits it. Fragments are whole tensors, so
+    the actual sizes, not equal ones, are what the rule weighs."""
+    whole, _ = method.exchange(wan, modeled_payload)
+    if whole <= 0:
+        return None
+    if requested is not None:
+        return _split_into(method, wan, manifest, modeled_payload, requested) if requested > 1 else None
+    best, best_cost = None, whole
+    for count in range(2, min(MAX_TAIL_FRAGMENTS, len(manifest)) + 1):
+        split = _split_into(method, wan, manifest, modeled_payload, count)
+        cost = tail_cost(split, manifest, whole)
+        if cost < best_cost - 1e-12:
+            best, best_cost = split, cost
+    return best
