@@ -21,7 +21,7 @@ from geomesh.methods import OuterLoopMethod, get_method
 from geomesh.codec import Manifest
 from geomesh.methods.overlap import (TailSplit, apply_step, eager_estimate, eager_start, eager_weights,
                                      fold_remainder, fragment_manifest, merge_results, rebase, split_manifest,
-                                     tail_cost, tail_split)  # fmt: skip
+                                     tail_schedule, tail_split)  # fmt: skip
 from geomesh.outer import OuterNesterov
 from geomesh.runtime.emulated import EmulatedRun, RunOptions
 from geomesh.telemetry import read_events
@@ -146,9 +146,12 @@ def test_the_last_exchange_is_split_by_how_much_of_it_is_bytes():
         assert (split.fragments if split else 1) == expected, (latency, bytes_s)
         if split:  # the cost of F equal fragments: (L + B/F)·(F + 1)/2, less than the whole exchange
             f = split.fragments
-            assert tail_cost(split, manifest, 0.0) == pytest.approx((latency + bytes_s / f) * (f + 1) / 2, rel=1e-3)
+            assert sum(tail_schedule(split)) == pytest.approx((latency + bytes_s / f) * (f + 1) / 2, rel=1e-3)
             assert split.lead_s[-1] == 0 and split.lead_s[0] == pytest.approx(sum(split.exchange_s[:-1]))
     wan, payload = link(1.0, 9.0)
+    # a last round that is mostly waiting for the exchange in flight has no room to send fragments early
+    assert tail_split(method, wan, manifest, payload, round_s=30.0, busy_s=2.0).fragments == 3
+    assert tail_split(method, wan, manifest, payload, round_s=30.0, busy_s=30.0) is None
     assert tail_split(method, wan, manifest, payload, requested=5).fragments == 5  # geomesh.overlap_tail_fragments
     assert tail_split(method, wan, manifest, payload, requested=1) is None
     assert tail_split(method, link(0.0, 0.0)[0], manifest, 0) is None  # nothing to wait for
@@ -164,8 +167,19 @@ def test_split_manifest_makes_consecutive_groups_of_about_equal_size():
     assert [s.name for s in fragment_manifest(m, ("e", "b"))] == ["b", "e"]  # the manifest's order
 
 
+def test_the_plan_of_the_last_exchange_counts_the_wait_and_the_dropped_training():
+    split = TailSplit((("a",), ("b",), ("c",)), exchange_s=(1.0, 0.5, 0.7), lead_s=(1.5, 0.5, 0.0),
+                      shares=(0.4, 0.3, 0.3))
+    # a 10 s round, the WAN free: a leaves at 8.5 s and b at 9.5 s, both in by 10 s; c takes 0.7 s after it
+    assert tail_schedule(split, 10.0) == pytest.approx((0.7, 0.4 * 1.5 + 0.3 * 0.5))
+    assert tail_schedule(split) == pytest.approx((0.7, 0.75))  # (a round long enough for every lead)
+    # the exchange in flight holds the WAN and θ until 9 s: a leaves at 9 s, b queues behind it until 10 s
+    assert tail_schedule(split, 10.0, busy_s=9.0) == pytest.approx((10.5 + 0.7 - 10.0, 0.4 * 1.0 + 0.3 * 0.5))
+
+
 def test_fragments_leave_as_late_as_their_exchanges_allow():
-    split = TailSplit((("a",), ("b",), ("c",)), exchange_s=(1.0, 0.5, 0.7), lead_s=(1.5, 0.5, 0.0))
+    split = TailSplit((("a",), ("b",), ("c",)), exchange_s=(1.0, 0.5, 0.7), lead_s=(1.5, 0.5, 0.0),
+                      shares=(0.4, 0.3, 0.3))
     assert split.send_steps(0.25, 20, 0) == [14, 18, 20]  # 1.5 s and 0.5 s before the end, in steps
     assert split.send_steps(0.3, 20, 0) == [15, 18, 20]  # a partial step: taken at the boundary before
     assert split.send_steps(0.25, 20, 16) == [16, 18, 20]  # never before the update in flight is applied
@@ -359,8 +373,11 @@ def test_geomesh_plan_says_how_the_last_exchange_leaves(tmp_path, small_corpus, 
         extra = [] if fragments is None else ["--set", f"geomesh.overlap_tail_fragments={fragments}"]
         assert main(["plan", str(path), "--json", "--set", "geomesh.overlap=true", *extra]) == 0
         tail = json.loads(capsys.readouterr().out)["last_exchange"]
-        assert tail["fragments"] == (fragments or tail["fragments"]) and tail["wait_s"] <= tail["whole_s"]
-        assert (tail["wait_s"] < tail["whole_s"]) == (tail["fragments"] > 1)
+        assert tail["fragments"] == (fragments or tail["fragments"])
+        if fragments is None:  # the rule splits only when the wait it saves is more than the training dropped
+            assert tail["wait_s"] + tail["dropped_s"] <= tail["whole_s"]
+        if tail["fragments"] == 1:
+            assert tail["wait_s"] == tail["whole_s"] and tail["dropped_s"] == 0
     assert main(["plan", str(path), "--set", "geomesh.overlap=true"]) == 0
     assert "last round's exchange" in capsys.readouterr().out
     assert main(["plan", str(path), "--json"]) == 0  # not overlapped: every exchange is waited for whole

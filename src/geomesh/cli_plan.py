@@ -71,7 +71,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         except ValueError as exc:
             raise ConfigError(f"--profile {region}: {exc}") from None
     plans = cluster_plans(scenario, profiles, allow_drop=args.allow_drop)
-    tail = last_exchange(scenario) if plans["geomesh"].overlap else None
+    tail = last_exchange(scenario, plans["geomesh"]) if plans["geomesh"].overlap else None
     if args.json:
         out = plans["geomesh"].to_json()
         out["scenario"] = scenario.name
@@ -93,26 +93,30 @@ def cmd_plan(args: argparse.Namespace) -> int:
           f"{d.sequences_per_round}; throughput {g.sequences_per_round / g.round_s:.1f} vs "
           f"{d.sequences_per_round / d.round_s:.1f} sequences/s")  # fmt: skip
     if tail is not None:
+        dropped = (f"; the fragments sent early drop {tail['dropped_s']:.2f} s of training (× their share of the "
+                   f"model)" if tail["fragments"] > 1 else "")  # fmt: skip
         print(f"last round's exchange (overlapped, nothing hides it): {tail['fragments']} fragment(s); the run waits "
-              f"{tail['wait_s']:.2f} s for it at the end instead of {tail['whole_s']:.2f} s")  # fmt: skip
+              f"{tail['wait_s']:.2f} s for it at the end instead of {tail['whole_s']:.2f} s{dropped}")  # fmt: skip
     return 0
 
 
-def last_exchange(scenario) -> dict[str, Any]:
-    """How GeoMesh's last overlapped round sends its exchange (docs/overlap.md): the fragments, the wait left
-    at the end (the last fragment's exchange, when the round is longer than the others' leads) and the whole
-    exchange's time."""
+def last_exchange(scenario, plan) -> dict[str, Any]:
+    """How GeoMesh's last overlapped round (a full round of ``plan``, the one before it still exchanging)
+    sends its exchange (docs/overlap.md): the fragments, the wait left at the end, the training the early
+    fragments drop (seconds × share of the elements) and the whole exchange's time."""
     from .methods import get_method
     from .methods.base import proxy_manifest
-    from .methods.overlap import tail_fragments, tail_split
+    from .methods.overlap import tail_fragments, tail_schedule, tail_split
 
     method, wan = get_method("geomesh"), scenario.wan_model()
     payload = method.modeled_payload_bytes(scenario)
     whole, _ = method.exchange(wan, payload)
-    split = tail_split(method, wan, proxy_manifest(scenario), payload, tail_fragments(scenario))
+    split = tail_split(method, wan, proxy_manifest(scenario), payload, tail_fragments(scenario), plan.compute_s,
+                       plan.exchange_s)  # fmt: skip
     if split is None:
-        return {"fragments": 1, "wait_s": whole, "whole_s": whole}
-    return {"fragments": split.fragments, "wait_s": split.exchange_s[-1], "whole_s": whole}
+        return {"fragments": 1, "wait_s": whole, "dropped_s": 0.0, "whole_s": whole}
+    wait, dropped = tail_schedule(split, plan.compute_s, plan.exchange_s)
+    return {"fragments": split.fragments, "wait_s": wait, "dropped_s": dropped, "whole_s": whole}
 
 
 def format_plan(plan) -> str:

@@ -162,6 +162,7 @@ class TailSplit:
     names: tuple[tuple[str, ...], ...]
     exchange_s: tuple[float, ...]
     lead_s: tuple[float, ...]
+    shares: tuple[float, ...]  # each fragment's share of the elements
 
     @property
     def fragments(self) -> int:
@@ -229,15 +230,28 @@ def split_manifest(manifest: Manifest, fragments: int) -> list[tuple[str, ...]]:
     return groups
 
 
-def tail_cost(split: TailSplit | None, manifest: Manifest, whole_s: float) -> float:
-    """What an exchange sent as ``split`` costs the run, in seconds of all workers' time (the rule's measure):
-    the wait for the last fragment, plus, for each fragment sent early, its lead (the training its tensors
-    drop) times its share of the elements. ``None`` (one exchange): the whole exchange, ``whole_s``."""
-    if split is None:
-        return whole_s
-    sizes = {s.name: s.numel for s in manifest}
-    dropped = sum(sum(sizes[n] for n in names) / manifest.numel * lead for names, lead in zip(split.names, split.lead_s))
-    return split.exchange_s[-1] + dropped
+def tail_schedule(split: TailSplit, round_s: float | None = None, busy_s: float = 0.0) -> tuple[float, float]:
+    """(wait, dropped) of the last round's exchange sent as ``split``, as the plan sees it: the seconds from
+    the end of the round's ``round_s`` of compute until the last fragment has arrived, and the training the
+    early fragments drop (each fragment's lead times its share of the elements, ``TailSplit.shares``). The
+    exchange still in flight when the round starts holds the WAN, and θ, for ``busy_s``: no fragment is taken
+    or sent before then, so on a round that is mostly waiting for it fragments gain nothing. ``round_s``
+    None: a round long enough for every lead."""
+    last = split.fragments - 1
+    if round_s is None:
+        return split.exchange_s[-1], sum(w * lead for w, lead in zip(split.shares, split.lead_s))
+    free = min(busy_s, round_s)
+    wire, dropped = free, 0.0
+    for f, (x, lead, w) in enumerate(zip(split.exchange_s, split.lead_s, split.shares)):
+        ready = round_s if f == last else max(round_s - lead, free)
+        dropped += w * (round_s - ready)
+        wire = max(ready, wire) + x
+    return max(0.0, wire - round_s), dropped
+
+
+def round_compute_s(plan_workers: Sequence, steps: Sequence[int]) -> float:
+    """A round's compute as the plan predicts it: the slowest worker's planned step time × its steps."""
+    return max((w.compute_s / max(w.inner_steps, 1) * h for w, h in zip(plan_workers, steps)), default=0.0)
 
 
 def _split_into(method, wan: WanModel, manifest: Manifest, modeled_payload: int, count: int) -> TailSplit | None:
@@ -248,19 +262,22 @@ def _split_into(method, wan: WanModel, manifest: Manifest, modeled_payload: int,
     exchange = tuple(method.exchange(wan, round(modeled_payload * sum(sizes[n] for n in group) / manifest.numel))[0]
                      for group in names)  # fmt: skip
     lead = tuple(sum(exchange[f:-1]) for f in range(len(names)))
-    return TailSplit(tuple(names), exchange, lead)
+    shares = tuple(sum(sizes[n] for n in group) / manifest.numel for group in names)
+    return TailSplit(tuple(names), exchange, lead, shares)
 
 
-def tail_split(method, wan: WanModel, manifest: Manifest, modeled_payload: int,
-               requested: int | None = None) -> TailSplit | None:  # fmt: skip
+def tail_split(method, wan: WanModel, manifest: Manifest, modeled_payload: int, requested: int | None = None,
+               round_s: float | None = None, busy_s: float = 0.0) -> TailSplit | None:  # fmt: skip
     """The fragments of the last round's exchange over ``wan`` (None: one exchange, as every other round).
     ``modeled_payload`` is the timing model's payload per worker; a fragment's is its share of the elements.
 
     ``requested`` (``geomesh.overlap_tail_fragments``) fixes the count; otherwise the rule takes the count of
-    1..16 whose :func:`tail_cost` is least (the fewest on a tie). With F equal fragments of an exchange of
-    latency L and bytes time B, the cost is (L + B/F)·(F + 1)/2, least at F = √(B/L): a link whose exchange is
-    mostly latency keeps one exchange, one that is mostly bytes splits it. Fragments are whole tensors, so
-    the actual sizes, not equal ones, are what the rule weighs."""
+    1..16 whose wait plus dropped training (:func:`tail_schedule`, on the round's ``round_s`` of compute
+    with the exchange in flight holding the WAN for ``busy_s``) is least, the fewest on a tie; one exchange
+    costs its whole time. With F equal fragments of an exchange of latency L and bytes time B, in a round
+    long enough, the cost is (L + B/F)·(F + 1)/2, least at F = √(B/L): a link whose exchange is mostly
+    latency keeps one exchange, one that is mostly bytes splits it. Fragments are whole tensors, so the
+    actual sizes, not equal ones, are what the rule weighs."""
     whole, _ = method.exchange(wan, modeled_payload)
     if whole <= 0:
         return None
@@ -269,7 +286,9 @@ def tail_split(method, wan: WanModel, manifest: Manifest, modeled_payload: int,
     best, best_cost = None, whole
     for count in range(2, min(MAX_TAIL_FRAGMENTS, len(manifest)) + 1):
         split = _split_into(method, wan, manifest, modeled_payload, count)
-        cost = tail_cost(split, manifest, whole)
+        if split is None:
+            continue
+        cost = sum(tail_schedule(split, round_s, busy_s))
         if cost < best_cost - 1e-12:
             best, best_cost = split, cost
     return best

@@ -118,9 +118,11 @@ class RankOverlap:
         return self.shaper.allgather_s(codec.payload_nbytes())
 
     # ---- the last round: its exchange in fragments -------------------------------------------------
-    def tail_split(self, wan: Any, modeled_payload: int) -> TailSplit | None:
-        """The fragments of the last round's exchange (None: one exchange), as the emulated runtime splits it."""
-        return tail_split(self.method, wan, self.manifest, modeled_payload, tail_fragments(self.run.scenario))
+    def tail_split(self, wan: Any, modeled_payload: int, round_s: float) -> TailSplit | None:
+        """The fragments of the last round's exchange (None: one exchange), as the emulated runtime splits it:
+        a round of ``round_s`` planned compute, with the exchange in flight."""
+        return tail_split(self.method, wan, self.manifest, modeled_payload, tail_fragments(self.run.scenario),
+                          round_s, self.in_flight_s)  # fmt: skip
 
     def tail_send(self, split: TailSplit, wp: Any, steps: int, apply_at: int) -> TailSend:
         """This rank's part of the last round's split exchange: the plan's send steps, the fragments' codecs,

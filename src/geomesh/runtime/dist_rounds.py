@@ -15,7 +15,7 @@ import torch
 from ..codec import Manifest
 from ..errors import RunError
 from ..methods.base import OuterLoopMethod, budget_steps, payload_key
-from ..methods.overlap import fold_remainder
+from ..methods.overlap import fold_remainder, round_compute_s
 from ..outer import OuterNesterov
 from ..planner import Plan
 from ..worker import inner_lr
@@ -95,7 +95,7 @@ def run_rounds(run: RankRun) -> dict[str, Any]:
 
         split = None  # the last overlapped round's exchange leaves in fragments (as emulated)
         if overlap is not None and run.tokens_done + round_tokens >= run.budget:
-            split = overlap.tail_split(wan, modeled_payload)
+            split = overlap.tail_split(wan, modeled_payload, round_compute_s(plan.workers, steps))
         if overlap is not None:  # the previous round's update is applied inside this one, when it arrives
             apply_at = overlap.apply_at(wp, h)
             tail = overlap.tail_send(split, wp, h, apply_at) if split is not None else None

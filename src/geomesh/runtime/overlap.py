@@ -66,9 +66,11 @@ class EmulatedOverlap:
         self._steps: dict[int, int] = {}
 
     # ---- a round's jobs ---------------------------------------------------------------------------
-    def tail_split(self, method: Any, wan: Any, modeled_payload: int) -> TailSplit | None:
-        """The fragments of the last round's exchange over the live workers' ``wan`` (None: one exchange)."""
-        return tail_split(method, wan, self.manifest, modeled_payload, self.tail_fragments)
+    def tail_split(self, method: Any, wan: Any, modeled_payload: int, round_s: float) -> TailSplit | None:
+        """The fragments of the last round's exchange over the live workers' ``wan`` (None: one exchange), for
+        a round of ``round_s`` planned compute with the exchange in flight."""
+        return tail_split(method, wan, self.manifest, modeled_payload, self.tail_fragments, round_s,
+                          self.in_flight_s)  # fmt: skip
 
     def with_apply_steps(self, jobs: list[tuple[int, tuple]], entries: list[Any], steps: list[int],
                          split: TailSplit | None = None) -> list:  # fmt: skip

@@ -13,7 +13,7 @@ import torch
 
 from ...codec import Manifest
 from ...methods.base import OuterLoopMethod, budget_steps
-from ...methods.overlap import fold_remainder, tail_fragments
+from ...methods.overlap import fold_remainder, round_compute_s, tail_fragments
 from ...outer import OuterNesterov
 from ...planner import OnlinePlanner, Plan
 from ...worker import Worker, inner_lr
@@ -180,7 +180,8 @@ class RoundsLoop(EmulatedCore):
             round_tokens = sum(w.batch * h for w, h in zip(entries, steps)) * seq
             split = None  # the last overlapped round's exchange leaves in fragments (docs/overlap.md)
             if overlap is not None and self.tokens_done + round_tokens >= self.budget:
-                split = overlap.tail_split(method, loop.cluster.wan(live), modeled_payload)
+                split = overlap.tail_split(method, loop.cluster.wan(live), modeled_payload,
+                                           round_compute_s(entries, steps))  # fmt: skip
             combiners = [combiner] if split is None else overlap.codecs_of(split, combiner)
             sent: list[tuple[int, int, bytes]] = []  # (worker, fragment, payload)
             compute: dict[int, float] = {}
