@@ -21,7 +21,7 @@ from geomesh.methods import OuterLoopMethod, get_method
 from geomesh.codec import Manifest
 from geomesh.methods.overlap import (TailSplit, apply_step, eager_estimate, eager_start, eager_weights,
                                      fold_remainder, fragment_manifest, merge_results, rebase, split_manifest,
-                                     tail_schedule, tail_split)  # fmt: skip
+                                     tail_fragments, tail_schedule, tail_split)  # fmt: skip
 from geomesh.outer import OuterNesterov
 from geomesh.runtime.emulated import EmulatedRun, RunOptions
 from geomesh.telemetry import read_events
@@ -165,6 +165,19 @@ def test_split_manifest_makes_consecutive_groups_of_about_equal_size():
     six = split_manifest(m, 6)
     assert six == [(n,) for n in "abcdef"] and split_manifest(m, 9) == six  # never an empty group
     assert [s.name for s in fragment_manifest(m, ("e", "b"))] == ["b", "e"]  # the manifest's order
+
+
+def test_where_the_rule_keeps_the_last_exchange_whole(tmp_path, small_corpus):
+    """Error feedback (a fragment's codec would leave the residual behind) and a start estimate other than
+    `own` (a fragment may carry only steps trained from it) keep one exchange; an explicit count is kept
+    except with error feedback."""
+    path = write(tmp_path, small_corpus)
+    assert tail_fragments(load_scenario(path)) is None  # the rule
+    assert tail_fragments(load_scenario(path, {"geomesh.overlap_start": "mixture"})) == 1
+    assert tail_fragments(load_scenario(path, {"geomesh.overlap_start": "stale",
+                                               "geomesh.overlap_tail_fragments": 3})) == 3  # fmt: skip
+    assert tail_fragments(load_scenario(path, {"geomesh.error_feedback": True,
+                                               "geomesh.overlap_tail_fragments": 3})) == 1  # fmt: skip
 
 
 def test_the_plan_of_the_last_exchange_counts_the_wait_and_the_dropped_training():

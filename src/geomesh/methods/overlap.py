@@ -206,9 +206,16 @@ def fragment_manifest(manifest: Manifest, names: Sequence[str]) -> Manifest:
 
 def tail_fragments(scenario) -> int | None:
     """What the scenario asks of the last round's split (``geomesh.overlap_tail_fragments``; None: the rule).
-    With error feedback the exchange is not split: a fragment's codec would leave the residual behind."""
+    With error feedback the exchange is not split: a fragment's codec would leave the residual behind. With a
+    start other than ``own`` the rule keeps one exchange: a fragment may be taken right after the apply step,
+    when all it carries is the steps trained from the start estimate, and only ``own``'s estimate is close
+    enough for that (bench/overlap_start.py, docs/benchmarks.md); an explicit count is kept."""
     g = scenario.geomesh
-    return 1 if g.error_feedback else g.overlap_tail_fragments
+    if g.error_feedback:
+        return 1
+    if g.overlap_tail_fragments is None and g.overlap_start != "own":
+        return 1
+    return g.overlap_tail_fragments
 
 
 def split_manifest(manifest: Manifest, fragments: int) -> list[tuple[str, ...]]:
