@@ -22,7 +22,8 @@ exchange really arrives and how its bytes move):
    recursion θ_{r+1} = Nesterov(θ_r, combine(payloads of round r)) is the plain round's. Only the first
    ``apply_at`` steps of a round see a point a little off θ_{r+1}. With ``apply_at`` 0 (no exchange in
    flight, or one that takes no time) the overlapped round *is* the plain round, bit for bit.
-5. **The last round** has no next round to hide its exchange under. Its payload leaves in fragments
+5. **The last round** has no next round to hide its exchange under (nor has a round before a checkpoint,
+   whose exchange is waited for so that the checkpoint holds nothing in flight). Its payload leaves in fragments
    (:func:`tail_split`, Streaming DiLoCo's fragments, Douillard et al. 2025, used for this one exchange):
    fragment f (consecutive tensors, about equal size) is taken against θ at the inner step
    (:meth:`TailSplit.send_steps`) from which the exchanges of fragments f..F−2 still fit in the round's

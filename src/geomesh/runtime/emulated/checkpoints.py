@@ -51,9 +51,10 @@ class EmulatedCheckpoints:
         residual = isinstance(m, OuterLoopMethod) and m.codec == "sign" and self.scenario.geomesh.error_feedback
         return ckpt.estimate_bytes(numel, len(self.scenario.regions), residual)
 
-    def _checkpoint_due(self) -> bool:
-        """Whether the round that just ended writes a checkpoint."""
-        return self.out_dir is not None and self.checkpoint_every > 0 and self.rounds % self.checkpoint_every == 0
+    def _checkpoint_due(self, rounds: int | None = None) -> bool:
+        """Whether the round that just ended (or the one that ends with ``rounds`` done) writes a checkpoint."""
+        done = self.rounds if rounds is None else rounds
+        return self.out_dir is not None and self.checkpoint_every > 0 and done % self.checkpoint_every == 0
 
     def _maybe_checkpoint(self, state: Callable[[], dict[str, Any]]) -> None:
         if not self._checkpoint_due():

@@ -178,8 +178,10 @@ class RoundsLoop(EmulatedCore):
                 steps = fold_remainder(steps, [w.batch for w in entries], seq, remaining, plan.sequences_per_round * seq,
                                        plan.compute_s, plan.exchange_s)  # fmt: skip
             round_tokens = sum(w.batch * h for w, h in zip(entries, steps)) * seq
-            split = None  # the last overlapped round's exchange leaves in fragments (docs/overlap.md)
-            if overlap is not None and self.tokens_done + round_tokens >= self.budget:
+            split = None  # an overlapped exchange nothing hides (the last, one a checkpoint waits for) leaves in
+            # fragments (docs/overlap.md)
+            if overlap is not None and (self.tokens_done + round_tokens >= self.budget
+                                        or self._checkpoint_due(self.rounds + 1)):  # fmt: skip
                 split = overlap.tail_split(method, loop.cluster.wan(live), modeled_payload,
                                            round_compute_s(entries, steps))  # fmt: skip
             combiners = [combiner] if split is None else overlap.codecs_of(split, combiner)
