@@ -205,6 +205,12 @@ def fragment_manifest(manifest: Manifest, names: Sequence[str]) -> Manifest:
     return Manifest([s for s in manifest if s.name in wanted])
 
 
+def fragment_codecs(make_codec: Callable[[Manifest], Any], manifest: Manifest, split: TailSplit) -> list[Any]:
+    """One codec per fragment of ``split``: ``make_codec`` (the method's codec, with the run's key) on each
+    fragment's manifest."""
+    return [make_codec(fragment_manifest(manifest, names)) for names in split.names]
+
+
 def tail_fragments(scenario) -> int | None:
     """What the scenario asks of the last round's split (``geomesh.overlap_tail_fragments``; None: the rule).
     With error feedback the exchange is not split: a fragment's codec would leave the residual behind. With a
@@ -267,10 +273,10 @@ def _split_into(method, wan: WanModel, manifest: Manifest, modeled_payload: int,
     if len(names) <= 1:
         return None
     sizes = {s.name: s.numel for s in manifest}
-    exchange = tuple(method.exchange(wan, round(modeled_payload * sum(sizes[n] for n in group) / manifest.numel))[0]
-                     for group in names)  # fmt: skip
+    elements = [sum(sizes[n] for n in group) for group in names]
+    shares = tuple(e / manifest.numel for e in elements)
+    exchange = tuple(method.exchange(wan, round(modeled_payload * e / manifest.numel))[0] for e in elements)
     lead = tuple(sum(exchange[f:-1]) for f in range(len(names)))
-    shares = tuple(sum(sizes[n] for n in group) / manifest.numel for group in names)
     return TailSplit(tuple(names), exchange, lead, shares)
 
 

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..methods.overlap import (TailSend, TailSplit, apply_step, eager_start, eager_weights, fragment_manifest,
+from ..methods.overlap import (TailSend, TailSplit, apply_step, eager_start, eager_weights, fragment_codecs,
                                planned_tokens, tail_fragments, tail_split)  # fmt: skip
 from .region import lay_out_like
 from .transport import split_gathered
@@ -128,8 +128,8 @@ class RankOverlap:
         """This rank's part of the last round's split exchange: the plan's send steps, the fragments' codecs,
         and (a leader) the launch of each fragment's collective as it leaves."""
         self._split, self._fragments = split, {}
-        self._fragment_codecs = [self.method.make_codec(fragment_manifest(self.manifest, names), self.run.scenario,
-                                                        key=self.combiner.key) for names in split.names]  # fmt: skip
+        self._fragment_codecs = fragment_codecs(
+            lambda m: self.method.make_codec(m, self.run.scenario, key=self.combiner.key), self.manifest, split)
         at = split.send_steps(wp.compute_s / max(wp.inner_steps, 1), steps, apply_at)
         send = self.launch_fragment if self.run.is_leader else None
         return TailSend(split, at, self._fragment_codecs, send)

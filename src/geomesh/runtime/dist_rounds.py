@@ -93,11 +93,10 @@ def run_rounds(run: RankRun) -> dict[str, Any]:
         def lr_at(k: int, h: int = h, start: int = start, total: int = round_tokens) -> float:
             return inner_lr(start + k / h * total, run.budget, tr)
 
+        checkpoint_due = saver is not None and every > 0 and (run.rounds + 1) % every == 0  # after this round
         split = None  # an overlapped exchange nothing hides (the last, one a checkpoint waits for) leaves in
         # fragments (as emulated)
-        drained = run.tokens_done + round_tokens >= run.budget or (saver is not None and every > 0
-                                                                   and (run.rounds + 1) % every == 0)  # fmt: skip
-        if overlap is not None and drained:
+        if overlap is not None and (run.tokens_done + round_tokens >= run.budget or checkpoint_due):
             split = overlap.tail_split(wan, modeled_payload, round_compute_s(plan.workers, steps))
         if overlap is not None:  # the previous round's update is applied inside this one, when it arrives
             apply_at = overlap.apply_at(wp, h)
@@ -157,7 +156,6 @@ def run_rounds(run: RankRun) -> dict[str, Any]:
                          outer)  # fmt: skip
         run.tokens_done += round_tokens
         run.rounds += 1
-        checkpoint_due = saver is not None and every > 0 and run.rounds % every == 0
         if overlap is not None and (run.tokens_done >= run.budget or checkpoint_due):
             # the last round's exchange (nothing is left to hide it under), or one a checkpoint must not hold
             overlap.drain()

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from ..codec import Manifest
-from ..methods.overlap import (TailSend, TailSplit, apply_step, eager_start, eager_weights, fragment_manifest,
+from ..methods.overlap import (TailSend, TailSplit, apply_step, eager_start, eager_weights, fragment_codecs,
                                planned_tokens, tail_split)  # fmt: skip
 
 Tensors = dict[str, torch.Tensor]
@@ -91,8 +91,7 @@ class EmulatedOverlap:
         """One codec per fragment of ``split``, like ``codec`` (kept: the same split is asked for by every
         worker of the round)."""
         if split.names not in self._fragment_codecs:
-            self._fragment_codecs = {split.names: [self.make_codec(fragment_manifest(codec.manifest, names))
-                                                   for names in split.names]}  # fmt: skip
+            self._fragment_codecs = {split.names: fragment_codecs(self.make_codec, codec.manifest, split)}
         return self._fragment_codecs[split.names]
 
     def local_phase(self, method: Any, i: int, worker: Any, job: tuple, params: Tensors, codec: Any,
