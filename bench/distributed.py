@@ -30,7 +30,7 @@ from pathlib import Path
 
 import yaml
 
-from geomesh import cli_launch
+from geomesh.cli import launch as cli_launch
 from geomesh.network import WanModel
 
 

@@ -96,7 +96,7 @@ def write_scenario(path: Path, device: str, s: dict[str, Any], *, strategy: str,
 
 def train_check(out: Path, device: str, s: dict[str, Any], quiet: bool = True) -> list[dict[str, Any]]:
     """The distributed runtime on one region: FSDP + bf16 + activation checkpointing, then DDP in fp32."""
-    from geomesh import cli_launch
+    from geomesh.cli import launch as cli_launch
 
     rows = []
     for label, strategy, precision, checkpointing in [("fsdp-bf16-ckpt", "fsdp", "bf16", True),

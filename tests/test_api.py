@@ -155,7 +155,7 @@ def test_checkpoint_resumes_exactly():
 
 
 def test_sync_records_reach_telemetry_sinks():
-    from geomesh.integrations.loggers import ListSink
+    from geomesh.telemetry_sinks import ListSink
 
     sink = ListSink()
     sync = GeoMeshSync([tiny(0), tiny(1)], telemetry=Telemetry(None, sinks=[sink]))

@@ -21,8 +21,8 @@ import torch
 import yaml
 from conftest import tiny_scenario_dict
 
-from geomesh import cli_launch
-from geomesh.runtime import dist_checkpoint
+from geomesh.cli import launch as cli_launch
+from geomesh.runtime.distributed import checkpoints as dist_checkpoint
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 TOKENS = 7680  # 4 rounds: 3 regions x 5 inner steps x 4 sequences x 32 tokens each

@@ -17,13 +17,13 @@ import torch
 import yaml
 from conftest import tiny_scenario_dict
 
-from geomesh import cli_launch
+from geomesh.cli import launch as cli_launch
 from geomesh.config import ConfigError, load_scenario
 from geomesh.methods import get_method
 from geomesh.network import WanModel
 from geomesh.runtime.distributed import params_checksum, parse_ranks_per_region, rank_layout
 from geomesh.runtime.emulated import EmulatedRun, RunOptions
-from geomesh.runtime.transport import ABSENT, WanShaper, netns_unavailable_reason, split_gathered
+from geomesh.runtime.distributed.transport import ABSENT, WanShaper, netns_unavailable_reason, split_gathered
 from geomesh.telemetry import read_events
 
 SUMMARY_FIELDS = ("method", "scenario", "runtime", "seed", "tokens", "rounds", "modeled_time_s", "final_val_loss",
@@ -542,11 +542,11 @@ def test_a_hf_dataset_is_tokenised_once_and_trains_as_in_the_emulated_runtime(tm
 
 
 def test_a_rank_under_plain_torchrun_sets_its_region_env(monkeypatch, tmp_path, small_corpus):
-    """Without the launcher (torchrun sets only RANK, WORLD_SIZE, ...), geomesh.run puts the region in os.environ."""
+    """Without the launcher (torchrun sets only RANK, WORLD_SIZE, ...), geomesh.cli.rank puts the region in os.environ."""
     import os
 
     from geomesh import run
-    from geomesh.runtime.transport import free_port
+    from geomesh.runtime.distributed.transport import free_port
 
     scenario = write_scenario(tmp_path, small_corpus, ("H100",), zero_shot_items=0)
     for name, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",

@@ -22,7 +22,7 @@ import torch
 import yaml
 from conftest import tiny_scenario_dict
 
-from geomesh import cli_launch
+from geomesh.cli import launch as cli_launch
 from geomesh.telemetry import read_events
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
@@ -358,7 +358,7 @@ def test_regions_running_different_jobs_stop_with_one_error_each(tmp_path, small
     """Two regions started by hand (as two torchruns would) with different seeds: the header exchange over the
     quorum compares a hash of scenario, method, seed and budget; the odd region stops with one line, and the
     other, now short of min_regions, stops when its quorum times out. Nothing hangs."""
-    from geomesh.runtime.membership import start_lighthouse
+    from geomesh.runtime.distributed.membership import start_lighthouse
 
     path = scenario(tmp_path, small_corpus)
     lighthouse = start_lighthouse(2, 20.0)
@@ -403,7 +403,7 @@ def _kill_all(tag: str) -> None:
 
 
 def _port() -> int:
-    from geomesh.runtime.transport import free_port
+    from geomesh.runtime.distributed.transport import free_port
 
     return free_port()
 

@@ -80,7 +80,7 @@ def test_a_missing_extra_names_what_to_install(monkeypatch):
 
 def test_missing_extras_for_each_feature(monkeypatch, tmp_path):
     from geomesh.config import LoggingConfig, WandbConfig
-    from geomesh.integrations.loggers import make_sinks
+    from geomesh.telemetry_sinks import make_sinks
 
     for module in ("wandb", "torch.utils.tensorboard", "transformers", "datasets"):
         monkeypatch.setitem(sys.modules, module, None)
@@ -376,7 +376,7 @@ def test_emulated_runtime_trains_on_an_hf_dataset(tmp_path, small_corpus):
 
 
 def test_every_record_reaches_the_sinks_and_a_broken_sink_is_dropped(tmp_path):
-    from geomesh.integrations.loggers import ListSink
+    from geomesh.telemetry_sinks import ListSink
 
     class Broken:
         closed = False
@@ -437,7 +437,7 @@ def test_tensorboard_event_file_holds_the_runs_scalars(tmp_path, tiny_scenario):
 @needs_tb
 def test_tensorboard_folder_from_the_scenario(tmp_path):
     from geomesh.config import LoggingConfig
-    from geomesh.integrations.loggers import TensorBoardSink, make_sinks
+    from geomesh.telemetry_sinks import TensorBoardSink, make_sinks
 
     sinks = make_sinks(LoggingConfig(tensorboard=str(tmp_path / "tb")), None)
     assert isinstance(sinks[0], TensorBoardSink) and sinks[0].log_dir == tmp_path / "tb"
@@ -448,7 +448,7 @@ def test_tensorboard_folder_from_the_scenario(tmp_path):
 
 def test_wandb_sink_logs_through_the_wandb_api(tmp_path, monkeypatch):
     from geomesh.config import LoggingConfig, WandbConfig
-    from geomesh.integrations.loggers import make_sinks
+    from geomesh.telemetry_sinks import make_sinks
 
     calls = []
 

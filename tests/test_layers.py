@@ -22,13 +22,8 @@ LAYERS = ["faces", "runtimes", "methods", "algorithms", "training", "facts"]  # 
 # (module or package, layer): a name matches itself and every module under it; first match wins.
 LAYER_OF: list[tuple[str, str]] = [
     # faces: what a user runs or calls
-    ("cli", "faces"),  # `geomesh ...`
-    ("cli_common", "faces"),  # the faces' error handling (one `error:` line, exit 2)
-    ("cli_plan", "faces"),  # `geomesh plan | profile`
-    ("cli_launch", "faces"),  # `geomesh launch`
-    ("elastic_launch", "faces"),  # `geomesh launch` with elastic regions
-    ("launcher", "faces"),  # local ranks: start, forward output, wait, kill, report
-    ("run", "faces"),  # one rank under torchrun (`python -m geomesh.run`)
+    ("cli", "faces"),  # `geomesh ...`: plan, profile, launch (local ranks), one rank (cli.rank), common errors
+    ("run", "faces"),  # `python -m geomesh.run`: the rank's entry point for torchrun (cli.rank)
     ("api", "faces"),  # the library API for a user's own training loop
     ("compare", "faces"),  # methods side by side (`geomesh bench | demo`)
     ("report", "faces"),  # tables and plots
@@ -57,10 +52,8 @@ LAYER_OF: list[tuple[str, str]] = [
     ("model_presets", "facts"),  # the preset table config validates against (no torch)
     ("extras", "facts"),  # optional extras: require(), MissingDependencyError
     ("telemetry", "facts"),
-    # TensorBoard / W&B sinks are telemetry writers that both runtimes attach (the package __init__ only
-    # re-exports geomesh.extras), so they sit with telemetry, below the runtimes that use them
-    ("integrations.loggers", "facts"),
-    ("integrations", "facts"),
+    ("telemetry_sinks", "facts"),  # TensorBoard / W&B sinks: telemetry writers both runtimes attach
+    ("integrations", "faces"),  # bridges to outside tools (lm-eval); the package __init__ re-exports extras
     ("", "facts"),  # the package itself (version, docstring)
 ]
 
@@ -230,5 +223,5 @@ def test_the_layer_test_sees_a_cycle_and_an_upward_import():
     assert _cycles(graph) == [["a", "b", "c", "a"]]
     assert _cycles({"a": {"b"}, "b": set()}) == []
     assert _layer("runtime.emulated.core") == "runtimes" and _layer("codec.sign") == "algorithms"
-    assert _layer("integrations.lm_eval_adapter") == "faces" and _layer("integrations.loggers") == "facts"
-    assert _layer("cli_plan") == "faces" and _layer("config") == "facts" and _layer("") == "facts"
+    assert _layer("integrations.lm_eval_adapter") == "faces" and _layer("telemetry_sinks") == "facts"
+    assert _layer("cli.plan") == "faces" and _layer("config") == "facts" and _layer("") == "facts"

@@ -342,7 +342,7 @@ def test_faults_in_overlapped_rounds(tmp_path, small_corpus, fragments):
 
 
 def test_worker_processes_give_the_same_bits(tmp_path, small_corpus):
-    from geomesh.runtime.parallel import fork_available
+    from geomesh.runtime.emulated.parallel import fork_available
 
     if not fork_available():
         pytest.skip("worker processes need fork")
@@ -413,7 +413,7 @@ def test_overlap_refusals(tmp_path, small_corpus, capsys):
     for bad in (0, 17, 2.5, "many"):
         with pytest.raises(ConfigError, match="overlap_tail_fragments"):
             load_scenario(write(tmp_path / "tail", small_corpus), {"geomesh.overlap_tail_fragments": bad})
-    from geomesh import cli_launch
+    from geomesh.cli import launch as cli_launch
 
     capsys.readouterr()
     code = cli_launch.main(["launch", str(write(tmp_path / "el", small_corpus)), "--nproc", "3", "--method",
@@ -431,7 +431,7 @@ def test_a_checkpoint_waits_for_the_exchange_and_resumes_bit_identical(tmp_path,
     """A checkpoint holds no exchange in flight: the round before it waits for its exchange (sent in fragments,
     as the last round's) and the next round starts from θ. A run interrupted after its checkpoint resumes to
     the very run (summary and events byte for byte) that was never interrupted."""
-    from geomesh.runtime.overlap import EmulatedOverlap
+    from geomesh.runtime.emulated.overlap import EmulatedOverlap
     from test_reliability import assert_same_run
 
     path = write(tmp_path, small_corpus)

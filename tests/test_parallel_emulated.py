@@ -1,4 +1,4 @@
-"""The emulated runtime's worker processes (runtime/parallel.py): same results as in-process, bit for bit.
+"""The emulated runtime's worker processes (runtime/emulated/parallel.py): same results as in-process, bit for bit.
 
 Every comparison runs the *current* scenario and method code twice (in-process, then in worker processes)
 and compares the two runs; no number is hard-coded, so planner or scenario changes cannot break it."""
@@ -15,7 +15,7 @@ from geomesh.cli import main
 from geomesh.config import FaultConfig
 from geomesh.methods import get_method
 from geomesh.runtime.emulated import EmulatedRun, RunError, RunOptions
-from geomesh.runtime.parallel import PoolError, WorkerPool, assign_owners, default_processes, worker_threads
+from geomesh.runtime.emulated.parallel import PoolError, WorkerPool, assign_owners, default_processes, worker_threads
 
 
 def run(scenario, method, out, **opts):

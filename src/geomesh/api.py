@@ -163,7 +163,7 @@ class GeoMeshSync:
         broadcast_initial: with a group, copy group rank 0's parameters to every rank at construction (with
             replicas: replica 0's to the others), so all workers start from the same θ.
         telemetry: a :class:`~geomesh.telemetry.Telemetry`; every sync emits a ``sync`` record to it (and so
-            to its sinks: TensorBoard, W&B; see :mod:`geomesh.integrations.loggers`).
+            to its sinks: TensorBoard, W&B; see :mod:`geomesh.telemetry_sinks`).
     """
 
     def __init__(self, model: nn.Module | Sequence[nn.Module], *, method: str | OuterLoopMethod = "geomesh",
@@ -330,7 +330,7 @@ class GeoMeshSync:
     def _all_gather(self, payloads: list[bytes | None]) -> tuple[list[bytes | None], int]:
         import torch.distributed as dist
 
-        from .runtime.transport import Transport, split_gathered
+        from .runtime.distributed.transport import Transport, split_gathered
 
         backend = dist.get_backend(self.group)
         device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")

@@ -12,7 +12,7 @@ Per run: straggler idle = Σ straggler_wait / Σ wall, WAN idle = Σ comm_wait /
 (``run``, ``plan``, ``span``, ``round``, ``eval``, ``fault``, ``warning``); see docs/formats.md.
 
 Sinks: ``Telemetry(path, sinks=[...])`` (or ``add_sink``) hands every emitted record to each sink's
-``write(record)`` as well, e.g. the TensorBoard and W&B sinks of :mod:`geomesh.integrations.loggers`
+``write(record)`` as well, e.g. the TensorBoard and W&B sinks of :mod:`geomesh.telemetry_sinks`
 (docs/ecosystem.md); ``close`` closes them. The JSONL file needs no sink and no extra package.
 """
 

@@ -1,13 +1,10 @@
 """Bridges to outside tools (faces layer), each behind an optional extra (docs/ecosystem.md).
 
-- :mod:`.loggers`: TensorBoard (extra ``tensorboard``) and Weights & Biases (extra ``wandb``) sinks that
-  receive every telemetry record. They are telemetry writers, so the runtimes attach them: the layer test
-  (tests/test_layers.py) places this module, and this package's ``__init__``, with telemetry in the facts
-  layer;
 - :mod:`.lm_eval_adapter`: an lm-evaluation-harness ``LM`` for the trained model and the ``geomesh eval``
   face (extra ``eval``).
 
-The ``transformers`` model adapter lives with the models (:mod:`geomesh.models.hf`), token shards and HF
+The TensorBoard and Weights & Biases sinks are telemetry writers that both runtimes attach, so they live
+beside telemetry (:mod:`geomesh.telemetry_sinks`). The ``transformers`` model adapter lives with the models (:mod:`geomesh.models.hf`), token shards and HF
 datasets with the data (:mod:`geomesh.data.tokens`, :mod:`geomesh.data.hf`). The library API for a user's
 own training loop is :mod:`geomesh.api`. Nothing here is imported by the core unless a scenario asks for it;
 a missing extra raises :class:`~geomesh.extras.MissingDependencyError` (a

@@ -120,7 +120,7 @@ def rebase(worker: Worker, start: Tensors, global_params: Tensors) -> None:
     """Move the steps the worker trained since ``start`` onto the new global parameters:
     local ← θ + (local − start) (computed as θ − (start − local), bit-identical). The worker's inner
     optimizer state carries on, as it does across plain rounds."""
-    worker.move_onto(start, global_params)  # a sharded region moves each rank's shard (runtime/region.py)
+    worker.move_onto(start, global_params)  # a sharded region moves each rank's shard (runtime/distributed/region.py)
 
 
 def merge_results(first: InnerResult | None, rest: InnerResult) -> InnerResult:

@@ -4,7 +4,7 @@ generators' states, and cutting ``events.jsonl`` back to a checkpoint when a run
 Where each runtime's checkpoint lives and what else goes into it: the emulated runtime writes one file per
 checkpoint with :mod:`geomesh.checkpoint` (:mod:`geomesh.runtime.emulated.checkpoints`: models, optimizers,
 codecs, the loop's state); the distributed runtime writes a DCP folder per checkpoint
-(:mod:`geomesh.runtime.dist_checkpoint`). The telemetry's part is :meth:`geomesh.telemetry.Telemetry.state_dict`.
+(:mod:`geomesh.runtime.distributed.checkpoints`). The telemetry's part is :meth:`geomesh.telemetry.Telemetry.state_dict`.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ from ..errors import RunError
 
 if TYPE_CHECKING:
     from ..config import ReliabilityConfig, ScenarioConfig
-    from .transport import WanMode
+    from .distributed.transport import WanMode
 
 
 @dataclass
@@ -41,7 +41,7 @@ class CommonOptions:
 class RunOptions(CommonOptions):
     """Options of one emulated run."""
 
-    # workers of a round trained at once in this many processes (runtime/parallel.py; same results as 1);
+    # workers of a round trained at once in this many processes (runtime/emulated/parallel.py; same results as 1);
     # None: one per core, up to one per worker, where that is possible (CPU, fork), else 1
     workers_parallel: int | None = None
     worker_threads: int | None = None  # intra-op threads of one worker's local phase; None: its share of the cores
@@ -58,7 +58,7 @@ class DistOptions(CommonOptions):
     ranks_per_region: list[int] | None = None
     profiles: list[str] = field(default_factory=list)  # REGION=FILE: measured profiles (rank 0 reads them)
     save_params: bool = False  # rank 0 writes out_dir/final_params.pt (the global model's state_dict)
-    min_regions: int | None = None  # overrides reliability.min_regions (elastic regions: runtime/elastic.py)
+    min_regions: int | None = None  # overrides reliability.min_regions (elastic regions: runtime/distributed/elastic.py)
     elastic_region: str | None = None  # elastic: this world is this region's ranks only
     lighthouse: str | None = None  # elastic: the quorum service (default $TORCHFT_LIGHTHOUSE)
 

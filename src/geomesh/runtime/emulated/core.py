@@ -64,7 +64,7 @@ class EmulatedCore(EmulatedCheckpoints):
             self._check_space()
         self.telemetry = Telemetry(self.out_dir / "events.jsonl" if self.out_dir else None,
                                    append=self._resume is not None)  # fmt: skip
-        from ...integrations.loggers import attach_logging  # scenario's logging: TensorBoard, W&B
+        from ...telemetry_sinks import attach_logging  # scenario's logging: TensorBoard, W&B
 
         attach_logging(self)
         self.clock = 0.0
@@ -84,8 +84,8 @@ class EmulatedCore(EmulatedCheckpoints):
 
     # ---- shared pieces --------------------------------------------------------------------------
     def _workers_parallel(self) -> int:
-        """Worker processes for the round-based methods (1: in this process); see runtime/parallel.py."""
-        from ..parallel import default_processes, fork_available
+        """Worker processes for the round-based methods (1: in this process); see runtime/emulated/parallel.py."""
+        from .parallel import default_processes, fork_available
 
         n = len(self.scenario.regions)
         asked = self.options.workers_parallel

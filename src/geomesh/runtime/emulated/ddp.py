@@ -13,7 +13,7 @@ import torch
 from ...planner import plan_uniform
 from ...worker import inner_lr
 from ..faults import grads_finite, poison_grads
-from ..parallel import intra_op_threads, worker_threads
+from .parallel import intra_op_threads, worker_threads
 from .cluster import Cluster, LoopState
 from .core import EmulatedCore
 
@@ -86,7 +86,7 @@ class DdpLoop(EmulatedCore):
 
         if processes <= 1 or tr.batch > shared.max_proxy_micro_batch:
             return None, in_process
-        from ..parallel import WorkerPool, assign_owners
+        from .parallel import WorkerPool, assign_owners
 
         params = list(shared.model.parameters())
         sizes = [p.numel() for p in params]

@@ -1,5 +1,5 @@
 """The round loop of the emulated runtime (round-based methods: diloco, geomesh and its ablations, with or
-without overlap): every live worker's local phase (here or in worker processes, runtime/parallel.py), the
+without overlap): every live worker's local phase (here or in worker processes, runtime/emulated/parallel.py), the
 payloads screened and combined, the outer step, the round's modeled spans, re-planning, faults, failed
 updates and checkpoints at round boundaries."""
 
@@ -18,7 +18,7 @@ from ...outer import OuterNesterov
 from ...planner import OnlinePlanner, Plan
 from ...worker import Worker, inner_lr
 from ..faults import corrupt_payload, optimizer_finite, poisoned
-from ..parallel import intra_op_threads, worker_threads
+from .parallel import intra_op_threads, worker_threads
 from ..payloads import CombineOn, screen_payload
 from .cluster import Cluster, LoopState, state_bytes
 from .core import EmulatedCore
@@ -65,9 +65,9 @@ class RoundsLoop(EmulatedCore):
                     "overlap": overlap is not None}  # fmt: skip
 
         self._extra_fn = extra
-        overlap = None  # the overlapped round's state (runtime/overlap.py, docs/overlap.md)
+        overlap = None  # the overlapped round's state (runtime/emulated/overlap.py, docs/overlap.md)
         if method.overlapped(self.scenario):
-            from ..overlap import EmulatedOverlap
+            from .overlap import EmulatedOverlap
 
             overlap = EmulatedOverlap(params, len(cluster.workers), share=self.workers_parallel > 1,
                                       start_kind=g.overlap_start,
@@ -78,7 +78,7 @@ class RoundsLoop(EmulatedCore):
         else:
             new_plan()
             loop.last_loss = self._evaluate(cluster)
-        # a worker's local phase and rejoin: run here, or in the worker's own process (runtime/parallel.py)
+        # a worker's local phase and rejoin: run here, or in the worker's own process (runtime/emulated/parallel.py)
         threads = self.options.worker_threads or worker_threads(len(cluster.workers))
 
         def phase(i: int, job: tuple[int, int, int, int, bool]) -> bytes | None:
@@ -120,7 +120,7 @@ class RoundsLoop(EmulatedCore):
         processes = min(self.workers_parallel, n)
         if processes <= 1:
             return None
-        from ..parallel import WorkerPool, assign_owners
+        from .parallel import WorkerPool, assign_owners
 
         tr = self.scenario.training
         names = self._names()
@@ -143,7 +143,7 @@ class RoundsLoop(EmulatedCore):
                       calls: dict[str, Any], pool: Any, threads: int, new_plan: Callable[[], None],
                       modeled_payload: int, overlap: Any = None) -> None:  # fmt: skip
         """The rounds of a round-based method until the token budget is spent (``overlap``: the overlapped
-        schedule's state, runtime/overlap.py)."""
+        schedule's state, runtime/emulated/overlap.py)."""
         method: OuterLoopMethod = self.method  # type: ignore[assignment]
         tr = self.scenario.training
         names = self._names()

@@ -11,7 +11,7 @@ exactly as the distributed runtime runs it in real time:
   takes the outer step when the exchange arrives;
 - in round r+1 a worker trains ``apply_at`` steps from its start, rebases onto θ_{r+1} and trains the rest
   (:meth:`~geomesh.methods.base.OuterLoopMethod.local_phase_overlapped`); the starts live in shared memory
-  when workers train in their own processes (runtime/parallel.py), like θ.
+  when workers train in their own processes (runtime/emulated/parallel.py), like θ.
 
 Modeled time (the same accounting as the plain round, :meth:`EmulatedRun._barrier_spans`): the exchange of
 round r leaves when the slowest worker has finished round r (the all-gather needs every payload) and takes
@@ -33,8 +33,8 @@ from typing import Any
 
 import torch
 
-from ..codec import Manifest
-from ..methods.overlap import (TailSend, TailSplit, apply_step, eager_start, eager_weights, fragment_codecs,
+from ...codec import Manifest
+from ...methods.overlap import (TailSend, TailSplit, apply_step, eager_start, eager_weights, fragment_codecs,
                                planned_tokens, tail_split)  # fmt: skip
 
 Tensors = dict[str, torch.Tensor]

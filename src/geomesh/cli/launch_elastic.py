@@ -19,12 +19,12 @@ import sys
 import time
 from pathlib import Path
 
-from .launcher import REGION_ENV, LaunchResult, RankExit, rank_argv, report, run_ranks
+from .ranks import REGION_ENV, LaunchResult, RankExit, rank_argv, report, run_ranks
 
 
 def launch_elastic(args: argparse.Namespace, env: dict[str, str], scenario, layout) -> LaunchResult:
-    from .runtime.elastic import min_regions_of
-    from .runtime.membership import ADVERTISE_ENV, LIGHTHOUSE_ENV, start_lighthouse
+    from ..runtime.distributed.elastic import min_regions_of
+    from ..runtime.distributed.membership import ADVERTISE_ENV, LIGHTHOUSE_ENV, start_lighthouse
 
     min_regions = min_regions_of(scenario, args.min_regions)
     lighthouse = start_lighthouse(min_regions, scenario.reliability.round_deadline_s, bind="[::]:0")
@@ -86,7 +86,7 @@ def _spawn(args: argparse.Namespace, env: dict[str, str], argv: list[str], layou
 
 
 def _free_port() -> int:
-    from .runtime.transport import free_port
+    from ..runtime.distributed.transport import free_port
 
     return free_port()
 

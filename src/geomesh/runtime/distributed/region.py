@@ -17,7 +17,7 @@ region's ranks share it.
   each rank steps its own shard; the payload's pseudo-gradient and the combined update are whole only in
   passing (:meth:`RegionWorker.pseudo_gradient`, :func:`lay_out_like`), and evaluating θ runs on the region's
   ranks together (FSDP's forward). Elastic regions shard θ too; their leader keeps a whole host copy for
-  torchft's recovery (:meth:`~geomesh.runtime.elastic_state.ElasticState._snapshot`).
+  torchft's recovery (:meth:`~geomesh.runtime.distributed.elastic_state.ElasticState._snapshot`).
 """
 
 from __future__ import annotations
@@ -32,10 +32,10 @@ from typing import Any, Callable, Collection
 import torch
 import torch.distributed as dist
 
-from ..config import ConfigError, ScenarioConfig
-from ..data import BatchStream, load_corpus, worker_stream
-from ..models import build_proxy_model, enable_activation_checkpointing, model_name, transformer_blocks
-from ..worker import InnerResult, Worker, bf16_native
+from ...config import ConfigError, ScenarioConfig
+from ...data import BatchStream, load_corpus, worker_stream
+from ...models import build_proxy_model, enable_activation_checkpointing, model_name, transformer_blocks
+from ...worker import InnerResult, Worker, bf16_native
 
 Tensors = dict[str, torch.Tensor]
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..config import ConfigError, ScenarioConfig
+from ...config import ConfigError, ScenarioConfig
 
 
 @dataclass(frozen=True)

@@ -12,16 +12,16 @@ from typing import Any
 
 import torch
 
-from ..codec import Manifest
-from ..errors import RunError
-from ..methods.base import OuterLoopMethod, budget_steps, payload_key
-from ..methods.overlap import fold_remainder, round_compute_s
-from ..outer import OuterNesterov
-from ..planner import Plan
-from ..worker import inner_lr
-from .dist_checkpoint import RunCheckpointer
-from .dist_run import STATIC_FAULTS, RankRun, params_checksum
-from .payloads import CombineOn
+from ...codec import Manifest
+from ...errors import RunError
+from ...methods.base import OuterLoopMethod, budget_steps, payload_key
+from ...methods.overlap import fold_remainder, round_compute_s
+from ...outer import OuterNesterov
+from ...planner import Plan
+from ...worker import inner_lr
+from .checkpoints import RunCheckpointer
+from .core import STATIC_FAULTS, RankRun, params_checksum
+from ..payloads import CombineOn
 from .region import lay_out_like
 from .transport import WanShaper, split_gathered, tx_bytes
 
@@ -60,9 +60,9 @@ def run_rounds(run: RankRun) -> dict[str, Any]:
     names = [r.name for r in sc.regions]
     seq = sc.proxy.seq_len
     lay_out = lambda whole: lay_out_like(whole, params)  # noqa: E731 - updates land as θ is held (sharded or whole)
-    overlap = None  # the overlapped round (runtime/dist_overlap.py, docs/overlap.md)
+    overlap = None  # the overlapped round (runtime/distributed/overlap.py, docs/overlap.md)
     if method.overlapped(sc):
-        from .dist_overlap import RankOverlap
+        from .overlap import RankOverlap
 
         overlap = RankOverlap(run, method, combiner, outer, params, manifest, shaper, shaper_s, dense,
                               proxy_payload)  # fmt: skip

@@ -33,8 +33,8 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from ..errors import ConfigError
-from ..extras import require
+from .errors import ConfigError
+from .extras import require
 
 __all__ = ["ScalarSink", "TensorBoardSink", "WandbSink", "ListSink", "record_scalars", "make_sinks",
            "attach_logging"]  # fmt: skip

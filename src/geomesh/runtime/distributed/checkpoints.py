@@ -39,8 +39,8 @@ from typing import Any
 
 import torch
 
-from .. import checkpoint as ckpt
-from . import checkpoint_state
+from ... import checkpoint as ckpt
+from .. import checkpoint_state
 
 MARKER = "geomesh.json"
 FORMAT = 1
@@ -175,7 +175,7 @@ def stored_keys(path: Path) -> set[str]:
 
 
 class RunCheckpointer:
-    """Builds this rank's part of a distributed run's checkpoint (:class:`~geomesh.runtime.dist_run.RankRun`) and
+    """Builds this rank's part of a distributed run's checkpoint (:class:`~geomesh.runtime.distributed.core.RankRun`) and
     restores it. ``params`` is θ (the global model's parameters), ``outer`` the outer optimizer, ``codec``
     this rank's encoder (its error-feedback residual); the ``ddp`` baseline has neither (None), and its θ is
     the replica every rank holds (``params`` empty: the region's model is saved)."""
@@ -286,7 +286,7 @@ class RunCheckpointer:
         run._cursor = float(clock["cursor"])
         run._spans = [tuple(s) for s in clock["spans"]]
         loop = json.loads(state["run.loop"])
-        from ..planner import Plan
+        from ...planner import Plan
 
         run.rounds, run.tokens_done = int(loop["rounds"]), int(loop["tokens_done"])
         run.plans = [Plan.from_json(p) for p in loop["plans"]]

@@ -34,19 +34,19 @@ checksum to rank 0, which alone writes ``events.jsonl``, ``summary.json`` and ``
 
 Modules
 -------
-This module only picks the loop for the run (:class:`DistributedRun`): :mod:`.dist_rounds` (round-based
-methods), :mod:`.dist_ddp` (the DDP baseline) or :mod:`.elastic` (elastic regions), all over
-:mod:`.dist_run` (set-up, clock, records, checkpoints, summary), :mod:`.layout` (ranks and regions),
-:mod:`.region` (a region's worker), :mod:`.transport` and :mod:`.dist_checkpoint`.
+This package's ``__init__`` only picks the loop for the run (:class:`DistributedRun`): :mod:`.rounds`
+(round-based methods), :mod:`.ddp` (the DDP baseline) or :mod:`.elastic` (elastic regions), all over
+:mod:`.core` (set-up, clock, records, checkpoints, summary), :mod:`.layout` (ranks and regions),
+:mod:`.region` (a region's worker), :mod:`.transport` and :mod:`.checkpoints`.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from .dist_ddp import run_ddp
-from .dist_rounds import run_rounds
-from .dist_run import (
+from .ddp import run_ddp
+from .rounds import run_rounds
+from .core import (
     STATIC_FAULTS,
     TEST_EXIT_ENV,
     WIRE_IFACE_ENV,
@@ -57,7 +57,7 @@ from .dist_run import (
 )
 from .elastic import run_elastic
 from .layout import RankLayout, parse_ranks_per_region, rank_layout
-from .options import DistOptions
+from ..options import DistOptions
 
 __all__ = ["STATIC_FAULTS", "TEST_EXIT_ENV", "WIRE_IFACE_ENV", "DistOptions", "DistributedRun", "RankFailure",
            "RankLayout", "check_distributed_support", "params_checksum", "parse_ranks_per_region", "rank_layout"]  # fmt: skip

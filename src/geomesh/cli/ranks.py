@@ -1,5 +1,5 @@
 """Starting local ranks and waiting for them: what ``geomesh launch`` does once its checks passed, with or
-without elastic regions (:mod:`geomesh.cli_launch`, :mod:`geomesh.elastic_launch`).
+without elastic regions (:mod:`geomesh.cli.launch`, :mod:`geomesh.cli.launch_elastic`).
 
 :func:`run_ranks` starts one process per rank (``python -m geomesh.run``, each in its own session), pumps
 every rank's output into ``DIR/logs/rank<k>.log`` and, unless ``--quiet``, onto stderr prefixed
@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-REGION_ENV = "GEOMESH_REGION"  # every rank's region, in its environment (geomesh.run sets it under torchrun)
+REGION_ENV = "GEOMESH_REGION"  # every rank's region, in its environment (geomesh.cli.rank sets it under torchrun)
 
 
 @dataclass

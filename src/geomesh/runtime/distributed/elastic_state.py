@@ -1,8 +1,8 @@
-"""What an elastic region keeps besides θ and the outer optimizer (:mod:`geomesh.runtime.elastic`): the run's
+"""What an elastic region keeps besides θ and the outer optimizer (:mod:`geomesh.runtime.distributed.elastic`): the run's
 records (every leader keeps them; the leader of the lowest-numbered live region writes ``events.jsonl``,
 rewriting it whole when it takes over), the state a live region sends a region that joins or falls behind
 (torchft's recovery), and this loop's part of a region's checkpoint
-(:class:`~geomesh.runtime.dist_checkpoint.RunCheckpointer` into ``DIR/checkpoints/<region>``)."""
+(:class:`~geomesh.runtime.distributed.checkpoints.RunCheckpointer` into ``DIR/checkpoints/<region>``)."""
 
 from __future__ import annotations
 
@@ -14,10 +14,10 @@ from typing import Any
 
 import torch
 
-from ..planner import Plan
-from ..telemetry import _jsonable
-from .dist_checkpoint import RunCheckpointer
-from .dist_run import params_checksum
+from ...planner import Plan
+from ...telemetry import _jsonable
+from .checkpoints import RunCheckpointer
+from .core import params_checksum
 from .region import lay_out_like
 
 
@@ -35,7 +35,7 @@ class Records:
 
 
 class ElasticState:
-    """Records, recovery state and checkpoint state of :class:`~geomesh.runtime.elastic.ElasticLoop` (a part
+    """Records, recovery state and checkpoint state of :class:`~geomesh.runtime.distributed.elastic.ElasticLoop` (a part
     of its class: it reads the loop's and the run's fields)."""
 
     # ---- torchft's recovery: what a live region sends, and how a joiner loads it ---------------------
@@ -114,7 +114,7 @@ class ElasticState:
         if mine is not None:
             run.worker.stream.load_state_dict(mine)
 
-    # ---- checkpoints (dist_checkpoint.RunCheckpointer, one folder per region) -------------------------
+    # ---- checkpoints (checkpoints.RunCheckpointer, one folder per region) -------------------------
     def _checkpoint_state(self) -> dict[str, Any]:
         run = self.run
         common = {"stats": self.stats, "faults": self.faults, "streams": self.streams,

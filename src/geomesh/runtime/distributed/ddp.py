@@ -23,10 +23,10 @@ from typing import Any
 
 import torch
 
-from ..planner import Plan, plan_uniform
-from ..worker import inner_lr
-from .dist_checkpoint import RunCheckpointer
-from .dist_run import RankRun, params_checksum
+from ...planner import Plan, plan_uniform
+from ...worker import inner_lr
+from .checkpoints import RunCheckpointer
+from .core import RankRun, params_checksum
 from .transport import WanShaper, tx_bytes
 
 

@@ -2,7 +2,7 @@
 
 With ``reliability.min_regions >= 1`` (or ``--min-regions``) every region is its own ``torch.distributed``
 world (its ranks only: one ``torchrun`` per region), and regions meet only through
-:class:`~geomesh.runtime.membership.Membership` (torchft: a quorum per round from the Lighthouse, a Gloo
+:class:`~geomesh.runtime.distributed.membership.Membership` (torchft: a quorum per round from the Lighthouse, a Gloo
 group reconfigured over the quorum's leaders, live recovery of a region that is behind). One round:
 
 1. **Quorum.** The region's leader asks for the round's quorum. A region that died is not in it (it stopped
@@ -32,7 +32,7 @@ after ``--timeout`` seconds and the run stops with one ``error:`` line.
 The scenario's ``faults`` apply at the start of their round on every region alike (``slowdown``,
 ``bandwidth``, ``nan``, ``corrupt``; ``leave``/``join``: the region stays connected but trains and sends
 nothing in between). With ``--checkpoint-every N`` each region writes its own DCP checkpoint
-(:class:`~geomesh.runtime.dist_checkpoint.RunCheckpointer` over its ranks, plus this loop's state) into
+(:class:`~geomesh.runtime.distributed.checkpoints.RunCheckpointer` over its ranks, plus this loop's state) into
 ``DIR/checkpoints/<region>``; ``--resume`` restarts every region from its newest one.
 """
 
@@ -46,21 +46,21 @@ from typing import Any
 
 import torch
 
-from .. import checkpoint as ckpt
-from ..codec import Manifest
-from ..config import ConfigError
-from ..errors import RunError
-from ..methods.base import budget_steps, payload_key
-from ..outer import OuterNesterov
-from ..planner import Plan
-from ..telemetry import Telemetry
-from ..worker import inner_lr
-from .checkpoint_state import run_fingerprint
+from ... import checkpoint as ckpt
+from ...codec import Manifest
+from ...config import ConfigError
+from ...errors import RunError
+from ...methods.base import budget_steps, payload_key
+from ...outer import OuterNesterov
+from ...planner import Plan
+from ...telemetry import Telemetry
+from ...worker import inner_lr
+from ..checkpoint_state import run_fingerprint
 from .elastic_state import ElasticState, Records
-from .faults import FAULT_KINDS, ONE_ROUND_FAULTS, corrupt_payload, faults_at, optimizer_finite, poisoned
+from ..faults import FAULT_KINDS, ONE_ROUND_FAULTS, corrupt_payload, faults_at, optimizer_finite, poisoned
 from .layout import RegionLayout, min_regions_of, region_layout
 from .membership import LIGHTHOUSE_ENV, ExchangeFailed, Membership, MembershipError
-from .payloads import screen_payload
+from ..payloads import screen_payload
 from .region import lay_out_like
 from .transport import WanShaper
 

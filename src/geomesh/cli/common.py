@@ -3,7 +3,7 @@ with one ``error: ...`` line on stderr and exit status 2 (Ctrl-C: ``error: inter
 traceback, and warnings print as one ``warning: ...`` line.
 
 Used by ``geomesh`` (:func:`geomesh.cli.main`) and by ``geomesh launch`` on its own
-(:func:`geomesh.cli_launch.main`), so that neither imports the other's entry point.
+(:func:`geomesh.cli.launch.main`), so that neither imports the other's entry point.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import warnings
 
 def run_command(args: argparse.Namespace) -> int:
     """Run ``args.func(args)`` (a parsed subcommand) with the faces' error handling; return the exit status."""
-    from .errors import USER_ERRORS
+    from ..errors import USER_ERRORS
 
     warnings.simplefilter("default")
     warnings.formatwarning = lambda msg, cat, *a, **k: f"warning: {msg}\n"

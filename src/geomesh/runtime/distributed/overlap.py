@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..methods.overlap import (TailSend, TailSplit, apply_step, eager_start, eager_weights, fragment_codecs,
+from ...methods.overlap import (TailSend, TailSplit, apply_step, eager_start, eager_weights, fragment_codecs,
                                planned_tokens, tail_fragments, tail_split)  # fmt: skip
 from .region import lay_out_like
 from .transport import split_gathered

@@ -4,7 +4,7 @@ Elastic regions (``reliability.min_regions >= 1``) use torchft (PyTorch's fault-
 membership rather than consensus written here:
 
 - one **Lighthouse** per job (``geomesh launch`` hosts it; on a cluster ``torchft_lighthouse`` or
-  ``python -m geomesh.runtime.membership``) forms a *quorum* every round from the regions that ask for one:
+  ``python -m geomesh.runtime.distributed.membership``) forms a *quorum* every round from the regions that ask for one:
   all live regions, or, once ``round_deadline_s`` has passed, those that arrived, if at least
   ``min_regions`` did. A region whose process died stops heartbeating and is left out at once;
 - one **Manager** per region, on the region's leader (one replica group = one region, group world size 1:
@@ -201,9 +201,9 @@ def _short(exc: BaseException) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m geomesh.runtime.membership --min-regions N [--port P] [--deadline S]``: a Lighthouse for
+    """``python -m geomesh.runtime.distributed.membership --min-regions N [--port P] [--deadline S]``: a Lighthouse for
     a cluster run (the same as torchft's ``torchft_lighthouse``), until interrupted."""
-    p = argparse.ArgumentParser(prog="python -m geomesh.runtime.membership", description=main.__doc__)
+    p = argparse.ArgumentParser(prog="python -m geomesh.runtime.distributed.membership", description=main.__doc__)
     p.add_argument("--min-regions", type=int, required=True)
     p.add_argument("--port", type=int, default=29510)
     p.add_argument("--deadline", type=float, default=60.0, help="round deadline (s): the quorum's join timeout")

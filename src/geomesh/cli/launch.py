@@ -29,13 +29,13 @@ import threading
 import time
 from pathlib import Path
 
-from .launcher import REGION_ENV, LaunchResult, RankExit, rank_argv, report, run_ranks
+from .ranks import REGION_ENV, LaunchResult, RankExit, rank_argv, report, run_ranks
 
 WAN_MODES = ("shaper", "netns", "none")
 
 
 def register(sub) -> None:
-    from .run import add_run_arguments
+    from .rank import add_run_arguments
 
     p = sub.add_parser("launch", help="run the distributed runtime with N local ranks (Gloo over loopback)")
     add_run_arguments(p, launcher=True)
@@ -45,11 +45,11 @@ def register(sub) -> None:
 
 def _check(args: argparse.Namespace):
     """Every user error before any process starts (ConfigError & co: one line, exit 2)."""
-    from .config import ConfigError, load_scenario, parse_overrides
-    from .methods import get_method
-    from .run import resolve_backend
-    from .runtime.distributed import check_distributed_support, parse_ranks_per_region, rank_layout
-    from .runtime.emulated import RunError, prepare_run_dir
+    from ..config import ConfigError, load_scenario, parse_overrides
+    from ..methods import get_method
+    from .rank import resolve_backend
+    from ..runtime.distributed import check_distributed_support, parse_ranks_per_region, rank_layout
+    from ..runtime.emulated import RunError, prepare_run_dir
 
     if args.nproc is None or args.nproc < 1 or args.nproc > 256:
         raise ConfigError(f"--nproc {args.nproc}: expected 1..256 ranks")
@@ -76,7 +76,7 @@ def _check(args: argparse.Namespace):
         if region not in layout.names or not path:
             raise ConfigError(f"--profile {pair!r}: expected REGION=FILE with REGION one of {', '.join(layout.names)}")
     if args.wan == "netns":
-        from .runtime.transport import netns_unavailable_reason
+        from ..runtime.distributed.transport import netns_unavailable_reason
 
         reason = netns_unavailable_reason()
         if reason:
@@ -86,7 +86,7 @@ def _check(args: argparse.Namespace):
     if args.keep is not None and args.keep < 1:
         raise ConfigError(f"--keep {args.keep}: expected >= 1 checkpoint")
     if scenario.faults and not _elastic(args, scenario) and method.kind == "outer":
-        from .runtime.distributed import STATIC_FAULTS
+        from ..runtime.distributed import STATIC_FAULTS
 
         raise ConfigError(STATIC_FAULTS)
     if _elastic(args, scenario):
@@ -96,13 +96,13 @@ def _check(args: argparse.Namespace):
             raise ConfigError(f"--min-regions: {method.name} overlaps its exchange with the next round, which elastic "
                               "regions do not support (a quorum is formed per round); run it without --min-regions")  # fmt: skip
     if args.resume:  # refused before anything in the run folder is touched
-        from .runtime.dist_checkpoint import DistCheckpointError, check_resume, fingerprint
+        from ..runtime.distributed.checkpoints import DistCheckpointError, check_resume, fingerprint
 
         seed = args.seed if args.seed is not None else scenario.training.seed
         tokens = args.tokens if args.tokens is not None else scenario.training.tokens
         try:
             if _elastic(args, scenario):  # every region has its own checkpoints: DIR/checkpoints/<region>
-                from .checkpoint import checkpoint_dir
+                from ..checkpoint import checkpoint_dir
 
                 for i, name in enumerate(layout.names):
                     counts = tuple(c if j == i else 0 for j, c in enumerate(layout.counts))
@@ -149,17 +149,17 @@ def _launch(args, extra_env, scenario, layout, backend) -> LaunchResult:
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // args.nproc)))
     env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # c10d's warnings (e.g. no hostname inside a namespace)
     env.update(extra_env or {})
-    if _elastic(args, scenario):  # one world per region, joined by torchft (runtime/elastic.py)
-        from .elastic_launch import launch_elastic
+    if _elastic(args, scenario):  # one world per region, joined by torchft (runtime/distributed/elastic.py)
+        from .launch_elastic import launch_elastic
 
         return launch_elastic(args, env, scenario, layout)
     if args.wan != "netns":
-        from .runtime.transport import free_port
+        from ..runtime.distributed.transport import free_port
 
         env.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())})
         return _spawn_and_wait(args, env, rank_argv(args, "shaper" if args.wan == "shaper" else "none"), None, layout)
-    from .runtime.emulated import RunError
-    from .runtime.transport import NetnsError, NetnsWan
+    from ..runtime.emulated import RunError
+    from ..runtime.distributed.transport import NetnsError, NetnsWan
 
     net = NetnsWan(scenario.wan_model(), [layout.region_of(r) for r in range(args.nproc)])
     try:
@@ -179,7 +179,7 @@ def _launch(args, extra_env, scenario, layout, backend) -> LaunchResult:
 
 
 def _elastic(args: argparse.Namespace, scenario) -> bool:
-    from .runtime.elastic import min_regions_of
+    from ..runtime.distributed.elastic import min_regions_of
 
     return min_regions_of(scenario, args.min_regions) > 0
 
@@ -212,13 +212,13 @@ def _spawn_and_wait(args: argparse.Namespace, env: dict[str, str], argv: list[st
 def cmd_launch(args: argparse.Namespace) -> int:
     result = launch(args)
     if result.code == 2:
-        from .config import ConfigError
+        from ..config import ConfigError
 
         raise ConfigError(result.message)
     if result.code != 0:
         print(f"error: {result.message}", file=sys.stderr)
         return result.code
-    from .run import print_summary
+    from .rank import print_summary
 
     print_summary(result.summary, args.out)
     return 0
@@ -232,7 +232,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """``geomesh launch ...`` on its own (``argv`` starts with ``launch``), with the CLI's error handling."""
-    from .cli_common import run_command
+    from .common import run_command
 
     return run_command(build_parser().parse_args(argv))
 

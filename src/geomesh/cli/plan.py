@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .report import human_bytes
+from ..report import human_bytes
 
 
 def register(sub) -> None:
@@ -41,7 +41,7 @@ def register(sub) -> None:
 
 def cluster_plans(scenario, profiles=None, allow_drop: bool = False) -> dict[str, Any]:
     """GeoMesh's and DiLoCo's plans for a scenario (cost-model profiles unless given)."""
-    from .methods import get_method
+    from ..methods import get_method
 
     resolved = scenario.worker_profiles(profiles, require_fit=not allow_drop)
     wan = scenario.wan_model()
@@ -56,8 +56,8 @@ def cluster_plans(scenario, profiles=None, allow_drop: bool = False) -> dict[str
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from .config import ConfigError, load_scenario, parse_overrides
-    from .hardware import load_profile
+    from ..config import ConfigError, load_scenario, parse_overrides
+    from ..hardware import load_profile
 
     scenario = load_scenario(args.scenario, parse_overrides(args.set))
     profiles = {}
@@ -104,9 +104,9 @@ def last_exchange(scenario, plan) -> dict[str, Any]:
     """How GeoMesh's last overlapped round (a full round of ``plan``, the one before it still exchanging)
     sends its exchange (docs/overlap.md): the fragments, the wait left at the end, the training the early
     fragments drop (seconds × share of the elements) and the whole exchange's time."""
-    from .methods import get_method
-    from .methods.base import proxy_manifest
-    from .methods.overlap import tail_fragments, tail_schedule, tail_split
+    from ..methods import get_method
+    from ..methods.base import proxy_manifest
+    from ..methods.overlap import tail_fragments, tail_schedule, tail_split
 
     method, wan = get_method("geomesh"), scenario.wan_model()
     payload = method.modeled_payload_bytes(scenario)
@@ -133,8 +133,8 @@ def format_plan(plan) -> str:
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
-    from .config import ConfigError, load_scenario, parse_overrides
-    from .profiler import profile_device
+    from ..config import ConfigError, load_scenario, parse_overrides
+    from ..profiler import profile_device
 
     scenario = load_scenario(args.scenario, parse_overrides(args.set))
     try:

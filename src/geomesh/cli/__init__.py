@@ -18,15 +18,15 @@ DEMO_METHODS = ["ddp", "diloco", "geomesh"]  # `geomesh bench` adds async Local-
 
 
 def _scenario(args: argparse.Namespace):
-    from .config import load_scenario, parse_overrides
+    from ..config import load_scenario, parse_overrides
 
     return load_scenario(args.scenario, parse_overrides(getattr(args, "set", None)))
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from .config import ConfigError
-    from .methods import get_method
-    from .runtime.emulated import EmulatedRun, RunOptions
+    from ..config import ConfigError
+    from ..methods import get_method
+    from ..runtime.emulated import EmulatedRun, RunOptions
 
     resume = getattr(args, "resume", None)
     if args.out is None and resume is None:
@@ -79,7 +79,7 @@ def fault_lines(faults: list[dict[str, Any]]) -> list[str]:
 
 
 def _compare(args: argparse.Namespace, methods: list[str]) -> dict[str, Any]:
-    from .compare import run_comparison
+    from ..compare import run_comparison
 
     scenario = _scenario(args)
     log = (lambda *a: print(*a, file=sys.stderr)) if getattr(args, "json", False) else print
@@ -89,7 +89,7 @@ def _compare(args: argparse.Namespace, methods: list[str]) -> dict[str, Any]:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from .methods import method_names
+    from ..methods import method_names
 
     args.scenario = "default"
     methods = [m for m in DEMO_METHODS if m in method_names()]
@@ -102,7 +102,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from .methods import method_names
+    from ..methods import method_names
 
     methods = [m.strip() for m in args.methods.split(",")] if args.methods else method_names()
     results = _compare(args, methods)
@@ -117,7 +117,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_scenarios(args: argparse.Namespace) -> int:
-    from .config import load_scenario, preset_names
+    from ..config import load_scenario, preset_names
 
     for name in preset_names():
         s = load_scenario(name)
@@ -192,16 +192,16 @@ def build_parser() -> argparse.ArgumentParser:
 def _register_optional(sub) -> None:
     """Subcommands that live in their own modules (planner and profiler; local launch of real ranks;
     lm-evaluation-harness tasks)."""
-    from . import cli_launch, cli_plan
-    from .integrations import lm_eval_adapter
+    from . import launch, plan
+    from ..integrations import lm_eval_adapter
 
-    cli_plan.register(sub)
-    cli_launch.register(sub)
+    plan.register(sub)
+    launch.register(sub)
     lm_eval_adapter.register(sub)
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .cli_common import run_command
+    from .common import run_command
 
     return run_command(build_parser().parse_args(argv))
 

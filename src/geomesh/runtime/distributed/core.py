@@ -1,7 +1,7 @@
 """What every loop of the distributed runtime shares, on one rank: set-up (the process groups, the model and
 data as the emulated runtime builds them, the region's worker), the wall clock and its spans, rank 0's
 records and summary, checkpoint and resume bookkeeping, the checks that every rank runs the same job and
-holds the same θ. The loops are in :mod:`.dist_rounds` (round-based methods), :mod:`.dist_ddp` (the DDP
+holds the same θ. The loops are in :mod:`.rounds` (round-based methods), :mod:`.ddp` (the DDP
 baseline) and :mod:`.elastic` (elastic regions); :class:`~geomesh.runtime.distributed.DistributedRun` picks
 one. See :mod:`geomesh.runtime.distributed` for ranks, regions, time and telemetry.
 """
@@ -20,20 +20,20 @@ from typing import Any, Callable  # noqa: UP035
 import torch
 import torch.distributed as dist
 
-from .. import checkpoint as ckpt
-from ..config import ConfigError, ScenarioConfig
-from ..errors import USER_ERRORS, RunError
-from ..evaluation import evaluate, heldout_zero_shot
-from ..hardware import WorkerProfile, load_profile
-from ..methods.base import Method, OuterLoopMethod
-from ..planner import Plan
-from ..telemetry import Telemetry, write_json_atomic
-from .checkpoint_state import truncate_events
-from .dist_checkpoint import DistCheckpointError, check_resume, fingerprint
+from ... import checkpoint as ckpt
+from ...config import ConfigError, ScenarioConfig
+from ...errors import USER_ERRORS, RunError
+from ...evaluation import evaluate, heldout_zero_shot
+from ...hardware import WorkerProfile, load_profile
+from ...methods.base import Method, OuterLoopMethod
+from ...planner import Plan
+from ...telemetry import Telemetry, write_json_atomic
+from ..checkpoint_state import truncate_events
+from .checkpoints import DistCheckpointError, check_resume, fingerprint
 from .layout import rank_layout, region_layout
-from .options import DistOptions, checkpoint_cadence, prepare_run_dir, resolve_run
+from ..options import DistOptions, checkpoint_cadence, prepare_run_dir, resolve_run
 from .region import RegionWorker, build_training, is_sharded, local_bytes, reshard, shard_region
-from .summary import build_summary
+from ..summary import build_summary
 from .transport import Transport
 
 TEST_EXIT_ENV = "GEOMESH_TEST_EXIT_AFTER_ROUND"  # "RANK:ROUND": that rank exits abruptly (tests only)
@@ -218,7 +218,7 @@ class RankRun:
             vx, vy = corpus.val_batches(sc.proxy.seq_len, tr.eval_sequences)
             self.val_x, self.val_y = vx.to(self.device), vy.to(self.device)
             self.corpus = corpus  # for the zero-shot evaluation at the end
-            if self.out_dir is not None and self.options.elastic_region is None:  # elastic: runtime/elastic.py
+            if self.out_dir is not None and self.options.elastic_region is None:  # elastic: runtime/distributed/elastic.py
                 self.telemetry = Telemetry(self.out_dir / "events.jsonl", append=self.options.resume)
 
     def _load_corpus_rank0_first(self, load: Callable[[], Any]) -> Any:
@@ -261,7 +261,7 @@ class RankRun:
             self._resume_from = self._prepare_resume() if self.options.resume else None
             self._setup()
             if self.rank == 0:  # the scenario's TensorBoard / W&B sinks, on the rank that writes the records
-                from ..integrations.loggers import attach_logging
+                from ...telemetry_sinks import attach_logging
 
                 attach_logging(self)
             extra = self._run_loop()
@@ -371,7 +371,7 @@ class RankRun:
             self.final_checksums = [i["crc"] for i in infos]
             self.outer_state_bytes = [i["outer_bytes"] for i in infos] if outer_buf is not None else None
 
-    # ---- checkpoints (runtime/dist_checkpoint.py) ---------------------------------------------------
+    # ---- checkpoints (runtime/distributed/checkpoints.py) ---------------------------------------------------
     def _checkpoint_fingerprint(self) -> dict[str, Any]:
         return fingerprint(self.scenario, self.method.name, self.seed, self.budget, self.layout.counts)
 

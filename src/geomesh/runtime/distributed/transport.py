@@ -31,7 +31,7 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
-from ..network import WanModel
+from ...network import WanModel
 
 WanMode = Literal["none", "shaper", "latency"]
 ABSENT = b"\0\0\0\0"  # a payload slot of a worker whose update was dropped (real payloads start with b"GMSH")
