@@ -160,8 +160,15 @@ class GeoMeshConfig:
     # waited for (docs/overlap.md): null, the rule (the wait left against the training the early fragments
     # drop; about sqrt(bytes time / latency) of the exchange); 1: one exchange
     overlap_tail_fragments: int | None = None
+    # how sign payloads cross the WAN (docs/benchmarks.md, "Scale"): "auto" (the plan takes the cheapest by the
+    # WAN model), "all_gather" (every region receives every payload) or "sharded" (each region combines one
+    # shard of the model and sends it back in shard_bits bits per element)
+    exchange: str = "auto"
+    shard_bits: int = 8  # the sharded exchange's combined shard: 1, 2, 4, 8 (per-chunk codes) or 32 (exact)
 
 
+EXCHANGES = ("auto", "all_gather", "sharded")
+SHARD_BITS = (1, 2, 4, 8, 32)
 MAX_TAIL_FRAGMENTS = 16  # each fragment is one more collective, and pays the WAN's latency once more
 
 
@@ -484,6 +491,12 @@ def validate(cfg: ScenarioConfig) -> ScenarioConfig:
                                                   and 1 <= g.overlap_tail_fragments <= MAX_TAIL_FRAGMENTS),
              "geomesh.overlap_tail_fragments", g.overlap_tail_fragments,
              f"expected null (the rule) or 1..{MAX_TAIL_FRAGMENTS} fragments")  # fmt: skip
+    _require(g.exchange in EXCHANGES, "geomesh.exchange", g.exchange, f"expected one of {', '.join(EXCHANGES)}")
+    _require(g.shard_bits in SHARD_BITS, "geomesh.shard_bits", g.shard_bits,
+             f"expected one of {', '.join(map(str, SHARD_BITS))} bits per element")  # fmt: skip
+    if g.overlap:  # an overlapped round's exchange (and its last round's fragments) is all-gathered
+        _require(g.exchange != "sharded", "geomesh.exchange", g.exchange,
+                 "expected 'auto' or 'all_gather' with geomesh.overlap: true (the overlapped exchange is an all-gather)")  # fmt: skip
     if g.overlap:  # the in-flight exchange is not part of an elastic quorum (checkpoints wait for it)
         _require(cfg.reliability.min_regions == 0, "reliability.min_regions", cfg.reliability.min_regions,
                  "expected 0 with geomesh.overlap: true (elastic regions join a quorum per round; an "

@@ -8,7 +8,18 @@ chunk / bandwidth on that link.
 - all-gather of one p-byte payload per worker: N−1 steps of p bytes each.
 
 So a 1-bit all-gather moves (N−1)·d/8 bytes per worker against 2(N−1)/N·4d for an fp32 all-reduce: 64/N
-times less. Latencies are the published P95 inter-region round-trip times of Azure (30 days ending
+times less, which stops paying beyond a few tens of workers.
+
+Direct collectives (every worker sends to every other at once, one latency step): worker i's links share
+its network interface, so what it sends (and, separately, what it receives) is serialised: its time is the
+longest one-way latency among its links plus Σ_j bytes_ij / bandwidth_ij; the collective lasts the slowest
+worker's time.
+
+- all-to-all of ``m`` bytes from every worker to every other: (N−1)·m out and (N−1)·m in per worker;
+- the sharded exchange (:func:`sharded_s`): an all-to-all of the 1-bit slices (each worker's slice k of
+  s/N bytes goes to shard k's owner), then an all-to-all of the combined shards (owner k sends its c/N
+  bytes to every worker): (N−1)/N·(s + c) bytes out and in per worker, two latency steps, whatever N.
+ Latencies are the published P95 inter-region round-trip times of Azure (30 days ending
 2026-07-30); Azure publishes no bandwidth, so links default to 1 Gbit/s as in Streaming DiLoCo's tables
 (papers in this field use 0.1-1 Gbit/s between regions).
 """
@@ -84,6 +95,39 @@ class WanModel:
     def allgather_bytes_per_worker(payload_bytes: float, n: int) -> float:
         """Bytes each worker sends in a ring all-gather (its own payload plus forwarded ones)."""
         return 0.0 if n < 2 else (n - 1) * payload_bytes
+
+    def direct_s(self, bytes_out: "list[list[float]] | float") -> float:
+        """A direct collective where worker i sends ``bytes_out[i][j]`` bytes to worker j (one figure: the same
+        for every pair), all at once: one latency step, each worker's sends and receives serialised on its
+        interface (the slower of the two sets its time)."""
+        n = self.n
+        if n < 2:
+            return 0.0
+        m = [[float(bytes_out)] * n for _ in range(n)] if isinstance(bytes_out, (int, float)) else bytes_out
+        worst = 0.0
+        for i in range(n):
+            others = [j for j in range(n) if j != i]
+            latency = max(self.rtt_s[i][j] for j in others) / 2
+            out = sum(m[i][j] / self.bandwidth_Bps[i][j] for j in others)
+            into = sum(m[j][i] / self.bandwidth_Bps[j][i] for j in others)
+            worst = max(worst, latency + max(out, into))
+        return worst
+
+    def alltoall_s(self, nbytes: float) -> float:
+        """Direct all-to-all: every worker sends ``nbytes`` to every other."""
+        return self.direct_s(nbytes)
+
+    def sharded_s(self, slices_bytes: float, combined_bytes: float) -> float:
+        """The sharded exchange: each worker's 1-bit payload (``slices_bytes`` in all, cut in N slices) goes
+        slice by slice to the shards' owners, then each owner sends its combined shard (``combined_bytes`` in
+        all, cut in N) to every worker: two direct all-to-alls of 1/N of each."""
+        n = self.n
+        return 0.0 if n < 2 else self.alltoall_s(slices_bytes / n) + self.alltoall_s(combined_bytes / n)
+
+    @staticmethod
+    def sharded_bytes_per_worker(slices_bytes: float, combined_bytes: float, n: int) -> float:
+        """Bytes each worker sends (and receives) in the sharded exchange."""
+        return 0.0 if n < 2 else (n - 1) / n * (slices_bytes + combined_bytes)
 
     def subset(self, indices: list[int]) -> "WanModel":
         """The WAN between a subset of the workers (ring order kept), e.g. the survivors of a fault."""

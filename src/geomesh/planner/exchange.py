@@ -1,0 +1,154 @@
+"""Which exchange a round uses: the cheapest collective for the cluster by the WAN model, or the one a
+scenario forces (``geomesh.exchange``).
+
+Candidates, for a payload of P parameters over N regions (:class:`~geomesh.network.WanModel` times them):
+
+- ``all_reduce`` (dense fp32 payloads, DiLoCo): a ring, 2(N−1) latency steps, 2(N−1)/N·4P bytes per region;
+- ``all_gather`` (sign payloads): a ring, N−1 latency steps, (N−1)·P/8 bytes per region, and every region
+  combines N payloads (O(N·P) work);
+- ``sharded`` (sign payloads, :mod:`geomesh.codec.sharded`): two direct all-to-alls (the 1-bit slices to
+  the shards' owners, then the combined shards, ``bits`` bits per element, back to everyone): two latency
+  steps, (N−1)/N·(P/8 + bits·P/8) bytes per region, and every region combines one shard of N slices (O(P)).
+
+Sign payloads take the cheaper of the all-gather and the sharded exchange; an overlapped round
+(docs/overlap.md) keeps the all-gather, which its fragments use. Pure: numbers in, a choice out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..network import WanModel
+
+EXCHANGE_NAMES = {"all_reduce": "ring all-reduce", "all_gather": "all-gather", "sharded": "sharded exchange"}
+
+
+@dataclass(frozen=True)
+class ShardedSizes:
+    """Bytes of the sharded exchange for a timing model, as a function of the number of regions N: the
+    slices of one payload (its body cut in N, one header each) and the N combined shards."""
+
+    slices_body: float  # the payload's body (magnitudes + sign bits) at the timing model's size
+    slice_header: int  # one slice's header (+ its HMAC tag)
+    combined_body: float  # all combined shards' bodies (codes + per-chunk ranges) at the timing model's size
+    combined_header: int  # one combined frame's header (+ tag)
+
+    def slices(self, n: int) -> float:
+        return self.slices_body + n * self.slice_header
+
+    def combined(self, n: int) -> float:
+        return self.combined_body + n * self.combined_header
+
+
+@dataclass(frozen=True)
+class ExchangeCost:
+    name: str
+    seconds: float
+    sent_bytes: float  # per region per round
+    received_bytes: float  # per region per round
+    combined_payloads: int  # payloads (or slices of the whole model's size) each region combines
+
+
+@dataclass(frozen=True)
+class ExchangeChoice:
+    """The exchange a round uses, its cost, why, and what the others would cost."""
+
+    name: str
+    cost: ExchangeCost
+    reason: str
+    candidates: dict[str, ExchangeCost] = field(default_factory=dict)
+
+    @property
+    def seconds(self) -> float:
+        return self.cost.seconds
+
+    def to_json(self) -> dict:
+        return {"exchange": self.name, "reason": self.reason,
+                "candidates": {k: {"seconds": c.seconds, "sent_bytes": c.sent_bytes,
+                                   "received_bytes": c.received_bytes, "combined_payloads": c.combined_payloads}
+                               for k, c in self.candidates.items()}}  # fmt: skip
+
+
+def exchange_costs(wan: WanModel, collective: str, payload_bytes: float,
+                   sharded: ShardedSizes | None = None) -> dict[str, ExchangeCost]:  # fmt: skip
+    """Every candidate exchange's cost on ``wan`` for one round (``collective``: the method's, ``all_reduce``
+    for dense payloads, ``all_gather`` for sign payloads; ``sharded`` sizes add the sharded exchange)."""
+    n = wan.n
+    if collective == "all_reduce":
+        b = WanModel.allreduce_bytes_per_worker(payload_bytes, n)
+        return {"all_reduce": ExchangeCost("all_reduce", wan.allreduce_s(payload_bytes), b, b, 1)}
+    if collective != "all_gather":
+        raise ValueError(f"collective {collective!r}: expected all_reduce or all_gather")
+    b = WanModel.allgather_bytes_per_worker(payload_bytes, n)
+    out = {"all_gather": ExchangeCost("all_gather", wan.allgather_s(payload_bytes), b, b, n)}
+    if sharded is not None and n >= 2:
+        s, c = sharded.slices(n), sharded.combined(n)
+        b = WanModel.sharded_bytes_per_worker(s, c, n)
+        out["sharded"] = ExchangeCost("sharded", wan.sharded_s(s, c), b, b, 1)
+    return out
+
+
+def choose_exchange(wan: WanModel, collective: str, payload_bytes: float, sharded: ShardedSizes | None = None,
+                    forced: str = "auto", overlap: bool = False, bits: int | None = None) -> ExchangeChoice:  # fmt: skip
+    """The exchange of one round: ``forced`` (``all_gather`` or ``sharded``) when a sign method's scenario
+    names one, else the cheapest candidate by modeled time; ``overlap`` keeps the all-gather."""
+    costs = exchange_costs(wan, collective, payload_bytes, None if overlap else sharded)
+    n = wan.n
+    if collective == "all_reduce":
+        return ExchangeChoice("all_reduce", costs["all_reduce"], "dense payloads are all-reduced", costs)
+    if forced not in ("auto", "all_gather", "sharded"):
+        raise ValueError(f"exchange {forced!r}: expected auto, all_gather or sharded")
+    if forced != "auto":
+        if forced not in costs:
+            raise ValueError(f"exchange {forced!r} is not available here ({'overlapped rounds all-gather' if overlap else 'one region'})")
+        name, why = forced, "geomesh.exchange forces it"
+    elif len(costs) == 1:
+        name = "all_gather"
+        why = "overlapped rounds all-gather (their last exchange leaves in fragments)" if overlap else (
+            "a single region exchanges nothing")  # fmt: skip
+    else:
+        name = min(costs, key=lambda k: (costs[k].seconds, k != "all_gather"))
+        other = "sharded" if name == "all_gather" else "all_gather"
+        a, o = costs[name], costs[other]
+        why = (f"cheapest by the WAN model at {n} regions: {a.seconds:.2f} s against the {EXCHANGE_NAMES[other]}'s "
+               f"{o.seconds:.2f} s")  # fmt: skip
+    cost = costs[name]
+    if name == "sharded":
+        why += (f"; each region receives {_mb(cost.received_bytes)} (the 1-bit slices of its shard, then every "
+                f"shard combined in {bits or '?'} bits) instead of {_mb(costs['all_gather'].received_bytes)} "
+                f"({n - 1} payloads), and combines one shard instead of {n} payloads")  # fmt: skip
+    elif "sharded" in costs:
+        why += (f"; the all-gather's {n - 1} payloads ({_mb(cost.received_bytes)}) cost less than the sharded "
+                f"exchange's slices and combined shards ({_mb(costs['sharded'].received_bytes)})")  # fmt: skip
+    return ExchangeChoice(name, cost, why, costs)
+
+
+def _mb(nbytes: float) -> str:
+    return f"{nbytes / 1e6:.1f} MB" if nbytes < 1e9 else f"{nbytes / 1e9:.2f} GB"
+
+
+def sharded_sizes(codec, bits: int, params: int) -> ShardedSizes | None:
+    """The sharded exchange's bytes for a timing model of ``params`` parameters, measured on ``codec`` (the
+    run's sign codec on the model that trains: its bytes per parameter, headers and tags); None when its
+    payloads cannot be sharded (not a token-weighted sign codec)."""
+    from ..codec import SignCodec
+    from ..codec.sharded import COMBINED_HEADER_NBYTES, ShardedExchange
+
+    if not isinstance(codec, SignCodec) or codec.combine_rule != "weighted" or codec.manifest.numel == 0:
+        return None
+    whole = ShardedExchange(codec, 1, bits)
+    numel, tag = codec.manifest.numel, 32 if codec.key else 0
+    header = 48 + tag  # a slice is a sign payload of its shard: the payload header (+ tag) each
+    return ShardedSizes(slices_body=(codec.payload_nbytes() - header) / numel * params, slice_header=header,
+                        combined_body=whole._body_len(0) / numel * params,
+                        combined_header=COMBINED_HEADER_NBYTES + tag)  # fmt: skip
+
+
+def scenario_exchange(scenario, wan: WanModel, collective: str, payload_bytes: float, codec=None,
+                      overlap: bool = False) -> ExchangeChoice:  # fmt: skip
+    """The exchange of a method on ``scenario``'s cluster (or the live part of it, ``wan``): the scenario's
+    ``geomesh.exchange`` and ``geomesh.shard_bits``, sizes measured on ``codec`` at the timing model's size."""
+    g = scenario.geomesh
+    sizes = sharded_sizes(codec, g.shard_bits, scenario.timing().params) if collective == "all_gather" else None
+    forced = g.exchange if sizes is not None and wan.n >= 2 else "auto"
+    return choose_exchange(wan, collective, payload_bytes, sizes, forced=forced, overlap=overlap, bits=g.shard_bits)
