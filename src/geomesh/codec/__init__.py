@@ -18,7 +18,13 @@ combine_rule="weighted", key=None)``
     1 bit per element plus one float32 magnitude per chunk (~31.75x smaller than fp32).
 ``DenseCodec(manifest, *, weighting="equal", dtype=torch.float32, key=None)``
     the fp32 baseline (DiLoCo) with the same API; ``combine`` is exactly an average.
-Both: ``encode(tensors, tokens) -> bytes``, ``decode(payload, device="cpu") -> DecodedPayload``,
+``SparseSignCodec(manifest, *, chunk_size=4096, k=64, value_bits=1, error_feedback=True, ef_decay=1.0,
+weighting="tokens", key=None)``
+    top-k per chunk: signs (or 2-bit values), Rice-coded positions, per-chunk magnitudes (~0.14 bits per
+    parameter at k = 64 of 4096; geomesh-sparse, sparseloco).
+``QuantCodec(manifest, *, fmt="int8", chunk_size=256, weighting="equal", key=None)``
+    every value in int8 or FP4 (E2M1) with a float32 scale per chunk (diloco-int8, diloco-fp4).
+All: ``encode(tensors, tokens) -> bytes``, ``decode(payload, device="cpu") -> DecodedPayload``,
 ``combine(payloads, device="cpu", out=None) -> dict``, ``combine_with_tokens(...) -> (dict, Σ n_i)``,
 ``tokens_of(payload)``, ``total_tokens(payloads)``, ``payload_nbytes()``, ``fp32_nbytes()``.
 Any malformed payload raises ``PayloadError`` (a ``ValueError``) whose message names the problem.
@@ -42,8 +48,10 @@ Modules
 ``sign``, ``dense``
     ``SignCodec`` (chunk layout, scales, zero rule, error feedback, combine rules) and
     ``DenseCodec``.
+``sparse``, ``quant``
+    ``SparseSignCodec`` (top-k, position code, error feedback) and ``QuantCodec`` (int8 / fp4).
 
-Imports point one way, wire/manifest/kernels -> base -> sign/dense -> this file, and from the rest
+Imports point one way, wire/manifest/kernels -> base -> sign/dense/sparse/quant -> this file, and from the rest
 of geomesh the package imports only ``geomesh.errors`` (nothing higher), so every layer may use it.
 Names with a leading underscore are shared between the package's modules, not exported.
 """
@@ -54,7 +62,9 @@ from ..errors import PayloadError
 from .base import DecodedPayload
 from .dense import DenseCodec
 from .manifest import Manifest, TensorSpec
+from .quant import QuantCodec
 from .sign import SignCodec
+from .sparse import SparseSignCodec
 from .wire import FORMAT_VERSION, HEADER_NBYTES, MAGIC, MAX_TOKENS, TAG_NBYTES
 
 __all__ = [
@@ -67,6 +77,8 @@ __all__ = [
     "DenseCodec",
     "Manifest",
     "PayloadError",
+    "QuantCodec",
     "SignCodec",
+    "SparseSignCodec",
     "TensorSpec",
 ]

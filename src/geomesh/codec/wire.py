@@ -12,7 +12,8 @@ offset bytes  field           meaning
 ====== ====== =============== ==========================================================
 0      4      magic           ``b"GMSH"``
 4      2      version (u16)   wire-format version, currently 1; others are refused
-6      1      kind (u8)       1 = sign codec, 2 = dense codec
+6      1      kind (u8)       1 = sign codec, 2 = dense codec, 3 = sparse sign codec,
+                              4 = quantised codec (their flags and bodies: sparse.py, quant.py)
 7      1      flags (u8)      bit 0: error feedback was on (sign); bit 1: scale is l1
                               (else l2) (sign); bit 2: an HMAC tag follows the body;
                               bits 3-4: dense wire dtype (0 = float32, 1 = bfloat16,
@@ -65,7 +66,9 @@ MAGIC = b"GMSH"
 FORMAT_VERSION = 1
 KIND_SIGN = 1
 KIND_DENSE = 2
-_KIND_NAMES = {KIND_SIGN: "sign", KIND_DENSE: "dense"}
+KIND_SPARSE = 3  # top-k signs with Rice-coded positions (codec/sparse.py)
+KIND_QUANT = 4  # per-chunk int8 / fp4 values (codec/quant.py)
+_KIND_NAMES = {KIND_SIGN: "sign", KIND_DENSE: "dense", KIND_SPARSE: "sparse", KIND_QUANT: "quant"}
 
 # magic, version, kind, flags, chunk, layout digest, tokens, body length, crc32
 _HEADER = struct.Struct("<4sHBBI16sQQI")
