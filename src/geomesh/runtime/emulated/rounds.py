@@ -12,10 +12,12 @@ from typing import Any
 import torch
 
 from ...codec import Manifest
+from ...codec.sharded import ShardedExchange
 from ...methods.base import OuterLoopMethod, budget_steps
 from ...methods.overlap import fold_remainder, round_compute_s, tail_fragments
 from ...outer import OuterNesterov
 from ...planner import OnlinePlanner, Plan
+from ...planner.exchange import scenario_exchange
 from ...worker import Worker, inner_lr
 from ..faults import corrupt_payload, optimizer_finite, poisoned
 from .parallel import intra_op_threads, worker_threads
@@ -34,6 +36,7 @@ class RoundsLoop(EmulatedCore):
         manifest = Manifest.from_tensors(params)
         codecs = [method.make_codec(manifest, self.scenario, key=self._key) for _ in cluster.workers]
         combiner = method.make_codec(manifest, self.scenario, key=self._key)
+        self._combiners: dict[Any, Any] = {}  # (live workers, their WAN) -> what combines their payloads
         outer = OuterNesterov(params, lr=tr.outer_lr, momentum=tr.outer_momentum)
         proxy_payload = combiner.payload_nbytes()
         modeled_payload = method.modeled_payload_bytes(self.scenario, manifest)
@@ -47,7 +50,7 @@ class RoundsLoop(EmulatedCore):
             """Plan the live workers over the WAN that links them now (after joins, leaves, link faults)."""
             live = loop.cluster.live()
             profiles = [cluster.profiles[i] for i in live]
-            loop.exchange_s, loop.sent = method.exchange(loop.cluster.wan(live), modeled_payload)
+            loop.exchange_s, loop.sent = self._exchange_cost(method, loop.cluster.wan(live), combiner, modeled_payload)
             if method.balanced and g.replan:
                 known = loop.online.factors if loop.online is not None else {}
                 loop.online = make_online(live)
@@ -61,6 +64,8 @@ class RoundsLoop(EmulatedCore):
         def extra() -> dict[str, Any]:
             return {"payload_bytes_per_worker": modeled_payload, "proxy_payload_bytes": proxy_payload,
                     "exchange_s_per_round": loop.exchange_s, "collective": method.collective,
+                    "exchange": self._exchange_name(method, loop.cluster.wan(loop.cluster.live()), combiner,
+                                                    modeled_payload),
                     "replans": int(self.telemetry.counters.get("replans", 0)), "faults": self.faults,
                     "overlap": overlap is not None}  # fmt: skip
 
@@ -224,8 +229,9 @@ class RoundsLoop(EmulatedCore):
                 overlap.finish_tail(outer, combiners, arrived)
             elif overlap is not None:  # next round's eager starts from θ_r, then the outer step
                 overlap.finish(method, outer, combiner, arrived[0], dict(zip(live, payloads)), names, entries, steps)
-            else:
-                method.apply(arrived[0], CombineOn(combiner, self.device), outer)
+            else:  # all-gathered, or sharded (each region combines its shard: the plan's choice)
+                combine = self._round_combiner(method, loop.cluster.wan(live), combiner, modeled_payload, live)
+                method.apply(arrived[0], CombineOn(combine, self.device), outer)
             if overlap is not None:
                 length = overlap.spans(self, compute, exchange_s)
             else:
@@ -257,6 +263,34 @@ class RoundsLoop(EmulatedCore):
             self._maybe_checkpoint(checkpoint_state)
         if overlap is not None:  # the last round's exchange: nothing left to hide it under
             self.clock += overlap.drain(self, loop.cluster.live())
+
+    def _exchange_choice(self, method: OuterLoopMethod, wan: Any, combiner: Any, modeled_payload: int) -> Any:
+        """The plan's exchange for the live workers' WAN (planner/exchange.py): the all-gather, the sharded
+        exchange, or the all-reduce of dense payloads."""
+        return scenario_exchange(self.scenario, wan, method.collective, modeled_payload, combiner,
+                                 overlap=method.overlapped(self.scenario))  # fmt: skip
+
+    def _exchange_name(self, method: OuterLoopMethod, wan: Any, combiner: Any, modeled_payload: int) -> str:
+        return self._exchange_choice(method, wan, combiner, modeled_payload).name
+
+    def _exchange_cost(self, method: OuterLoopMethod, wan: Any, combiner: Any, modeled_payload: int) -> tuple[float, float]:
+        """(modeled seconds, bytes each live worker sends) of a round's exchange."""
+        choice = self._exchange_choice(method, wan, combiner, modeled_payload)
+        if choice.name == "sharded":
+            return choice.seconds, choice.cost.sent_bytes
+        return method.exchange(wan, modeled_payload)
+
+    def _round_combiner(self, method: OuterLoopMethod, wan: Any, combiner: Any, modeled_payload: int,
+                        live: list[int]) -> Any:  # fmt: skip
+        """What combines this round's payloads: the run's codec (every worker combines every payload), or the
+        sharded exchange over the live workers (each owner combines its shard of the slices, its combined shard
+        goes to everyone quantised to geomesh.shard_bits; every worker applies the decoded shards)."""
+        cache = self._combiners
+        key = (tuple(live), wan)
+        if key not in cache:
+            sharded = self._exchange_choice(method, wan, combiner, modeled_payload).name == "sharded"
+            cache[key] = ShardedExchange(combiner, len(live), self.scenario.geomesh.shard_bits) if sharded else combiner
+        return cache[key]
 
     def _rejoin(self, i: int, worker: Worker, codec: Any, params: dict[str, torch.Tensor]) -> None:
         """A worker that comes back is a restarted process: it receives the current global parameters (the

@@ -1,0 +1,105 @@
+"""The scale study of the exchange: modeled bytes and time per region for N = 4 ... 256 regions, and the loss
+that quantising the sharded exchange's combined shard costs, measured with the emulated runtime.
+
+Usage:  PYTHONPATH=src python bench/scale.py modeled [--regions 4,8,16,32,64,128,256] [--out FILE]
+        PYTHONPATH=src python bench/scale.py loss [--scenario default|regions16] [--bits 32,8,4,2]
+                                                  [--tokens N] [--out FILE]
+
+``modeled``: a uniform cluster (``--rtt-ms`` 100 between every pair, ``--gbps`` 1 per link, the ``default``
+timing model, regions cycling H100/A100/V100/T4), as ``geomesh plan`` models it: per N, GeoMesh's 1-bit ring
+all-gather, the sharded exchange (geomesh.shard_bits, ``--bits``), DiLoCo's fp32 ring all-reduce, their
+seconds and the bytes a region receives per round, the plan's choice and the sharded exchange's time as a
+fraction of DiLoCo's. One JSON object per N (stdout, and ``--out``).
+
+``loss``: GeoMesh trained with the exchange forced to ``sharded`` at each ``--bits`` (32: the exact combine,
+equal to the all-gather's), on ``default`` or ``regions16`` (16 regions cycling H100/A100/V100/T4 over 100 ms
+and 1 Gbit/s links, generated here, the default's model and data); final validation loss at equal tokens and
+its difference to the exact combine's. One JSON object per run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+GPUS = ("H100", "A100", "V100", "T4")
+
+
+def uniform_overrides(n: int, rtt_ms: float, gbps: float) -> dict:
+    """``load_scenario`` overrides that turn ``default`` into ``n`` regions over a uniform WAN."""
+    regions = [{"name": f"r{i:03d}", "gpu": GPUS[i % len(GPUS)]} for i in range(n)]
+    rtt = [[0.0 if i == j else rtt_ms for j in range(n)] for i in range(n)]
+    return {"regions": regions, "wan.rtt": rtt, "wan.bandwidth_gbps": gbps}
+
+
+def modeled(args: argparse.Namespace) -> list[dict]:
+    from geomesh.config import load_scenario
+    from geomesh.methods import get_method
+    from geomesh.methods.base import proxy_manifest
+    from geomesh.planner.exchange import scenario_exchange
+
+    rows = []
+    for n in (int(x) for x in args.regions.split(",")):
+        s = load_scenario("default", {**uniform_overrides(n, args.rtt_ms, args.gbps), "geomesh.shard_bits": args.bits})
+        wan, manifest = s.wan_model(), proxy_manifest(s)
+        g, d = get_method("geomesh"), get_method("diloco")
+        choice = scenario_exchange(s, wan, g.collective, g.modeled_payload_bytes(s, manifest), g.make_codec(manifest, s))
+        base = scenario_exchange(s, wan, d.collective, d.modeled_payload_bytes(s, manifest), d.make_codec(manifest, s))
+        ag, sh, ar = choice.candidates["all_gather"], choice.candidates["sharded"], base.cost
+        rows.append({"regions": n, "bits": args.bits, "plan": choice.name,
+                     "all_gather_s": ag.seconds, "sharded_s": sh.seconds, "diloco_all_reduce_s": ar.seconds,
+                     "all_gather_received_bytes": ag.received_bytes, "sharded_received_bytes": sh.received_bytes,
+                     "diloco_received_bytes": ar.received_bytes, "sharded_vs_diloco": sh.seconds / ar.seconds,
+                     "combined_payloads_per_region": {"all_gather": ag.combined_payloads, "sharded": 1}})  # fmt: skip
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def loss(args: argparse.Namespace) -> list[dict]:
+    from geomesh.config import load_scenario
+    from geomesh.methods import get_method
+    from geomesh.runtime.emulated import EmulatedRun, RunOptions
+
+    extra = uniform_overrides(16, 100.0, 1.0) if args.scenario == "regions16" else {}
+    rows, exact = [], None
+    for bits in (int(x) for x in args.bits_list.split(",")):
+        s = load_scenario("default", {**extra, "geomesh.exchange": "sharded", "geomesh.shard_bits": bits})
+        t0 = time.time()
+        summary = EmulatedRun(s, get_method("geomesh"), RunOptions(tokens=args.tokens, progress=False)).run()
+        val = summary["final_val_loss"]
+        exact = val if bits == 32 else exact
+        rows.append({"scenario": args.scenario, "bits": bits, "tokens": summary["tokens"], "rounds": summary["rounds"],
+                     "final_val_loss": val, "vs_exact": None if exact is None else val / exact - 1,
+                     "exchange": summary.get("exchange"), "modeled_time_s": summary["modeled_time_s"],
+                     "bytes_sent": summary["bytes_sent"], "wall_s": round(time.time() - t0, 1)})  # fmt: skip
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="what", required=True)
+    m = sub.add_parser("modeled")
+    m.add_argument("--regions", default="4,8,16,32,64,128,256")
+    m.add_argument("--rtt-ms", type=float, default=100.0)
+    m.add_argument("--gbps", type=float, default=1.0)
+    m.add_argument("--bits", type=int, default=8)
+    m.add_argument("--out", default=None)
+    l_ = sub.add_parser("loss")
+    l_.add_argument("--scenario", default="default", choices=["default", "regions16"])
+    l_.add_argument("--bits", dest="bits_list", default="32,8,4,2", help="32 first: the exact combine")
+    l_.add_argument("--tokens", type=int, default=None, help="token budget (default: the scenario's)")
+    l_.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    rows = modeled(args) if args.what == "modeled" else loss(args)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(rows, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
