@@ -2,6 +2,7 @@
 that quantising the sharded exchange's combined shard costs, measured with the emulated runtime.
 
 Usage:  PYTHONPATH=src python bench/scale.py modeled [--regions 4,8,16,32,64,128,256] [--out FILE]
+        PYTHONPATH=src python bench/scale.py scenario --regions 128 --out FILE   (that cluster as a YAML)
         PYTHONPATH=src python bench/scale.py loss [--scenario default|regions16] [--bits 32,8,4,2]
                                                   [--tokens N] [--out FILE]
 
@@ -79,6 +80,23 @@ def loss(args: argparse.Namespace) -> list[dict]:
     return rows
 
 
+def write_scenario(args: argparse.Namespace) -> list[dict]:
+    """The uniform cluster of ``modeled`` as a scenario file, for ``geomesh plan`` and ``geomesh train``."""
+    import yaml
+
+    from geomesh.config import load_scenario
+
+    data = yaml.safe_load((Path(__file__).resolve().parents[1] / "src/geomesh/scenarios/default.yaml").read_text())
+    o = uniform_overrides(args.regions, args.rtt_ms, args.gbps)
+    data.update(regions=o["regions"], wan={"rtt": o["wan.rtt"], "bandwidth_gbps": args.gbps},
+                description=f"{args.regions} regions cycling {'/'.join(GPUS)}, {args.rtt_ms:g} ms RTT between every "
+                            f"pair, {args.gbps:g} Gbit/s links; the default's timing model, model and data")  # fmt: skip
+    Path(args.out).write_text(yaml.safe_dump(data, sort_keys=False, width=200))
+    load_scenario(args.out)  # it loads
+    print(f"wrote {args.out}", file=sys.stderr)
+    return []
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="what", required=True)
@@ -93,7 +111,15 @@ def main(argv: list[str] | None = None) -> int:
     l_.add_argument("--bits", dest="bits_list", default="32,8,4,2", help="32 first: the exact combine")
     l_.add_argument("--tokens", type=int, default=None, help="token budget (default: the scenario's)")
     l_.add_argument("--out", default=None)
+    w = sub.add_parser("scenario")
+    w.add_argument("--regions", type=int, default=128)
+    w.add_argument("--rtt-ms", type=float, default=100.0)
+    w.add_argument("--gbps", type=float, default=1.0)
+    w.add_argument("--out", required=True)
     args = p.parse_args(argv)
+    if args.what == "scenario":
+        write_scenario(args)
+        return 0
     rows = modeled(args) if args.what == "modeled" else loss(args)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)

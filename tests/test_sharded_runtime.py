@@ -44,3 +44,27 @@ def test_scenario_fields_are_checked():
         load_scenario("default", {"geomesh.shard_bits": 3})
     with pytest.raises(ConfigError, match="overlap"):
         load_scenario("default", {"geomesh.exchange": "sharded", "geomesh.overlap": True})
+
+
+def test_geomesh_plan_says_which_exchange_and_why(tmp_path, capsys):
+    import json
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    from scale import main as scale_main
+
+    from geomesh.cli import main
+
+    path = tmp_path / "u16.yaml"
+    assert scale_main(["scenario", "--regions", "16", "--out", str(path)]) == 0
+    capsys.readouterr()
+    assert main(["plan", str(path), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["exchange"]["exchange"] == "sharded" and "16 regions" in out["exchange"]["reason"]
+    c = out["exchange"]["candidates"]
+    assert c["sharded"]["seconds"] < c["all_gather"]["seconds"] and out["exchange_s"] == c["sharded"]["seconds"]
+    assert main(["plan", str(path), "--set", "geomesh.exchange=all_gather"]) == 0
+    assert "all-gather (geomesh.exchange forces it" in capsys.readouterr().out
+    assert main(["plan", "default"]) == 0
+    assert "exchange: all-gather (cheapest" in capsys.readouterr().out

@@ -9,6 +9,7 @@ accept in place of the cost model.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -44,15 +45,34 @@ def cluster_plans(scenario, profiles=None, allow_drop: bool = False) -> dict[str
     from ..methods import get_method
 
     resolved = scenario.worker_profiles(profiles, require_fit=not allow_drop)
-    wan = scenario.wan_model()
+    exchanges = cluster_exchanges(scenario)
     plans = {}
     for name in ("geomesh", "diloco"):
         method = get_method(name)
         payload = method.modeled_payload_bytes(scenario)
-        exchange_s, _ = method.exchange(wan, payload)
-        plans[name] = method.plan(scenario, resolved, exchange_bytes=payload, exchange_s=exchange_s,
+        plans[name] = method.plan(scenario, resolved, exchange_bytes=payload, exchange_s=exchanges[name].seconds,
                                   allow_drop=allow_drop)  # fmt: skip
     return plans
+
+
+def cluster_exchanges(scenario) -> dict[str, Any]:
+    """GeoMesh's and DiLoCo's exchange on the scenario's cluster (planner/exchange.py): the collective the
+    plan takes (the cheapest by the WAN model unless geomesh.exchange forces one), its cost and why."""
+    from ..methods import get_method
+    from ..methods.base import proxy_manifest
+    from ..planner.exchange import scenario_exchange
+
+    wan, manifest, out = scenario.wan_model(), proxy_manifest(scenario), {}
+    for name in ("geomesh", "diloco"):
+        method = get_method(name)
+        payload = method.modeled_payload_bytes(scenario, manifest)
+        choice = scenario_exchange(scenario, wan, method.collective, payload, method.make_codec(manifest, scenario),
+                                   overlap=method.overlapped(scenario))  # fmt: skip
+        if choice.name != "sharded":  # the method's own timing of its collective
+            seconds, sent = method.exchange(wan, payload)
+            choice = dataclasses.replace(choice, cost=dataclasses.replace(choice.cost, seconds=seconds, sent_bytes=sent))
+        out[name] = choice
+    return out
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -71,10 +91,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
         except ValueError as exc:
             raise ConfigError(f"--profile {region}: {exc}") from None
     plans = cluster_plans(scenario, profiles, allow_drop=args.allow_drop)
+    exchange = cluster_exchanges(scenario)["geomesh"]
     tail = last_exchange(scenario, plans["geomesh"]) if plans["geomesh"].overlap else None
     if args.json:
         out = plans["geomesh"].to_json()
         out["scenario"] = scenario.name
+        out["exchange"] = exchange.to_json()
         out["baseline"] = {"method": "diloco", **plans["diloco"].to_json()}
         if tail is not None:
             out["last_exchange"] = tail
@@ -92,6 +114,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
           f"round time {g.round_s:.1f} s vs {d.round_s:.1f} s; sequences per round {g.sequences_per_round} vs "
           f"{d.sequences_per_round}; throughput {g.sequences_per_round / g.round_s:.1f} vs "
           f"{d.sequences_per_round / d.round_s:.1f} sequences/s")  # fmt: skip
+    from ..planner.exchange import EXCHANGE_NAMES
+
+    print(f"GeoMesh's exchange: {EXCHANGE_NAMES[exchange.name]} ({exchange.reason}); each region receives "
+          f"{human_bytes(exchange.cost.received_bytes)} per round")  # fmt: skip
     if tail is not None:
         dropped = (f"; the fragments sent early drop {tail['dropped_s']:.2f} s of training (× their share of the "
                    f"model)" if tail["fragments"] > 1 else "")  # fmt: skip
