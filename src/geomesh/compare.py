@@ -13,6 +13,7 @@ from typing import Any
 
 from .config import ScenarioConfig
 from .methods import get_method
+from .methods.budget import budget_rule
 from .report import (apply_target, comparison_rows, format_table, plot_idle_bars, plot_loss_vs_time,
                      plot_timeline)  # fmt: skip
 from .runtime.emulated import EmulatedRun, RunError, RunOptions, prepare_run_dir
@@ -45,7 +46,8 @@ def run_comparison(
         opts = RunOptions(out_dir=out_dir / name, tokens=tokens, seed=seed, progress=progress, **options)
         summaries.append(EmulatedRun(scenario, get_method(name), opts).run())
     target = target_val_loss if target_val_loss is not None else scenario.training.target_val_loss
-    return _tabulate(scenario.name, summaries, out_dir, target)
+    rule = budget_rule(scenario) if tokens is None else f"token budget: {tokens:,} proxy tokens per method"
+    return _tabulate(scenario.name, summaries, out_dir, target, rule)
 
 
 def tabulate(out_dir: Path, methods: list[str], target_val_loss: float | None = None) -> dict[str, Any]:
@@ -65,7 +67,8 @@ def tabulate(out_dir: Path, methods: list[str], target_val_loss: float | None = 
     return _tabulate(names.pop(), summaries, out_dir, target_val_loss)
 
 
-def _tabulate(scenario: str, summaries: list[dict[str, Any]], out_dir: Path, target: float | None) -> dict[str, Any]:
+def _tabulate(scenario: str, summaries: list[dict[str, Any]], out_dir: Path, target: float | None,
+              rule: str | None = None) -> dict[str, Any]:  # fmt: skip
     if target is None:
         ref = next((s for s in summaries if s["method"] == REFERENCE), None)
         target = ref["final_val_loss"] if ref is not None else None
@@ -74,10 +77,10 @@ def _tabulate(scenario: str, summaries: list[dict[str, Any]], out_dir: Path, tar
         write_json_atomic(out_dir / s["method"] / "summary.json", s)
     rows = comparison_rows(summaries, REFERENCE)
     table = format_table(rows)
-    results = {"scenario": scenario, "target_val_loss": target, "reference": REFERENCE, "rows": rows,
-               "summaries": summaries}  # fmt: skip
+    results = {"scenario": scenario, "target_val_loss": target, "reference": REFERENCE, "stopping_rule": rule,
+               "rows": rows, "summaries": summaries}  # fmt: skip
     write_json_atomic(out_dir / "results.json", results)
-    (out_dir / "table.md").write_text(table + "\n")
+    (out_dir / "table.md").write_text((f"Stopping rule: {rule}.\n\n" if rule else "") + table + "\n")
     plot_loss_vs_time(summaries, out_dir / "loss_vs_time.png", target)
     plot_idle_bars(summaries, out_dir / "idle.png")
     for s in summaries:

@@ -130,6 +130,9 @@ class TrainingConfig:
     eval_sequences: int = 64
     eval_every_rounds: int = 1
     target_val_loss: float | None = None
+    # a time budget instead of the token budget: every method trains what its plan fits in these modeled seconds
+    # (methods/budget.py); null: every method trains training.tokens
+    time_budget_s: float | None = None
     precision: str = "auto"  # auto: bf16 autocast on a GPU that has bf16, else fp32; bf16 (also on CPU); fp32
     zero_shot_items: int = 400  # multiple-choice items from held-out text, scored at the end (0: skip)
 
@@ -169,6 +172,21 @@ class GeoMeshConfig:
 
 EXCHANGES = ("auto", "all_gather", "sharded")
 SHARD_BITS = (1, 2, 4, 8, 32)
+@dataclass
+class CompressionConfig:
+    """The compressed payloads beyond 1 bit (codec/sparse.py, codec/quant.py): ``geomesh-sparse``,
+    ``sparseloco``, ``diloco-int8``, ``diloco-fp4`` (docs/benchmarks.md, docs/formats.md)."""
+
+    sparse_chunk_size: int = 4096  # elements per top-k chunk
+    sparse_k: int = 64  # entries sent per chunk (64 of 4096: 1.56%, SparseLoCo's 1-3% density)
+    # geomesh-sparse's error feedback: "residual" (e <- p - C(p), outer Nesterov kept), "decay" (SparseLoCo's:
+    # e <- ef_decay·e + Δ in place of outer momentum, outer SGD at decay_outer_lr) or "none"
+    sparse_feedback: str = "residual"
+    ef_decay: float = 0.95  # SparseLoCo's β
+    decay_outer_lr: float = 1.0  # SparseLoCo's outer lr α (no outer momentum)
+    quant_chunk_size: int = 256  # elements per scale of the int8 / fp4 payloads
+
+
 MAX_TAIL_FRAGMENTS = 16  # each fragment is one more collective, and pays the WAN's latency once more
 
 
@@ -232,6 +250,7 @@ class ScenarioConfig:
     data: DataConfig = field(default_factory=DataConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
     geomesh: GeoMeshConfig = field(default_factory=GeoMeshConfig)
+    compression: CompressionConfig = field(default_factory=CompressionConfig)
     faults: list[FaultConfig] = field(default_factory=list)
     description: str = ""
     logging: LoggingConfig = field(default_factory=LoggingConfig)
@@ -457,6 +476,8 @@ def validate(cfg: ScenarioConfig) -> ScenarioConfig:
     _require(0 < d.val_fraction < 0.5, "data.val_fraction", d.val_fraction, "expected a fraction in (0, 0.5)")
     tr = cfg.training
     _require(tr.tokens > 0, "training.tokens", tr.tokens, "expected a positive token budget")
+    _require(tr.time_budget_s is None or (_finite(tr.time_budget_s) and tr.time_budget_s > 0), "training.time_budget_s",
+             tr.time_budget_s, "expected null (the token budget) or modeled seconds > 0")  # fmt: skip
     _require(tr.batch >= 1, "training.batch", tr.batch, "expected >= 1 sequence per step")
     _require(tr.inner_steps >= 1, "training.inner_steps", tr.inner_steps, "expected >= 1")
     _require(0 < tr.inner_lr < 1, "training.inner_lr", tr.inner_lr, "expected a learning rate in (0, 1)")
@@ -483,6 +504,16 @@ def validate(cfg: ScenarioConfig) -> ScenarioConfig:
              "expected 1 <= min_inner_steps <= max_inner_steps")  # fmt: skip
     _require(g.chunk_size >= 8, "geomesh.chunk_size", g.chunk_size, "expected >= 8")
     _require(g.scale in ("l1", "l2"), "geomesh.scale", g.scale, "expected 'l1' or 'l2'")
+    c = cfg.compression
+    _require(2 <= c.sparse_chunk_size < 2**24, "compression.sparse_chunk_size", c.sparse_chunk_size,
+             "expected 2..2**24 elements")  # fmt: skip
+    _require(1 <= c.sparse_k <= c.sparse_chunk_size, "compression.sparse_k", c.sparse_k,
+             f"expected 1..compression.sparse_chunk_size ({c.sparse_chunk_size})")  # fmt: skip
+    _require(c.sparse_feedback in ("residual", "decay", "none"), "compression.sparse_feedback", c.sparse_feedback,
+             "expected 'residual', 'decay' or 'none'")  # fmt: skip
+    _require(0 < c.ef_decay <= 1, "compression.ef_decay", c.ef_decay, "expected (0, 1]")
+    _require(0 < c.decay_outer_lr <= 10, "compression.decay_outer_lr", c.decay_outer_lr, "expected (0, 10]")
+    _require(c.quant_chunk_size >= 1, "compression.quant_chunk_size", c.quant_chunk_size, "expected >= 1")
     _require(0 < g.replan_threshold < 10, "geomesh.replan_threshold", g.replan_threshold, "expected (0, 10)")
     _require(0 <= g.replan_smoothing < 1, "geomesh.replan_smoothing", g.replan_smoothing, "expected [0, 1)")
     _require(g.overlap_start in ("own", "mixture", "stale"), "geomesh.overlap_start", g.overlap_start,

@@ -20,7 +20,26 @@ DEMO_METHODS = ["ddp", "diloco", "geomesh"]  # `geomesh bench` adds async Local-
 def _scenario(args: argparse.Namespace):
     from ..config import load_scenario, parse_overrides
 
-    return load_scenario(args.scenario, parse_overrides(getattr(args, "set", None)))
+    scenario = load_scenario(args.scenario, parse_overrides(getattr(args, "set", None)))
+    seconds = getattr(args, "time_budget", None)
+    if seconds is not None:  # the same modeled seconds for every method (methods/budget.py)
+        from ..config import ConfigError
+
+        if not seconds > 0 or seconds == float("inf"):
+            raise ConfigError(f"--time-budget {seconds:g}: expected modeled seconds > 0")
+        scenario.training.time_budget_s = float(seconds)
+    return scenario
+
+
+def _warn_few_outer_steps(scenario, method, tokens: int | None) -> None:
+    """Under a token budget, say when a balanced plan gets far fewer outer steps than the reference plan."""
+    from ..methods.base import OuterLoopMethod
+    from ..methods.budget import few_outer_steps
+
+    if scenario.training.time_budget_s is None and isinstance(method, OuterLoopMethod):
+        note = few_outer_steps(scenario, method, tokens if tokens is not None else scenario.training.tokens)
+        if note:
+            print(f"note: {note}", file=sys.stderr)
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -40,6 +59,7 @@ def cmd_train(args: argparse.Namespace) -> int:
                       progress=not args.quiet, checkpoint_every=getattr(args, "checkpoint_every", None),
                       keep_checkpoints=getattr(args, "keep", None), resume=resume is not None,
                       workers_parallel=args.workers_parallel, device=args.device)  # fmt: skip
+    _warn_few_outer_steps(scenario, method, args.tokens)
     run = EmulatedRun(scenario, method, opts)
     if run.resumed_from is not None:
         print(f"resuming {out} from its checkpoint at round {run.resumed_from}", file=sys.stderr)
@@ -102,15 +122,21 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from ..methods import method_names
+    from ..methods import get_method, method_names
 
     methods = [m.strip() for m in args.methods.split(",")] if args.methods else method_names()
+    scenario = _scenario(args)
+    for name in methods:
+        if name in method_names():
+            _warn_few_outer_steps(scenario, get_method(name), args.tokens)
     results = _compare(args, methods)
     if args.json:
         out = {k: v for k, v in results.items() if k != "table"}
         print(json.dumps(out, default=str))
     else:
         print(f"\nScenario: {results['scenario']} — target loss {results['target_val_loss']}")
+        if results.get("stopping_rule"):
+            print(f"Stopping rule: {results['stopping_rule']}")
         print(results["table"])
         print(f"\nResults in {args.out}/results.json; plots in {args.out}/")
     return 0
@@ -141,6 +167,9 @@ def build_parser() -> argparse.ArgumentParser:
             sp.add_argument("scenario", help="a preset name (see `geomesh scenarios`) or a YAML file")
         sp.add_argument("--seed", type=int, default=None, help="overrides training.seed")
         sp.add_argument("--tokens", type=int, default=None, help="token budget (overrides training.tokens)")
+        sp.add_argument("--time-budget", type=float, default=None, metavar="SECONDS",
+                        help="every method trains the same modeled seconds instead of the same tokens (sets "
+                             "training.time_budget_s)")  # fmt: skip
         sp.add_argument("--set", action="append", metavar="FIELD=VALUE", help="override a scenario field")
         sp.add_argument("--quiet", action="store_true", help="no progress bar")
         sp.add_argument("--workers-parallel", type=int, default=None, metavar="N",

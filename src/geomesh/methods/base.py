@@ -65,6 +65,10 @@ class OuterLoopMethod(Method):
                              key=key)  # fmt: skip
         return DenseCodec(manifest, weighting=self.weighting, key=key)
 
+    def outer_settings(self, scenario: ScenarioConfig) -> tuple[float, float]:
+        """(lr, momentum) of the outer Nesterov step every worker applies; both runtimes build it from this."""
+        return scenario.training.outer_lr, scenario.training.outer_momentum
+
     def exchange(self, wan: WanModel, payload_bytes: int) -> tuple[float, float]:
         """(seconds, bytes each worker sends) for one round's exchange of ``payload_bytes`` per worker."""
         n = wan.n

@@ -48,7 +48,8 @@ class EmulatedCheckpoints:
         except Exception:  # an estimate only: never the reason a run cannot start
             numel = 0
         m = self.method
-        residual = isinstance(m, OuterLoopMethod) and m.codec == "sign" and self.scenario.geomesh.error_feedback
+        residual = isinstance(m, OuterLoopMethod) and ((m.codec == "sign" and self.scenario.geomesh.error_feedback)
+                                                       or m.codec == "sparse")  # (sparse: codec/sparse.py)
         return ckpt.estimate_bytes(numel, len(self.scenario.regions), residual)
 
     def _checkpoint_due(self, rounds: int | None = None) -> bool:

@@ -36,6 +36,13 @@ class EmulatedCore(EmulatedCheckpoints):
         self.method = method
         self.options = options or RunOptions()
         self.seed, self.budget, self.target = resolve_run(self.options, scenario)
+        if scenario.training.time_budget_s is not None:  # the same modeled seconds for every method
+            from ...methods.budget import tokens_in_time
+
+            if self.options.tokens is not None:
+                raise RunError("give a token budget (--tokens) or a time budget (--time-budget, "
+                               "training.time_budget_s), not both")  # fmt: skip
+            self.budget = tokens_in_time(method, scenario, scenario.training.time_budget_s)
         rel = scenario.reliability
         o = self.options
         self.checkpoint_every, self.keep_checkpoints = checkpoint_cadence(o, rel)

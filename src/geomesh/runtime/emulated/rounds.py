@@ -37,7 +37,7 @@ class RoundsLoop(EmulatedCore):
         codecs = [method.make_codec(manifest, self.scenario, key=self._key) for _ in cluster.workers]
         combiner = method.make_codec(manifest, self.scenario, key=self._key)
         self._combiners: dict[Any, Any] = {}  # (live workers, their WAN) -> what combines their payloads
-        outer = OuterNesterov(params, lr=tr.outer_lr, momentum=tr.outer_momentum)
+        outer = OuterNesterov(params, *method.outer_settings(self.scenario))
         proxy_payload = combiner.payload_nbytes()
         modeled_payload = method.modeled_payload_bytes(self.scenario, manifest)
         loop = LoopState(self.scenario)

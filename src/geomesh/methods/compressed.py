@@ -1,0 +1,110 @@
+"""Round-based methods with payloads beyond the 1-bit sign: GeoMesh with sparse sign payloads, and the field's
+strongest compressed baselines built from their published rules (docs/benchmarks.md compares them).
+
+- ``geomesh-sparse``: GeoMesh's balanced plan and token-weighted combine; each worker sends the top-k of every
+  chunk of (pseudo-gradient + error-feedback residual) as signs with Rice-coded positions and one magnitude
+  per chunk (:class:`~geomesh.codec.SparseSignCodec`, ~0.14 bits per parameter at k = 64 of 4096). Its error
+  feedback is ``compression.sparse_feedback``: a residual per region under outer Nesterov (the default, the
+  variant that won the measurement in docs/benchmarks.md), SparseLoCo's decayed accumulator in place of outer
+  momentum, or none.
+- ``sparseloco`` (Sarfi et al. 2025, arXiv 2508.15706): DiLoCo's uniform plan; e ← β·e + Δ; send the chunk-wise
+  top-k of e in 2-bit values; e ← e − C(e); θ ← θ − α·mean(C(e_i)) with no outer momentum (β =
+  ``compression.ef_decay``, α = ``compression.decay_outer_lr``).
+- ``diloco-int8`` (torchft, INTELLECT-1): DiLoCo with its pseudo-gradients in int8 (a float32 scale per
+  chunk of ``compression.quant_chunk_size``); ``diloco-fp4``: the same in FP4 E2M1, Streaming DiLoCo's
+  outer-gradient format (without its fragments).
+
+Every payload here is all-gathered (a sparse or quantised payload is not summed in place), in both runtimes,
+and combined by the codec. The quantised baselines would pay about half the bytes over a quantised
+reduce-scatter + all-gather, as torchft does; the all-gather is what both runtimes really move, so it is what
+their modeled time counts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from ..codec import Manifest, QuantCodec, SparseSignCodec
+from ..config import CompressionConfig, ScenarioConfig
+from .base import OuterLoopMethod
+
+
+def _compression(scenario: ScenarioConfig) -> CompressionConfig:
+    # a bare settings object (GeoMeshSync's) carries no compression section: the defaults
+    return getattr(scenario, "compression", None) or CompressionConfig()
+
+
+@dataclass(frozen=True)
+class CompressedMethod(OuterLoopMethod):
+    """An :class:`OuterLoopMethod` whose payload is sparse (``"sparse-sign"``, ``"sparse-2bit"``) or quantised
+    (``"int8"``, ``"fp4"``). ``feedback``: ``"scenario"`` (``compression.sparse_feedback``), ``"decay"``,
+    ``"residual"`` or ``"none"``."""
+
+    payload: Literal["sparse-sign", "sparse-2bit", "int8", "fp4"] = "sparse-sign"
+    feedback: Literal["scenario", "residual", "decay", "none"] = "none"
+
+    @property
+    def collective(self) -> Literal["all_gather", "all_reduce"]:
+        return "all_gather"
+
+    def feedback_rule(self, scenario: ScenarioConfig) -> str:
+        return _compression(scenario).sparse_feedback if self.feedback == "scenario" else self.feedback
+
+    def make_codec(self, manifest: Manifest, scenario: ScenarioConfig, key: bytes | None = None):
+        c = _compression(scenario)
+        if self.payload in ("int8", "fp4"):
+            return QuantCodec(manifest, fmt=self.payload, chunk_size=c.quant_chunk_size, weighting=self.weighting,
+                              key=key)  # fmt: skip
+        rule = self.feedback_rule(scenario)
+        return SparseSignCodec(manifest, chunk_size=c.sparse_chunk_size, k=min(c.sparse_k, c.sparse_chunk_size),
+                               value_bits=2 if self.payload == "sparse-2bit" else 1,
+                               error_feedback=rule != "none", ef_decay=c.ef_decay if rule == "decay" else 1.0,
+                               weighting=self.weighting, key=key)  # fmt: skip
+
+    def outer_settings(self, scenario: ScenarioConfig) -> tuple[float, float]:
+        """With the decayed accumulator in place of outer momentum (SparseLoCo's rule): plain outer SGD at
+        ``compression.decay_outer_lr``; otherwise the scenario's outer Nesterov."""
+        if self.feedback_rule(scenario) == "decay":
+            return _compression(scenario).decay_outer_lr, 0.0
+        return super().outer_settings(scenario)
+
+
+GEOMESH_SPARSE = CompressedMethod(
+    name="geomesh-sparse",
+    description="planned b_i and H_i, top-k sign payloads (Rice-coded positions, error feedback), token weights",
+    kind="outer",
+    balanced=True,
+    codec="sparse",  # type: ignore[arg-type]
+    weighting="tokens",
+    payload="sparse-sign",
+    feedback="scenario",
+)
+SPARSELOCO = CompressedMethod(
+    name="sparseloco",
+    description="baseline (SparseLoCo): uniform b and H, top-k 2-bit values, decayed error feedback as momentum",
+    kind="outer",
+    balanced=False,
+    codec="sparse",  # type: ignore[arg-type]
+    weighting="equal",
+    payload="sparse-2bit",
+    feedback="decay",
+)
+DILOCO_INT8 = CompressedMethod(
+    name="diloco-int8",
+    description="baseline (torchft, INTELLECT-1): uniform b and H, int8 pseudo-gradients, equal weights",
+    kind="outer",
+    balanced=False,
+    codec="quant",  # type: ignore[arg-type]
+    weighting="equal",
+    payload="int8",
+)
+DILOCO_FP4 = CompressedMethod(
+    name="diloco-fp4",
+    description="baseline (Streaming DiLoCo's format): uniform b and H, FP4 E2M1 pseudo-gradients, equal weights",
+    kind="outer",
+    balanced=False,
+    codec="quant",  # type: ignore[arg-type]
+    weighting="equal",
+    payload="fp4",
+)
