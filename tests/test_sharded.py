@@ -111,7 +111,7 @@ def uniform(n, rtt_s=0.1, bw=1.25e8):
 def test_direct_collectives_serialise_on_each_region():
     wan = uniform(4)
     assert wan.alltoall_s(1e6) == pytest.approx(0.05 + 3 * 1e6 / 1.25e8)
-    assert wan.sharded_s(4e6, 8e6) == pytest.approx(2 * 0.05 + 3 * (1e6 + 2e6) / 1.25e8)
+    assert wan.sharded_s(4e6, 8e6) == pytest.approx(4 * 0.05 + 3 * (1e6 + 2e6 + 2 * 4) / 1.25e8)
     assert WanModel.sharded_bytes_per_worker(4e6, 8e6, 4) == pytest.approx(9e6)
     slow = wan.scaled_bandwidth(2, 0.5)  # the slowest region's interface sets the pace
     assert slow.alltoall_s(1e6) == pytest.approx(0.05 + 3 * 1e6 / 0.625e8)

@@ -18,7 +18,8 @@ worker's time.
 - all-to-all of ``m`` bytes from every worker to every other: (N−1)·m out and (N−1)·m in per worker;
 - the sharded exchange (:func:`sharded_s`): an all-to-all of the 1-bit slices (each worker's slice k of
   s/N bytes goes to shard k's owner), then an all-to-all of the combined shards (owner k sends its c/N
-  bytes to every worker): (N−1)/N·(s + c) bytes out and in per worker, two latency steps, whatever N.
+  bytes to every worker): (N−1)/N·(s + c) bytes out and in per worker, whatever N, in four latency steps
+  (two more direct exchanges of N flag bytes agree on who is out and which shards arrived intact).
  Latencies are the published P95 inter-region round-trip times of Azure (30 days ending
 2026-07-30); Azure publishes no bandwidth, so links default to 1 Gbit/s as in Streaming DiLoCo's tables
 (papers in this field use 0.1-1 Gbit/s between regions).
@@ -117,12 +118,15 @@ class WanModel:
         """Direct all-to-all: every worker sends ``nbytes`` to every other."""
         return self.direct_s(nbytes)
 
-    def sharded_s(self, slices_bytes: float, combined_bytes: float) -> float:
+    def sharded_s(self, slices_bytes: float, combined_bytes: float, agreements: int = 2) -> float:
         """The sharded exchange: each worker's 1-bit payload (``slices_bytes`` in all, cut in N slices) goes
         slice by slice to the shards' owners, then each owner sends its combined shard (``combined_bytes`` in
-        all, cut in N) to every worker: two direct all-to-alls of 1/N of each."""
+        all, cut in N) to every worker: two direct all-to-alls of 1/N of each; plus ``agreements`` direct
+        exchanges of one flag byte per worker (who is out of the round; which shards arrived intact)."""
         n = self.n
-        return 0.0 if n < 2 else self.alltoall_s(slices_bytes / n) + self.alltoall_s(combined_bytes / n)
+        if n < 2:
+            return 0.0
+        return self.alltoall_s(slices_bytes / n) + self.alltoall_s(combined_bytes / n) + agreements * self.alltoall_s(n)
 
     @staticmethod
     def sharded_bytes_per_worker(slices_bytes: float, combined_bytes: float, n: int) -> float:

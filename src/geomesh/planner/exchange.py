@@ -7,8 +7,9 @@ Candidates, for a payload of P parameters over N regions (:class:`~geomesh.netwo
 - ``all_gather`` (sign payloads): a ring, N−1 latency steps, (N−1)·P/8 bytes per region, and every region
   combines N payloads (O(N·P) work);
 - ``sharded`` (sign payloads, :mod:`geomesh.codec.sharded`): two direct all-to-alls (the 1-bit slices to
-  the shards' owners, then the combined shards, ``bits`` bits per element, back to everyone): two latency
-  steps, (N−1)/N·(P/8 + bits·P/8) bytes per region, and every region combines one shard of N slices (O(P)).
+  the shards' owners, then the combined shards, ``bits`` bits per element, back to everyone): four latency
+  steps (two of them agreements of N flag bytes), (N−1)/N·(P/8 + bits·P/8) bytes per region, and every
+  region combines one shard of N slices (O(P)).
 
 Sign payloads take the cheaper of the all-gather and the sharded exchange; an overlapped round
 (docs/overlap.md) keeps the all-gather, which its fragments use. Pure: numbers in, a choice out.
