@@ -123,3 +123,11 @@ def test_few_outer_steps_warning_names_the_rule():
     kept = load_scenario("multi-gpu-slow-wan", {"geomesh.round_sequences_factor": 1.0})
     assert few_outer_steps(kept, get_method("geomesh"), kept.training.tokens) is None
     assert few_outer_steps(sc, get_method("geomesh"), 100 * sc.training.tokens) is None  # enough rounds
+
+
+def test_geomesh_plan_says_when_the_token_budget_leaves_few_outer_steps(capsys):
+    assert main(["plan", "multi-gpu-slow-wan"]) == 0
+    out = capsys.readouterr().out
+    assert "note: geomesh: this token budget gives" in out and "round_sequences_factor=1" in out
+    assert main(["plan", "multi-gpu-slow-wan", "--set", "geomesh.round_sequences_factor=1"]) == 0
+    assert "note:" not in capsys.readouterr().out

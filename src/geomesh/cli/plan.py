@@ -118,6 +118,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     print(f"GeoMesh's exchange: {EXCHANGE_NAMES[exchange.name]} ({exchange.reason}); each region receives "
           f"{human_bytes(exchange.cost.received_bytes)} per round")  # fmt: skip
+    from ..methods.budget import few_outer_steps
+
+    from ..methods import get_method
+
+    note = few_outer_steps(scenario, get_method("geomesh"), scenario.training.tokens)
+    if note and scenario.training.time_budget_s is None:
+        print(f"note: {note}")
     if tail is not None:
         dropped = (f"; the fragments sent early drop {tail['dropped_s']:.2f} s of training (× their share of the "
                    f"model)" if tail["fragments"] > 1 else "")  # fmt: skip
