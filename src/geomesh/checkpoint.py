@@ -5,7 +5,9 @@ A checkpoint is two files in ``<run folder>/checkpoints/``:
 - ``round-NNNNNN.pt``: the run's state, a ``torch.save`` of plain containers and tensors (loaded back with
   ``weights_only=True``, so a checkpoint cannot run code);
 - ``round-NNNNNN.json``: the commit marker, written *after* the ``.pt`` file: format, round, tokens, modeled
-  time, the ``.pt`` file's size and SHA-256.
+  time, the ``.pt`` file's size and SHA-256, and with the run key set (``reliability.hmac_key_env`` /
+  ``hmac_key_file``) a ``tag``: HMAC-SHA256 over the rest of the marker, so a checkpoint rewritten together
+  with its marker by someone without the key is refused.
 
 Each file is written to a temporary name in the same folder, flushed, ``fsync``-ed, renamed over its final
 name with ``os.replace`` (atomic on POSIX) and the folder is ``fsync``-ed. A checkpoint exists only once its
@@ -15,13 +17,16 @@ removed only after a newer one is complete.
 
 What goes into the state is the runtime's business (:mod:`geomesh.runtime.emulated.checkpoints`, with
 what both runtimes share in :mod:`geomesh.runtime.checkpoint_state`); this module only moves bytes, checks
-them, estimates sizes and compares run fingerprints. No clock, no training.
+them, estimates sizes and compares run fingerprints. No clock, no training. The distributed runtime's
+checkpoints (one folder of files per checkpoint) verify with the same pieces: :func:`file_digest`,
+:func:`verify_files` and :func:`check_marker_tag`.
 """
 
 from __future__ import annotations
 
 import errno
 import hashlib
+import hmac
 import io
 import json
 import os
@@ -79,6 +84,78 @@ def write_atomic(path: Path, data: bytes) -> None:
     _fsync_dir(path.parent)
 
 
+def file_digest(path: Path) -> dict[str, Any]:
+    """``{"bytes": size, "sha256": hex digest}`` of a file, read in 1 MiB pieces (checkpoint files are large)."""
+    h = hashlib.sha256()
+    size = 0
+    with open(path, "rb") as f:
+        while piece := f.read(MiB):
+            h.update(piece)
+            size += len(piece)
+    return {"bytes": size, "sha256": h.hexdigest()}
+
+
+def blob_matches(blob: bytes, digest: dict[str, Any]) -> bool:
+    """Whether bytes already in memory are the ones a marker describes (read once, checked, then parsed)."""
+    return len(blob) == int(digest["bytes"]) and hashlib.sha256(blob).hexdigest() == digest["sha256"]
+
+
+def verify_files(directory: Path, files: dict[str, dict[str, Any]]) -> None:
+    """Check that every file a marker lists has its size and SHA-256 (CheckpointError naming the first that
+    does not, or is missing). Sizes first: a truncated file is found without reading it."""
+    directory = Path(directory)
+    for name, want in sorted(files.items()):
+        path = directory / name
+        if Path(name).name != name or name in ("", ".", ".."):
+            raise CheckpointError(f"checkpoint {directory}: its marker names {name!r}, not a file of the folder")
+        try:
+            size = path.stat().st_size
+        except OSError as exc:
+            raise CheckpointError(f"checkpoint {directory}: {name} is missing ({exc.strerror or exc})") from None
+        if size != int(want["bytes"]):
+            raise CheckpointError(f"checkpoint {directory}: {name} has {size} bytes, its marker says "
+                                  f"{int(want['bytes'])} (truncated or changed)")  # fmt: skip
+    for name, want in sorted(files.items()):
+        if file_digest(directory / name)["sha256"] != want["sha256"]:
+            raise CheckpointError(f"checkpoint {directory}: {name} does not match its SHA-256 in the marker "
+                                  f"(damaged or changed)")  # fmt: skip
+
+
+_TAG_CONTEXT = b"geomesh checkpoint marker\0"
+
+
+def marker_tag(marker: dict[str, Any], key: bytes) -> str:
+    """HMAC-SHA256 with the run key over the marker without its ``tag`` (canonical JSON: sorted keys)."""
+    body = json.dumps({k: v for k, v in marker.items() if k != "tag"}, sort_keys=True, separators=(",", ":"),
+                      default=str).encode()  # fmt: skip
+    return hmac.new(key, _TAG_CONTEXT + body, hashlib.sha256).hexdigest()
+
+
+def sign_marker(marker: dict[str, Any], key: bytes | None) -> dict[str, Any]:
+    """The marker with its ``tag`` when the run has a key (unchanged without one)."""
+    return {**marker, "tag": marker_tag(marker, key)} if key else marker
+
+
+def check_marker_tag(marker: dict[str, Any], key: bytes | None, where: str) -> None:
+    """With a run key, the marker must carry the tag that key gives (CheckpointError otherwise). Without a key
+    there is nothing to check: the hashes still find damage, not a rewrite by someone who also rewrote them."""
+    if not key:
+        return
+    tag = marker.get("tag")
+    if not isinstance(tag, str):
+        raise CheckpointError(f"checkpoint {where}: its marker is not signed, and this run has a key")
+    if not hmac.compare_digest(tag, marker_tag(marker, key)):
+        raise CheckpointError(f"checkpoint {where}: its marker's tag does not match the run key (written with "
+                              f"another key, or changed)")  # fmt: skip
+
+
+def torch_save_atomic(path: Path, obj: Any) -> None:
+    """``torch.save`` through :func:`write_atomic` (e.g. ``final_params.pt``: the old file or the whole new one)."""
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    write_atomic(path, buf.getvalue())
+
+
 def _name(round_index: int) -> str:
     return f"round-{round_index:06d}"
 
@@ -103,8 +180,9 @@ def list_checkpoints(directory: Path) -> list[dict[str, Any]]:
 
 
 def write_checkpoint(directory: Path, round_index: int, state: dict[str, Any], keep: int,
-                     info: dict[str, Any] | None = None) -> Path:  # fmt: skip
-    """Write ``state`` as the checkpoint of ``round_index`` and keep the newest ``keep``; returns the marker.
+                     info: dict[str, Any] | None = None, key: bytes | None = None) -> Path:  # fmt: skip
+    """Write ``state`` as the checkpoint of ``round_index`` and keep the newest ``keep``; returns the marker
+    (signed with ``key``, the run key, when there is one).
 
     Raises ``OSError`` (disk full, folder gone, read-only, ...) with every earlier checkpoint intact."""
     directory = Path(directory)
@@ -116,6 +194,7 @@ def write_checkpoint(directory: Path, round_index: int, state: dict[str, Any], k
     write_atomic(directory / f"{name}.pt", blob)
     marker = {"format": CHECKPOINT_FORMAT, "round": round_index, "file": f"{name}.pt",
               "sha256": hashlib.sha256(blob).hexdigest(), "bytes": len(blob), **(info or {})}  # fmt: skip
+    marker = sign_marker(marker, key)
     write_atomic(directory / f"{name}.json", (json.dumps(marker, indent=1) + "\n").encode())
     prune(directory, keep)
     return directory / f"{name}.json"
@@ -142,14 +221,16 @@ def prune(directory: Path, keep: int) -> None:
                 pass
 
 
-def read_checkpoint(directory: Path, marker: dict[str, Any]) -> dict[str, Any]:
-    """The state a marker points to, after checking its size and SHA-256 (CheckpointError if they differ)."""
+def read_checkpoint(directory: Path, marker: dict[str, Any], key: bytes | None = None) -> dict[str, Any]:
+    """The state a marker points to, after checking its size and SHA-256 (and with ``key`` the marker's tag):
+    CheckpointError if they differ."""
     path = Path(directory) / marker["file"]
+    check_marker_tag(marker, key, str(path))
     try:
         blob = path.read_bytes()
     except OSError as exc:
         raise CheckpointError(f"checkpoint {path}: cannot read it: {exc.strerror or exc}") from None
-    if len(blob) != int(marker["bytes"]) or hashlib.sha256(blob).hexdigest() != marker["sha256"]:
+    if not blob_matches(blob, marker):
         raise CheckpointError(f"checkpoint {path}: its bytes do not match its marker (damaged or half-written)")
     if int(marker.get("format", -1)) != CHECKPOINT_FORMAT:
         raise CheckpointError(f"checkpoint {path}: format {marker.get('format')} (this version reads "
@@ -160,9 +241,9 @@ def read_checkpoint(directory: Path, marker: dict[str, Any]) -> dict[str, Any]:
         raise CheckpointError(f"checkpoint {path}: cannot load it: {exc}") from None
 
 
-def load_latest(directory: Path) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(marker, state) of the newest checkpoint that reads back intact; a damaged newer one is skipped with a
-    warning. CheckpointError when there is none."""
+def load_latest(directory: Path, key: bytes | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(marker, state) of the newest checkpoint that reads back intact (with ``key``: signed with it); a
+    damaged newer one is skipped with a warning. CheckpointError when there is none."""
     directory = Path(directory)
     markers = list_checkpoints(directory)
     if not markers:
@@ -171,7 +252,7 @@ def load_latest(directory: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     problems = []
     for marker in reversed(markers):
         try:
-            return marker, read_checkpoint(directory, marker)
+            return marker, read_checkpoint(directory, marker, key)
         except CheckpointError as exc:
             problems.append(str(exc))
             warnings.warn(f"{exc}; trying the previous checkpoint")

@@ -5,6 +5,8 @@ module keeps the short, documented ``-m geomesh.run`` name for torchrun command 
 from __future__ import annotations
 
 from .cli.rank import main
+from .runtime.lifeline import watch_inherited
 
 if __name__ == "__main__":
+    watch_inherited()  # started by `geomesh launch`: end when the launcher does
     main()

@@ -14,6 +14,10 @@ WAN emulation (``--wan``):
   without ``sch_netem`` the rate limit stays in the kernel and the ranks' shaper adds the latency;
 - ``none``: plain loopback.
 
+The launcher holds the run folder's lock for all its ranks (:mod:`geomesh.runtime.run_folder`): a fresh start
+into a folder that holds another run, or any start into a live run's folder, is one error before a rank
+starts. Its ranks end when it dies, even by ``kill -9`` (:mod:`geomesh.runtime.lifeline`).
+
 When a rank dies, the others stop within ``--timeout`` with an error; the launcher then names the rank that
 died first (its exit code or signal) and exits 1. Bad arguments: one ``error: ...`` line, exit 2.
 """
@@ -61,7 +65,6 @@ def _check(args: argparse.Namespace):
         raise ConfigError(f"--tokens {args.tokens}: expected a positive token budget")
     scenario = load_scenario(args.scenario, parse_overrides(args.set))
     method = get_method(args.method)
-    check_distributed_support(scenario, method)
     counts = parse_ranks_per_region(args.ranks_per_region, len(scenario.regions))
     layout = rank_layout(scenario, args.nproc, counts)
     backend = resolve_backend(args.backend)
@@ -85,6 +88,7 @@ def _check(args: argparse.Namespace):
         raise ConfigError(f"--checkpoint-every {args.checkpoint_every}: expected >= 0 rounds (0: no checkpoints)")
     if args.keep is not None and args.keep < 1:
         raise ConfigError(f"--keep {args.keep}: expected >= 1 checkpoint")
+    check_distributed_support(scenario, method)
     if scenario.faults and not _elastic(args, scenario) and method.kind == "outer":
         from ..runtime.distributed import STATIC_FAULTS
 
@@ -95,38 +99,53 @@ def _check(args: argparse.Namespace):
         if method.kind == "outer" and method.overlapped(scenario):
             raise ConfigError(f"--min-regions: {method.name} overlaps its exchange with the next round, which elastic "
                               "regions do not support (a quorum is formed per round); run it without --min-regions")  # fmt: skip
+    from ..methods.base import payload_key
+    from ..runtime.run_folder import claim, read_lock
+
+    key = payload_key(scenario)  # a missing or short run key: one error before anything starts
     if args.resume:  # refused before anything in the run folder is touched
         from ..runtime.distributed.checkpoints import DistCheckpointError, check_resume, fingerprint
 
         seed = args.seed if args.seed is not None else scenario.training.seed
         tokens = args.tokens if args.tokens is not None else scenario.training.tokens
-        try:
+        run_id = (read_lock(Path(args.out)) or {}).get("run_id")
+        try:  # verified as the ranks will verify it: a damaged newest checkpoint is named here, once
             if _elastic(args, scenario):  # every region has its own checkpoints: DIR/checkpoints/<region>
                 from ..checkpoint import checkpoint_dir
 
                 for i, name in enumerate(layout.names):
                     counts = tuple(c if j == i else 0 for j, c in enumerate(layout.counts))
                     check_resume(Path(args.out), fingerprint(scenario, method.name, seed, tokens, counts),
-                                 checkpoint_dir(Path(args.out)) / name)  # fmt: skip
+                                 checkpoint_dir(Path(args.out)) / name, key=key, run_id=run_id)  # fmt: skip
             else:
-                check_resume(Path(args.out), fingerprint(scenario, method.name, seed, tokens, layout.counts))
+                check_resume(Path(args.out), fingerprint(scenario, method.name, seed, tokens, layout.counts),
+                             key=key, run_id=run_id)  # fmt: skip
         except DistCheckpointError as exc:
             raise RunError(str(exc)) from None
-    prepare_run_dir(Path(args.out))
-    return scenario, layout, backend
+    # one run folder, one run: a live run's folder, or (fresh) one holding another run, is refused untouched
+    folder = claim(Path(args.out), resume=bool(args.resume))
+    try:
+        prepare_run_dir(Path(args.out))
+    except BaseException:
+        folder.release()
+        raise
+    return scenario, layout, backend, folder
 
 
 def launch(args: argparse.Namespace, extra_env: dict[str, str] | None = None) -> LaunchResult:
     """Check, start the ranks, wait, and report. Raises the USER_ERRORS of :func:`_check`.
 
     SIGTERM is turned into KeyboardInterrupt meanwhile, so the ranks and namespaces are always cleaned up."""
-    scenario, layout, backend = _check(args)
+    from ..runtime.run_folder import RUN_ID_ENV
+
+    scenario, layout, backend, folder = _check(args)
     previous = None
-    if threading.current_thread() is threading.main_thread():
-        previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
-        return _launch(args, extra_env, scenario, layout, backend)
+        if threading.current_thread() is threading.main_thread():
+            previous = signal.signal(signal.SIGTERM, _interrupt)
+        return _launch(args, {**(extra_env or {}), RUN_ID_ENV: folder.run_id}, scenario, layout, backend)
     finally:
+        folder.release()  # the launcher held the folder for all its ranks
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
 

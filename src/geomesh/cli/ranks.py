@@ -4,7 +4,8 @@ without elastic regions (:mod:`geomesh.cli.launch`, :mod:`geomesh.cli.launch_ela
 :func:`run_ranks` starts one process per rank (``python -m geomesh.run``, each in its own session), pumps
 every rank's output into ``DIR/logs/rank<k>.log`` and, unless ``--quiet``, onto stderr prefixed
 ``[rank k region NAME]``, polls them, and kills those still running once the caller's stop rule says the run
-is over (a rank failed, or the summary was written). :func:`report` turns the ranks' exits into a
+is over (a rank failed, or the summary was written); a rank also ends when the launcher dies, even by
+``kill -9`` (:mod:`geomesh.runtime.lifeline`). :func:`report` turns the ranks' exits into a
 :class:`LaunchResult`: the summary, or the rank that died first and why.
 """
 
@@ -111,11 +112,18 @@ def run_ranks(args: argparse.Namespace, cmds: list[list[str]], envs: list[dict[s
                     with lock:
                         print(f"[rank {k} region {regions[k]}] {line}", end="", file=sys.stderr, flush=True)
 
+    from ..runtime.lifeline import LIFELINE_ENV, Lifeline, death_hook
+
+    # a rank ends when this launcher dies, even by kill -9: the kernel's parent-death signal, and a pipe the
+    # rank watches (geomesh.run) for a rank that runs under another process (ip netns exec)
+    lifeline = Lifeline()
+    hook = death_hook()
     started = time.perf_counter()
     try:
         for k, (cmd, rank_env) in enumerate(zip(cmds, envs)):
-            proc = subprocess.Popen(cmd, env=rank_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                    start_new_session=True)  # fmt: skip
+            proc = subprocess.Popen(cmd, env={**rank_env, LIFELINE_ENV: str(lifeline.read_fd)}, stdout=subprocess.PIPE,
+                                    stderr=subprocess.STDOUT, text=True, start_new_session=True, preexec_fn=hook,
+                                    pass_fds=(lifeline.read_fd,))  # fmt: skip
             procs.append(proc)
             t = threading.Thread(target=pump, args=(k, proc), daemon=True)
             t.start()
@@ -141,6 +149,7 @@ def run_ranks(args: argparse.Namespace, cmds: list[list[str]], envs: list[dict[s
                 kill(proc)
         for t in threads:
             t.join(timeout=5)
+        lifeline.close()
     return ranks, False
 
 

@@ -408,21 +408,42 @@ class RankRun:
         os._exit(17)
 
     def _prepare_resume(self) -> str:
-        """Rank 0 finds the newest complete checkpoint, checks it belongs to this run and cuts
-        ``events.jsonl`` back to it; every rank gets its folder (or the same one-line error)."""
+        """Every rank checks the newest complete checkpoint's files against its marker (sizes, SHA-256, the
+        run key's tag) before anything in it is read, and the ranks agree on the verdict: a damaged one is
+        skipped by all of them for the previous intact one (rank 0 warns). Rank 0 then checks that it belongs
+        to this run and cuts ``events.jsonl`` back to it; every rank gets its folder (or the same one-line
+        error)."""
         if self.out_dir is None:
             raise RunError("--resume needs the run folder of the interrupted run (--out)")
-        def check() -> str:
-            try:
-                _, path, _ = check_resume(self.out_dir, self._checkpoint_fingerprint(), self._checkpoint_dir())
-            except DistCheckpointError as exc:
-                raise RunError(str(exc)) from None
-            offset = json.loads((path / "geomesh.json").read_text()).get("events_offset")
+        from ...methods.base import payload_key
+        from ..run_folder import run_id_of
+        from .checkpoints import list_complete
+
+        directory = self._checkpoint_dir()
+        key = payload_key(self.scenario)
+        rounds = self._on_rank0("listing the checkpoints to resume from",
+                                lambda: [r for r, _, _ in list_complete(directory)])  # fmt: skip
+
+        def everywhere(intact_here: bool) -> bool:
+            self.transport.op = "agreeing on the checkpoint to resume from"
+            damaged = torch.tensor([0 if intact_here else 1], dtype=torch.int32, device=self.transport.device)
+            dist.all_reduce(damaged, op=dist.ReduceOp.SUM)
+            return int(damaged.item()) == 0
+
+        try:
+            _, path, marker = check_resume(self.out_dir, self._checkpoint_fingerprint(), directory, key=key,
+                                           run_id=run_id_of(self.out_dir), rounds=rounds, agree=everywhere,
+                                           warn=self.rank == 0)  # fmt: skip
+        except DistCheckpointError as exc:
+            raise RunError(str(exc)) from None
+
+        def cut_events() -> str:
+            offset = marker.get("events_offset")
             if offset is not None and self.options.elastic_region is None:  # elastic: the writer rewrites it
                 truncate_events(self.out_dir, offset)
             return str(path)
 
-        return self._on_rank0("finding the checkpoint to resume from", check)
+        return self._on_rank0("cutting the events back to the checkpoint", cut_events)
 
     def _write_spans(self, worker: str, spans: list) -> None:
         for kind, a, b, r in spans:

@@ -22,6 +22,15 @@ class EmulatedCheckpoints:
     """Checkpoint writing, space checks and resume of :class:`~geomesh.runtime.emulated.EmulatedRun` (a part
     of its class: it reads the run's counters, options and telemetry)."""
 
+    def _claim_run_folder(self) -> None:
+        """One run folder, one run (:mod:`geomesh.runtime.run_folder`): this process holds the folder's lock
+        until it exits; a fresh start into a folder another run left, or a start into a live run's folder, is
+        one RunError with nothing changed. The folder's run id goes into every checkpoint marker."""
+        from ..run_folder import claim
+
+        self._run_folder = claim(self.out_dir, resume=bool(self.options.resume))
+        self.run_id = self._run_folder.run_id
+
     def _fingerprint(self) -> dict[str, Any]:
         return run_fingerprint(self.scenario, self.method.name, self.seed, self.budget)
 
@@ -62,9 +71,9 @@ class EmulatedCheckpoints:
             return
         directory = ckpt.checkpoint_dir(self.out_dir)
         info = {"tokens": self.tokens_done, "time": self.clock, "method": self.method.name,
-                "fingerprint": ckpt.fingerprint_hash(self._fingerprint())}  # fmt: skip
-        try:
-            ckpt.write_checkpoint(directory, self.rounds, state(), self.keep_checkpoints, info)
+                "fingerprint": ckpt.fingerprint_hash(self._fingerprint()), "run_id": getattr(self, "run_id", None)}  # fmt: skip
+        try:  # signed with the run key when there is one (checked on --resume before the state is loaded)
+            ckpt.write_checkpoint(directory, self.rounds, state(), self.keep_checkpoints, info, key=self._key)
         except OSError as exc:
             raise Stop(f"could not write the checkpoint of round {self.rounds} in {directory}: "
                         f"{exc.strerror or exc}") from None  # fmt: skip
@@ -100,9 +109,13 @@ class EmulatedCheckpoints:
             raise RunError(f"--resume: {self.method.name} cannot be resumed: the parameter server's queue of "
                            f"in-flight, stale updates is not checkpointed; run it again from the start")  # fmt: skip
         try:
-            marker, state = ckpt.load_latest(ckpt.checkpoint_dir(self.out_dir))
+            marker, state = ckpt.load_latest(ckpt.checkpoint_dir(self.out_dir), key=self._key)
         except ckpt.CheckpointError as exc:
             raise RunError(f"--resume {self.out_dir}: {exc}") from None
+        mine_id = getattr(self, "run_id", None)
+        if mine_id is not None and marker.get("run_id") not in (None, mine_id):
+            raise RunError(f"--resume {self.out_dir}: the checkpoint of round {marker['round']} was written by run "
+                           f"{marker['run_id']}, not by this folder's run {mine_id}; start a new run folder")  # fmt: skip
         mine, theirs = self._fingerprint(), state.get("fingerprint")
         if theirs != mine:
             diffs = ckpt.differences(theirs, mine)

@@ -59,6 +59,7 @@ class EmulatedCore(EmulatedCheckpoints):
         if self.options.resume and self.out_dir is None:
             raise RunError("resuming needs the run folder of the interrupted run (--resume DIR)")
         if self.out_dir is not None:
+            self._claim_run_folder()  # one run folder, one run: refused before anything is written
             prepare_run_dir(self.out_dir)
             if self.options.resume:
                 self._load_resume()

@@ -18,6 +18,9 @@ events, and neither depends on how many cores the machine has beyond ``worker_th
 The parent needs a worker's state only to write a checkpoint or at the end of the run: :meth:`WorkerPool.pull`
 fetches it from the owner (``state_dict`` round trips are exact). A worker's rejoin (fresh AdamW, empty
 residual) runs in its owner through :meth:`WorkerPool.map` like any other call.
+
+The worker processes end with the parent, even when it is killed with ``kill -9`` in the middle of a round
+(:mod:`geomesh.runtime.lifeline`): nothing of a killed run is left running.
 """
 
 from __future__ import annotations
@@ -32,6 +35,8 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
+
+from ..lifeline import Lifeline, death_hook, watch
 
 Call = Callable[[int, Any], Any]  # (worker index, argument) -> result, run in the worker's owner
 
@@ -96,8 +101,18 @@ def intra_op_threads(n: int) -> Iterator[None]:
         torch.set_num_threads(before)
 
 
-def _serve(conn: Any, calls: dict[str, Call], threads: int) -> None:
-    """A worker process: run the calls the parent sends until it sends None or goes away."""
+def _serve(conn: Any, calls: dict[str, Call], threads: int, die_with_parent: Callable[[], None], lifeline: Any,
+           inherited: Sequence[Any]) -> None:  # fmt: skip
+    """A worker process: run the calls the parent sends until it sends None or goes away.
+
+    It ends when the parent dies, even by ``kill -9`` and in the middle of a round: the kernel's parent-death
+    signal (Linux), and the pool's lifeline pipe watched in a thread. The parent's ends of the pool's pipes,
+    which fork copied into this process, are closed first: holding them would keep ``conn`` from ever
+    reporting the parent gone."""
+    die_with_parent()
+    for other in inherited:
+        other.close()
+    watch(lifeline.read_fd, close_fds=(lifeline.write_fd,))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle: it closes the pool
     torch.set_num_threads(threads)
     while True:
@@ -143,11 +158,14 @@ class WorkerPool:
         ctx = mp.get_context("fork")
         self._conns: list[Any] = []
         self._procs: list[Any] = []
+        self._lifeline = Lifeline()
+        hook = death_hook()  # prepared here: the child only calls it
         try:
             for p in range(self.processes):
                 parent, child = ctx.Pipe()
-                proc = ctx.Process(target=_serve, args=(child, calls, threads), name=f"geomesh-worker-{p}",
-                                   daemon=True)  # fmt: skip
+                proc = ctx.Process(target=_serve, name=f"geomesh-worker-{p}", daemon=True,
+                                   args=(child, calls, threads, hook, self._lifeline,
+                                         [*self._conns, parent]))  # fmt: skip
                 proc.start()
                 child.close()
                 self._conns.append(parent)
@@ -207,6 +225,7 @@ class WorkerPool:
         for conn in self._conns:
             conn.close()
         self._conns, self._procs = [], []
+        self._lifeline.close()
 
     def __enter__(self) -> "WorkerPool":
         return self
