@@ -61,6 +61,12 @@ def test_published_rules_of_each_method():
     assert fp32 / gs.payload_nbytes() >= 128
     assert 3.8 < fp32 / get_method("diloco-int8").make_codec(m, sc).payload_nbytes() < 4
     assert 7.5 < fp32 / get_method("diloco-fp4").make_codec(m, sc).payload_nbytes() < 8
+    # geomesh-sparse's rounds carry the reference's sequences (N·b·H) unless the scenario sets the round
+    ref = len(sc.regions) * sc.training.batch * sc.training.inner_steps
+    assert abs(sparse.plan(sc, sc.worker_profiles()).sequences_per_round - ref) < 0.1 * ref
+    assert get_method("geomesh").plan(sc, sc.worker_profiles()).sequences_per_round > 5 * ref
+    timed = load_scenario("default", {"geomesh.round_time_s": 25.9})
+    assert sparse.plan(timed, timed.worker_profiles()).sequences_per_round > 5 * ref
     with pytest.raises(ConfigError, match="compression.sparse_feedback"):
         load_scenario("default", {"compression.sparse_feedback": "momentum"})
 

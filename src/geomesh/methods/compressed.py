@@ -6,7 +6,9 @@ strongest compressed baselines built from their published rules (docs/benchmarks
   per chunk (:class:`~geomesh.codec.SparseSignCodec`, ~0.14 bits per parameter at k = 64 of 4096). Its error
   feedback is ``compression.sparse_feedback``: a residual per region under outer Nesterov (the default, the
   variant that won the measurement in docs/benchmarks.md), SparseLoCo's decayed accumulator in place of outer
-  momentum, or none.
+  momentum, or none. Its rounds carry the reference's sequences (``geomesh.round_sequences_factor`` 1 unless the
+  scenario sets the round): measured on ``default``, the planning rule's 4 rounds of 7.5× the sequences leave
+  a 1.56%-dense payload at 7.18 where 30 shorter rounds reach 5.2 (docs/benchmarks.md).
 - ``sparseloco`` (Sarfi et al. 2025, arXiv 2508.15706): DiLoCo's uniform plan; e ← β·e + Δ; send the chunk-wise
   top-k of e in 2-bit values; e ← e − C(e); θ ← θ − α·mean(C(e_i)) with no outer momentum (β =
   ``compression.ef_decay``, α = ``compression.decay_outer_lr``).
@@ -22,6 +24,7 @@ their modeled time counts.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Literal
 
@@ -43,6 +46,17 @@ class CompressedMethod(OuterLoopMethod):
 
     payload: Literal["sparse-sign", "sparse-2bit", "int8", "fp4"] = "sparse-sign"
     feedback: Literal["scenario", "residual", "decay", "none"] = "none"
+    # the balanced plan's sequences per round as a multiple of the reference's (N·b·H), unless the scenario sets
+    # geomesh.round_time_s or geomesh.round_sequences_factor: a top-k payload reaches only k/C of the parameters
+    # per outer step, so it needs the reference's count of outer steps, and its few bytes make them cheap
+    round_sequences_factor: float | None = None
+
+    def constraints(self, scenario: ScenarioConfig, n_workers: int, allow_drop: bool = False):
+        g = scenario.geomesh
+        if self.round_sequences_factor is not None and g.round_sequences_factor is None and g.round_time_s is None:
+            g = dataclasses.replace(g, round_sequences_factor=self.round_sequences_factor)
+            scenario = dataclasses.replace(scenario, geomesh=g)
+        return super().constraints(scenario, n_workers, allow_drop)
 
     @property
     def collective(self) -> Literal["all_gather", "all_reduce"]:
@@ -79,6 +93,7 @@ GEOMESH_SPARSE = CompressedMethod(
     weighting="tokens",
     payload="sparse-sign",
     feedback="scenario",
+    round_sequences_factor=1.0,
 )
 SPARSELOCO = CompressedMethod(
     name="sparseloco",
