@@ -11,7 +11,7 @@ from geomesh.runtime.emulated import EmulatedRun, RunOptions
 
 
 def run(scenario, **opts):
-    return EmulatedRun(scenario, get_method("geomesh"), RunOptions(progress=False, workers_parallel=1, tokens=6000,
+    return EmulatedRun(scenario, get_method("geomesh"), RunOptions(progress=False, workers_parallel=1, tokens=4000,
                                                                     **opts)).run()  # fmt: skip
 
 
