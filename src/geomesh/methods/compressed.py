@@ -8,7 +8,7 @@ strongest compressed baselines built from their published rules (docs/benchmarks
   variant that won the measurement in docs/benchmarks.md), SparseLoCo's decayed accumulator in place of outer
   momentum, or none. Its rounds carry the reference's sequences (``geomesh.round_sequences_factor`` 1 unless the
   scenario sets the round): measured on ``default``, the planning rule's 4 rounds of 7.5× the sequences leave
-  a 1.56%-dense payload at 7.18 where 30 shorter rounds reach 5.2 (docs/benchmarks.md).
+  a 1.56%-dense payload at 7.18 where 29 shorter rounds reach 5.36 (docs/benchmarks.md).
 - ``sparseloco`` (Sarfi et al. 2025, arXiv 2508.15706): DiLoCo's uniform plan; e ← β·e + Δ; send the chunk-wise
   top-k of e in 2-bit values; e ← e − C(e); θ ← θ − α·mean(C(e_i)) with no outer momentum (β =
   ``compression.ef_decay``, α = ``compression.decay_outer_lr``).
