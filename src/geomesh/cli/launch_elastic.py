@@ -3,7 +3,8 @@
 The launcher hosts the quorum service (a torchft Lighthouse, in this process) and starts every region as its
 own ``torch.distributed`` world, exactly as a cluster runs one ``torchrun`` per region: per region a free
 rendezvous port (``MASTER_PORT``), ``RANK``/``WORLD_SIZE`` inside the region, ``GEOMESH_REGION``, and
-``TORCHFT_LIGHTHOUSE`` pointing at the Lighthouse. Ranks are numbered globally only in their log files
+``TORCHFT_LIGHTHOUSE`` pointing at the Lighthouse. Everything listens on loopback: the Lighthouse, and (through
+``GEOMESH_ADVERTISE_HOST=127.0.0.1``) each leader's torchft manager server and recovery server. Ranks are numbered globally only in their log files
 (``DIR/logs/rank<k>.log``) and output prefixes.
 
 A region whose processes die does not stop the others: the launcher reports it (one ``warning:`` line per lost
@@ -27,7 +28,8 @@ def launch_elastic(args: argparse.Namespace, env: dict[str, str], scenario, layo
     from ..runtime.distributed.membership import ADVERTISE_ENV, LIGHTHOUSE_ENV, start_lighthouse
 
     min_regions = min_regions_of(scenario, args.min_regions)
-    lighthouse = start_lighthouse(min_regions, scenario.reliability.round_deadline_s, bind="[::]:0")
+    # every region of a launch is on this machine: the quorum service listens on loopback only
+    lighthouse = start_lighthouse(min_regions, scenario.reliability.round_deadline_s, bind="127.0.0.1:0")
     port = lighthouse.address().rsplit(":", 1)[-1].strip("/")
     env = dict(env, **{LIGHTHOUSE_ENV: f"http://127.0.0.1:{port}", ADVERTISE_ENV: "127.0.0.1",
                        "MASTER_ADDR": "127.0.0.1"})  # fmt: skip

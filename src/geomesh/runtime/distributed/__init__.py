@@ -58,6 +58,7 @@ from .core import (
 from .elastic import run_elastic
 from .layout import RankLayout, parse_ranks_per_region, rank_layout
 from ..options import DistOptions
+from .trust import establish as establish_trust
 
 __all__ = ["STATIC_FAULTS", "TEST_EXIT_ENV", "WIRE_IFACE_ENV", "DistOptions", "DistributedRun", "RankFailure",
            "RankLayout", "check_distributed_support", "params_checksum", "parse_ranks_per_region", "rank_layout"]  # fmt: skip
@@ -65,6 +66,13 @@ __all__ = ["STATIC_FAULTS", "TEST_EXIT_ENV", "WIRE_IFACE_ENV", "DistOptions", "D
 
 class DistributedRun(RankRun):
     """One method on one scenario, on this rank of an initialised process group, with a wall clock."""
+
+    def __init__(self, scenario, method, options=None):
+        super().__init__(scenario, method, options)
+        # the key and run id every frame of this process is signed with (runtime/distributed/trust.py)
+        self.trust = establish_trust(scenario, method.name, self.seed, self.budget,
+                                     elastic=self.options.elastic_region is not None,
+                                     lighthouse=self.options.lighthouse)  # fmt: skip
 
     def _run_loop(self) -> dict[str, Any]:
         if self.options.elastic_region is not None:

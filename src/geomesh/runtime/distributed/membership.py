@@ -15,6 +15,24 @@ membership rather than consensus written here:
   rounds) receives the state of a live region over torchft's HTTP checkpoint transport before its first
   round (:meth:`Membership.quorum` returns ``healed=True``).
 
+Trust (docs/distributed.md, "Security"): nothing a peer sends is unpickled. Every message between leaders is a
+frame (:mod:`.frames`) tagged, with the run's key, over the run id, the round (torchft's step), the quorum
+and the collective's place in it, and the sender's region; the recovery state travels over
+:class:`~geomesh.runtime.distributed.heal.HealTransport`, only to a joiner that proves the key. torchft's
+manager server, this leader's recovery server and a Lighthouse started here bind to the advertised address
+(``GEOMESH_ADVERTISE_HOST``), not to every interface.
+
+The contract of :meth:`Membership.all_gather_object` (and :meth:`Membership.all_gather_bytes`): it returns
+the messages of the quorum members whose frames passed every check, in quorum order, so a list may be
+shorter than the quorum. A member whose frame is malformed, oversize (its claimed size above
+:attr:`Membership.frame_limit`), unsigned, forged, replayed from another round or collective, from another
+run, or whose message's ``"region"`` differs from the region its frame is signed for, is left out: it is
+named in :attr:`Membership.rejected` (for the last collective: ``[{"slot", "region", "reason"}]``, ``region``
+the claimed one or ``None``), counted in :attr:`Membership.rejected_frames`, and warned about on stderr. Two
+members signed for one region (a region started again while its original is alive): the instance that took
+part in a quorum first is kept; the other is rejected, and on the newcomer itself the call raises
+:class:`DuplicateRegion` (one line; it should exit).
+
 Why not torchft's ``Manager.allreduce``: GeoMesh exchanges 1-bit payloads of one size, which an all-reduce
 cannot combine (the combine weights signs by tokens and decodes magnitudes). So the Manager gives
 membership, recovery and the reconfigured process group, and the exchange is an all-gather over that group
@@ -25,15 +43,18 @@ from __future__ import annotations
 
 import argparse
 import os
-import pickle
 import socket
 import sys
 import time
+import uuid
 import warnings
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, Callable
 
 import torch
+
+from .frames import Context, Rejected, open_frame, run_trust, seal
 
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"  # the Lighthouse's address, http://HOST:PORT (torchft's own variable)
 ADVERTISE_ENV = "GEOMESH_ADVERTISE_HOST"  # how other regions reach this leader (default: its host name)
@@ -47,9 +68,32 @@ class ExchangeFailed(RuntimeError):
     """A collective over the quorum failed: a member died, hung past the deadline or left."""
 
 
-def start_lighthouse(min_regions: int, deadline_s: float, bind: str = "[::]:0",
+class DuplicateRegion(MembershipError):
+    """Another live instance of this region took part in the run first: this one must stop."""
+
+
+DEFAULT_FRAME_LIMIT = 256 << 20  # the largest frame a leader accepts (a round's envelope carries a payload)
+WARN_LIMIT = 50  # rejected frames warned about on stderr; the rest only counted
+
+
+def bind_address(host: str) -> str:
+    """The IP address ``host`` (an advertised name or address) resolves to, to bind a server to."""
+    host = host.strip().strip("[]")
+    try:
+        return socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0][4][0]
+    except (OSError, IndexError) as exc:
+        raise MembershipError(f"the advertised address {host!r} does not resolve on this host ({exc}); set "
+                              f"${ADVERTISE_ENV} to an address of this host that the other regions reach") from None  # fmt: skip
+
+
+def hostport(host: str, port: int | str) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def start_lighthouse(min_regions: int, deadline_s: float, bind: str = "127.0.0.1:0",
                      heartbeat_timeout_s: float = 5.0):  # fmt: skip
-    """A torchft Lighthouse (in this process, on a background thread); ``.address()`` is what regions use."""
+    """A torchft Lighthouse (in this process, on a background thread); ``.address()`` is what regions use.
+    ``bind``: HOST:PORT it listens on (default: loopback only, for regions on this machine)."""
     os.environ.setdefault("RUST_LOG", "error")  # torchft's own (Rust) logging: errors only
     from torchft.coordination import LighthouseServer
 
@@ -84,7 +128,11 @@ class Membership:
 
     def __init__(self, *, region: int, name: str, lighthouse: str, min_regions: int, deadline_s: float,
                  quorum_timeout_s: float, state_dict: Callable[[], Any], load_state_dict: Callable[[Any], None],
-                 store_addr: str, store_port: int):  # fmt: skip
+                 store_addr: str, store_port: int, key: bytes | None = None, run_id: str | None = None,
+                 frame_limit: int = DEFAULT_FRAME_LIMIT):  # fmt: skip
+        """``key``/``run_id``: what frames and healing are signed with (default: this process's
+        :func:`~geomesh.runtime.distributed.frames.run_trust`); ``frame_limit``: the largest frame accepted
+        from a member (a round's envelope with its payload must fit)."""
         os.environ.setdefault("RUST_LOG", "error")
         import logging
 
@@ -93,7 +141,29 @@ class Membership:
         from torchft.manager import Manager
         from torchft.process_group import ProcessGroupGloo
 
+        from .heal import HealError, HealTransport
+
         check_reachable(lighthouse, min(quorum_timeout_s, 30.0))
+        trust = run_trust()
+        self.key = key if key is not None else trust.key
+        self.run_id = run_id if run_id is not None else trust.run_id
+        self.frame_limit = int(frame_limit)
+        self.rejected: list[dict[str, Any]] = []  # the last collective's rejected members
+        self.rejected_frames = 0  # ... and all of them so far
+        self.instance = uuid.uuid4().hex  # this process, to tell two instances of one region apart
+        self.first_step: int | None = None  # the round this instance first took part in
+        self._quorum_id, self._seq = -1, 0
+        advertised = os.environ.get(ADVERTISE_ENV) or socket.gethostname()
+        bind_ip = bind_address(advertised)
+
+        def expected() -> dict[str, Any]:  # what a received state must look like: this region's own
+            return {"user": {"default": state_dict()}, "torchft": {"step": 0, "batches_committed": 0}}
+
+        try:
+            self.heal = HealTransport(host=bind_ip, key=self.key, run_id=self.run_id, region=region, name=name,
+                                      expected=expected)  # fmt: skip
+        except HealError as exc:
+            raise MembershipError(str(exc)) from None
         self.region, self.name = region, name
         self.deadline = timedelta(seconds=deadline_s)
         self.quorum_timeout = timedelta(seconds=quorum_timeout_s)
@@ -102,14 +172,15 @@ class Membership:
         self.pg = ProcessGroupGloo(timeout=self.deadline)
         # replica ids sort in scenario order (the quorum ranks follow them); torchft appends a fresh uuid, so a
         # restarted region is a new replica of the same name
-        self.manager = Manager(
-            pg=self.pg, load_state_dict=load_state_dict, state_dict=state_dict, min_replica_size=min_regions,
-            use_async_quorum=False, timeout=self.deadline, quorum_timeout=self.quorum_timeout,
-            connect_timeout=timedelta(seconds=min(quorum_timeout_s, 60.0)), rank=0, world_size=1,
-            store_addr=store_addr, store_port=store_port, lighthouse_addr=lighthouse,
-            replica_id=f"region{region:03d}_{name}", hostname=os.environ.get(ADVERTISE_ENV) or socket.gethostname(),
-            heartbeat_interval=timedelta(milliseconds=100), init_sync=False,
-        )  # fmt: skip
+        with _manager_server_bound_to(bind_ip):
+            self.manager = Manager(
+                pg=self.pg, load_state_dict=load_state_dict, state_dict=state_dict, min_replica_size=min_regions,
+                use_async_quorum=False, timeout=self.deadline, quorum_timeout=self.quorum_timeout,
+                connect_timeout=timedelta(seconds=min(quorum_timeout_s, 60.0)), rank=0, world_size=1,
+                store_addr=store_addr, store_port=store_port, lighthouse_addr=lighthouse,
+                replica_id=f"region{region:03d}_{name}", hostname=advertised,
+                heartbeat_interval=timedelta(milliseconds=100), init_sync=False, checkpoint_transport=self.heal,
+            )  # fmt: skip
         self.control_bytes = 0
 
     @property
@@ -124,16 +195,33 @@ class Membership:
         """Join this round's quorum (blocks until the Lighthouse forms it). Returns (healed, participants):
         ``healed`` when this region was behind and has just received a live region's state."""
         before = self.step
-        try:
-            self.manager.start_quorum(timeout=self.quorum_timeout)
-        except Exception as exc:  # noqa: BLE001 - torchft raises RuntimeError/TimeoutError from its RPCs
-            why = "timed out" if "Timeout" in str(exc) or "timed out" in str(exc) else _short(exc)
-            raise MembershipError(f"no quorum of at least {self.min_regions} region(s) within "
-                                  f"{self.quorum_timeout.total_seconds():g}s (quorum service {self.lighthouse}): "
-                                  f"{why}; fewer regions are alive than reliability.min_regions") from None  # fmt: skip
-        err = self.manager.errored()
-        if err is not None:
-            raise ExchangeFailed(f"reconfiguring for the quorum failed: {_short(err.original_exception)}")
+        give_up = time.monotonic() + self.quorum_timeout.total_seconds()
+        while True:
+            self.heal.last_error = None
+            try:
+                self.manager.start_quorum(timeout=self.quorum_timeout)
+            except Exception as exc:  # noqa: BLE001 - torchft raises RuntimeError/TimeoutError from its RPCs
+                why = "timed out" if "Timeout" in str(exc) or "timed out" in str(exc) else _short(exc)
+                raise MembershipError(f"no quorum of at least {self.min_regions} region(s) within "
+                                      f"{self.quorum_timeout.total_seconds():g}s (quorum service {self.lighthouse}): "
+                                      f"{why}; fewer regions are alive than reliability.min_regions") from None  # fmt: skip
+            err = self.manager.errored()
+            if err is None:
+                break
+            if self.heal.last_error is None:
+                raise ExchangeFailed(f"reconfiguring for the quorum failed: {_short(err.original_exception)}")
+            # this region is behind and the state it was offered was refused or never came: nothing of it is
+            # applied; closing our group's connections frees the members waiting for us, and we ask again
+            print(f"warning: region {self.name}: recovery failed: {self.heal.last_error}; asking again",
+                  file=sys.stderr, flush=True)  # fmt: skip
+            self.pg.abort()
+            if time.monotonic() > give_up:
+                raise MembershipError(f"region {self.name} is behind and could not receive the live state within "
+                                      f"{self.quorum_timeout.total_seconds():g}s: {self.heal.last_error}")  # fmt: skip
+            time.sleep(1.0)
+        self._quorum_id, self._seq = int(getattr(self.manager, "_quorum_id", 0)), 0
+        if self.first_step is None:
+            self.first_step = self.step
         return self.step != before, self.manager.num_participants()
 
     def report(self, exc: Exception) -> None:
@@ -159,26 +247,93 @@ class Membership:
         del work
         raise ExchangeFailed(why)
 
-    def all_gather_bytes(self, data: bytes) -> list[bytes]:
-        """Every quorum member's ``data`` in quorum order (sizes may differ)."""
+    def _gather_raw(self, data: bytes) -> list[bytes | Rejected]:
+        """Every member's bytes in quorum order; a member that claims more than :attr:`frame_limit` (or a
+        negative size) gets a :class:`Rejected` and costs the others no memory."""
         from torch.distributed.distributed_c10d import AllgatherOptions
 
         n = self.pg.size()
         size = torch.tensor([len(data)], dtype=torch.int64)
         sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(n)]
         self._wait(self.pg.allgather([sizes], [size], AllgatherOptions()))
-        width = max(1, max(int(s) for s in sizes))
+        claims = [int(s) for s in sizes]
+        ok = [0 <= c <= self.frame_limit for c in claims]
+        width = max([1] + [c for c, good in zip(claims, ok) if good])  # every member computes the same width
         mine = torch.zeros(width, dtype=torch.uint8)
-        if data:
+        if data and len(data) <= width:
             mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         outs = [torch.empty(width, dtype=torch.uint8) for _ in range(n)]
         self._wait(self.pg.allgather([outs], [mine], AllgatherOptions()))
-        return [bytes(o[: int(s)].numpy()) for o, s in zip(outs, sizes)]
+        return [bytearray(o[:c].numpy().tobytes()) if good
+                else Rejected(f"oversize frame: it claims {c} bytes, the limit is {self.frame_limit}")
+                for o, c, good in zip(outs, claims, ok)]  # fmt: skip
+
+    def _context(self) -> Context:
+        """This collective's place in the run: the round (torchft's step), the quorum and the collective's
+        number in it (every member of a quorum calls the same collectives in the same order)."""
+        self._seq += 1
+        return Context(run_id=self.run_id, kind="quorum", round=self.step,
+                       scope=max(self._quorum_id, 0) * 65536 + self._seq)  # fmt: skip
+
+    def _reject(self, slot: int, claimed: int | None, reason: str) -> None:
+        self.rejected.append({"slot": slot, "region": claimed, "reason": reason})
+        self.rejected_frames += 1
+        if self.rejected_frames <= WARN_LIMIT:
+            who = f"quorum member {slot}" + (f" (signed as region {claimed})" if claimed is not None else "")
+            print(f"warning: region {self.name}: rejected a frame from {who}: {reason}; it is left out of this "
+                  f"exchange", file=sys.stderr, flush=True)  # fmt: skip
 
     def all_gather_object(self, obj: Any) -> list[Any]:
-        blob = pickle.dumps(obj)
-        self.control_bytes += len(blob)
-        return [pickle.loads(b) for b in self.all_gather_bytes(blob)]
+        """Every accepted quorum member's ``obj`` (JSON values, bytes, tensors), in quorum order; rejected
+        members are left out and named in :attr:`rejected` (the module docstring has the whole contract)."""
+        ctx = self._context()
+        meta = {"instance": self.instance, "first_step": self.first_step if self.first_step is not None else -1}
+        frame = seal(obj, ctx=ctx, sender=self.region, key=self.key, meta=meta).to_bytes()
+        self.control_bytes += len(frame)
+        self.rejected = []
+        opened: list[tuple[int, Any]] = []
+        for slot, raw in enumerate(self._gather_raw(frame)):
+            got = raw if isinstance(raw, Rejected) else open_frame(raw, ctx=ctx, key=self.key,
+                                                                    max_bytes=self.frame_limit)  # fmt: skip
+            if isinstance(got, Rejected):
+                self._reject(slot, got.sender, got.reason)
+                continue
+            claims = got.obj.get("region") if isinstance(got.obj, dict) else got.sender
+            if got.sender < 0 or claims != got.sender:
+                self._reject(slot, got.sender, f"a message for region {claims!r} in a frame signed for region "
+                                               f"{got.sender}")  # fmt: skip
+                continue
+            opened.append((slot, got))
+        keep = self._one_per_region(opened)
+        return [got.obj for slot, got in opened if slot in keep]
+
+    def _one_per_region(self, opened: list[tuple[int, Any]]) -> set[int]:
+        """The slots kept: one per region, the instance that took part in a quorum first."""
+        by_region: dict[int, list[tuple[int, Any]]] = {}
+        for slot, got in opened:
+            by_region.setdefault(got.sender, []).append((slot, got))
+        keep = set()
+        for region, entries in by_region.items():
+            def seniority(entry: tuple[int, Any]) -> tuple[int, str]:
+                first = entry[1].meta.get("first_step", -1)
+                first = first if isinstance(first, int) and first >= 0 else 1 << 62
+                return first, str(entry[1].meta.get("instance", ""))
+
+            entries.sort(key=seniority)
+            keep.add(entries[0][0])
+            for slot, got in entries[1:]:
+                if region == self.region and got.meta.get("instance") == self.instance:
+                    first = entries[0][1].meta.get("first_step")
+                    raise DuplicateRegion(f"region {self.name} is already running (an instance that joined at "
+                                          f"round {first} is live); this one stops. Stop that one first to "
+                                          f"replace it")  # fmt: skip
+                self._reject(slot, region, f"a second live instance of region {region}")
+        return keep
+
+    def all_gather_bytes(self, data: bytes) -> list[bytes]:
+        """Every accepted member's ``data`` in quorum order (sizes may differ), framed as
+        :meth:`all_gather_object` frames its messages (rejected members left out)."""
+        return [m["data"] for m in self.all_gather_object({"region": self.region, "data": bytes(data)})]
 
     def all_reduce_sum(self, flat: torch.Tensor) -> torch.Tensor:
         from torch.distributed.distributed_c10d import AllreduceOptions, ReduceOp
@@ -193,6 +348,25 @@ class Membership:
             self.manager.shutdown(wait=False)
         except Exception:  # noqa: BLE001 - best effort at exit
             pass
+        self.heal.shutdown()
+
+
+@contextmanager
+def _manager_server_bound_to(ip: str):
+    """torchft's Manager starts its server on every interface (``[::]:PORT``, fixed in its constructor); while
+    it is built here, the server it starts listens on ``ip`` instead."""
+    import torchft.manager as tfm
+
+    real = tfm.ManagerServer
+
+    def bound(*args: Any, bind: str, **kwargs: Any):
+        return real(*args, bind=hostport(ip, bind.rsplit(":", 1)[-1]), **kwargs)
+
+    tfm.ManagerServer = bound
+    try:
+        yield
+    finally:
+        tfm.ManagerServer = real
 
 
 def _short(exc: BaseException) -> str:
@@ -201,19 +375,30 @@ def _short(exc: BaseException) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m geomesh.runtime.distributed.membership --min-regions N [--port P] [--deadline S]``: a Lighthouse for
-    a cluster run (the same as torchft's ``torchft_lighthouse``), until interrupted."""
+    """``python -m geomesh.runtime.distributed.membership --min-regions N [--host H] [--port P] [--deadline S]``: a
+    Lighthouse for a cluster run (torchft's ``torchft_lighthouse``, bound to one address), until interrupted."""
     p = argparse.ArgumentParser(prog="python -m geomesh.runtime.distributed.membership", description=main.__doc__)
     p.add_argument("--min-regions", type=int, required=True)
+    p.add_argument("--host", default=os.environ.get(ADVERTISE_ENV),
+                   help=f"the address to listen on, one the regions reach (default: ${ADVERTISE_ENV})")
     p.add_argument("--port", type=int, default=29510)
     p.add_argument("--deadline", type=float, default=60.0, help="round deadline (s): the quorum's join timeout")
     args = p.parse_args(argv)
     if args.min_regions < 1:
         print(f"error: --min-regions {args.min_regions}: expected >= 1", file=sys.stderr)
         return 2
-    server = start_lighthouse(args.min_regions, args.deadline, bind=f"[::]:{args.port}")
-    print(f"quorum service (torchft Lighthouse) at {server.address()}; regions need "
-          f"{LIGHTHOUSE_ENV}=http://<this host>:{args.port}", flush=True)  # fmt: skip
+    if not args.host:
+        print(f"error: --host: the address to listen on is needed (or ${ADVERTISE_ENV}): an address of this host "
+              "that the regions reach, e.g. its private or WireGuard address", file=sys.stderr)  # fmt: skip
+        return 2
+    try:
+        bind = hostport(bind_address(args.host), args.port)
+    except MembershipError as exc:
+        print(f"error: --host: {exc}", file=sys.stderr)
+        return 2
+    server = start_lighthouse(args.min_regions, args.deadline, bind=bind)
+    print(f"quorum service (torchft Lighthouse) listening on {bind}; regions need "
+          f"{LIGHTHOUSE_ENV}=http://{hostport(args.host, args.port)}", flush=True)  # fmt: skip
     try:
         while True:
             time.sleep(3600)

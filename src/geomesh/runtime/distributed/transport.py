@@ -3,7 +3,17 @@ counters, and Linux network namespaces that put a real (rate-limited, delayed) l
 
 - :class:`Transport` wraps ``torch.distributed`` for the few collectives a round needs (the leaders'
   straggler barrier, the all-gather of equal-size payloads, the all-reduce of a flat fp32 buffer, the
-  broadcast inside a region, small control objects) and counts the bytes handed to each.
+  broadcast inside a region, control objects) and counts the bytes handed to each.
+
+Control objects are frames (:mod:`.frames`), never pickles: :meth:`Transport.all_gather_object` and
+:meth:`Transport.broadcast_object` carry JSON values, ``bytes`` and tensors (dict keys may be ints or
+strings, tuples stay tuples). With the run's key each frame is tagged over the run id, a sequence number of
+the object collective (every rank calls them in the same order, so it is the same on every rank), and the
+sender's rank, so a frame replayed from an earlier collective or put in another rank's slot is refused.
+Receivers bound a frame's size: a sender that claims more than ``max_control_bytes`` (gathers) or
+``max_broadcast_bytes`` (broadcasts), or whose frame is malformed, unsigned or forged, stops the run on every
+rank with one line naming that rank (:class:`FrameRejected`): a static world cannot go on without a rank,
+but it never runs what a peer sent.
 - :class:`WanShaper` stretches an exchange to what the scenario's WAN model says it costs (latency +
   bytes / bandwidth of the ring collective, :class:`~geomesh.network.WanModel`), so heterogeneous-link
   experiments run on one machine over loopback (``--wan shaper``). ``latency`` mode adds only the latency
@@ -18,10 +28,10 @@ from __future__ import annotations
 
 import datetime
 import os
-import pickle
 import shutil
 import socket
 import subprocess
+import sys
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -32,10 +42,13 @@ import torch
 import torch.distributed as dist
 
 from ...network import WanModel
+from .frames import DEFAULT_MAX_BYTES, Context, Rejected, open_frame, run_trust, seal
 
 WanMode = Literal["none", "shaper", "latency"]
 ABSENT = b"\0\0\0\0"  # a payload slot of a worker whose update was dropped (real payloads start with b"GMSH")
 
+
+MAX_CONTROL_BYTES = 16 * 2**20  # a control message (round info, plan, state header) is far smaller
 
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port that was free a moment ago (the rendezvous port of a local launch)."""
@@ -90,6 +103,10 @@ class WanShaper:
 # ---- collectives with byte accounting -----------------------------------------------------------
 
 
+class FrameRejected(getattr(dist, "DistError", RuntimeError), ValueError):  # a communication failure (the rank's exit)
+    """A rank sent a control frame that failed its checks (the message names the rank and the reason)."""
+
+
 @dataclass
 class Transport:
     """The collectives of one rank, with the bytes handed to each counted by purpose.
@@ -105,6 +122,12 @@ class Transport:
     intra_bytes: int = 0
     control_bytes: int = 0
     op: str = "startup"  # the collective in progress, for error messages
+    key: bytes | None = None  # None: this process's run key (frames.run_trust()), when one is set
+    run_id: str | None = None  # None: this process's run id (frames.run_trust())
+    max_control_bytes: int = DEFAULT_MAX_BYTES  # the largest frame a rank may all-gather
+    max_broadcast_bytes: int = 8 << 30  # ... or broadcast (it may carry θ and the outer momentum)
+    frames: dict = field(default_factory=dict)  # object collectives so far, per group: what their tags bind
+    rejected: list = field(default_factory=list)  # frames all_gather_json left out: {"rank", "reason", "during"}
 
     @property
     def timeout(self) -> datetime.timedelta:
@@ -150,20 +173,125 @@ class Transport:
         self.intra_bytes += moved.numel() * moved.element_size()
         return moved.cpu() if moved is not tensor else tensor
 
-    def all_gather_object(self, obj: Any, what: str = "control message") -> list[Any]:
-        """Every rank's ``obj`` (small, picklable), in rank order."""
+    # ---- control messages: frames (runtime/distributed/frames.py), never pickles -------------------------
+    def _trust(self) -> tuple[bytes | None, str]:
+        trust = run_trust()
+        return (self.key if self.key is not None else trust.key,
+                self.run_id if self.run_id is not None else trust.run_id)  # fmt: skip
+
+    def _context(self, ranks: tuple[int, ...]) -> tuple[Context, bytes | None]:
+        """The next collective of the group of ``ranks``: its members call them in one order, so each
+        group's own count is the same on all of them (and differs from every earlier collective's)."""
+        key, run_id = self._trust()
+        self.frames[ranks] = self.frames.get(ranks, 0) + 1
+        return Context(run_id=run_id, kind="control", round=self.frames[ranks], scope=hash(ranks) & 0xFFFF), key
+
+    @staticmethod
+    def _ranks(group: Any) -> tuple[int, ...]:
+        if group is None:
+            return tuple(range(dist.get_world_size()))
+        return tuple(dist.get_process_group_ranks(group))
+
+    def _gather_frames(self, obj: Any, group: Any, what: str, limit: int) -> list[Any | Rejected]:
+        """Every group member's ``obj`` in group order, or a :class:`Rejected` in the slot of a member whose
+        frame failed its checks (the width every member pads to is bounded, whatever a peer claims)."""
         self.op = what
-        out: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(out, obj)
-        self.control_bytes += len(pickle.dumps(obj))
+        ranks = self._ranks(group)
+        ctx, key = self._context(ranks)
+        me = dist.get_rank()
+        frame = seal(obj, ctx=ctx, sender=me, key=key).to_bytes()
+        mine_size = torch.tensor([len(frame)], dtype=torch.int64, device=self.device)
+        sizes = [torch.zeros(1, dtype=torch.int64, device=self.device) for _ in ranks]
+        dist.all_gather(sizes, mine_size, group=group)
+        claimed = [int(s) for s in sizes]
+        ok = [0 <= n <= limit for n in claimed]
+        width = max([1] + [n for n, good in zip(claimed, ok) if good])
+        mine = torch.zeros(width, dtype=torch.uint8)
+        if len(frame) <= width:
+            mine[: len(frame)] = torch.frombuffer(bytearray(frame), dtype=torch.uint8)
+        outs = [torch.empty(width, dtype=torch.uint8, device=self.device) for _ in ranks]
+        dist.all_gather(outs, mine.to(self.device), group=group)
+        self.control_bytes += len(frame)
+        result: list[Any | Rejected] = []
+        for rank, o, n, good in zip(ranks, outs, claimed, ok):
+            if not good:
+                result.append(Rejected(f"it claims a {n}-byte frame, the limit is {limit}"))
+                continue
+            opened = open_frame(bytearray(o[:n].cpu().numpy().tobytes()), ctx=ctx, key=key, max_bytes=limit,
+                                sender=rank)  # fmt: skip
+            result.append(opened if isinstance(opened, Rejected) else opened.obj)
+        return result
+
+    def _broadcast_frame(self, obj: Any, src: int, group: Any, what: str, limit: int, intra: bool = False) -> Any:
+        self.op = what
+        ctx, key = self._context(self._ranks(group))
+        me = dist.get_rank()
+        frame = seal(obj, ctx=ctx, sender=src, key=key).to_bytes() if me == src else b""
+        size = torch.tensor([len(frame)], dtype=torch.int64, device=self.device)
+        dist.broadcast(size, src=src, group=group)
+        n = int(size.cpu()[0])
+        if not 0 <= n <= limit:
+            raise FrameRejected(f"rank {src} sent a bad control frame during {what}: it claims a {n}-byte "
+                                f"frame, the limit is {limit}")  # fmt: skip
+        buf = torch.zeros(max(n, 1), dtype=torch.uint8)
+        if me == src:
+            buf[:n] = torch.frombuffer(bytearray(frame), dtype=torch.uint8)
+        buf = buf.to(self.device)
+        dist.broadcast(buf, src=src, group=group)
+        if intra:
+            self.intra_bytes += n
+        else:
+            self.control_bytes += n
+        if me == src:
+            return obj
+        opened = open_frame(bytearray(buf[:n].cpu().numpy().tobytes()), ctx=ctx, key=key, max_bytes=limit,
+                            sender=src)  # fmt: skip
+        if isinstance(opened, Rejected):
+            raise FrameRejected(f"rank {src} sent a bad control frame during {what}: {opened.reason}")
+        return opened.obj
+
+    def _reject(self, rank: int, what: str, reason: str) -> None:
+        self.rejected.append({"rank": rank, "reason": reason, "during": what})
+        if len(self.rejected) <= 50:
+            print(f"warning: rank {dist.get_rank()}: rejected the frame of rank {rank} during {what}: {reason}",
+                  file=sys.stderr, flush=True)  # fmt: skip
+
+    def all_gather_json(self, obj: Any, group: Any, size: int, what: str = "control message",
+                        max_bytes: int = MAX_CONTROL_BYTES) -> list[Any]:  # fmt: skip
+        """Every member's ``obj`` over ``group`` (of ``size`` ranks), in group order. A member whose frame is
+        malformed, longer than ``max_bytes``, unsigned, forged, replayed or in another's slot has ``None`` in
+        its slot; the reason is appended to :attr:`rejected` (``{"rank", "reason", "during"}``) and warned."""
+        got = self._gather_frames(obj, group, what, max_bytes)
+        if len(got) != size:
+            raise ValueError(f"{what}: a group of {len(got)} ranks, expected {size}")
+        out = []
+        for rank, item in zip(self._ranks(group), got):
+            if isinstance(item, Rejected):
+                self._reject(rank, what, item.reason)
+                item = None
+            out.append(item)
         return out
 
-    def broadcast_object(self, obj: Any, src: int = 0, what: str = "control message") -> Any:
-        self.op = what
-        box = [obj]
-        dist.broadcast_object_list(box, src=src)
-        self.control_bytes += len(pickle.dumps(box[0]))
-        return box[0]
+    def broadcast_json(self, obj: Any, src: int, group: Any, what: str = "control message",
+                       max_bytes: int = MAX_CONTROL_BYTES) -> Any:  # fmt: skip
+        """``obj`` from global rank ``src`` to the ranks of ``group`` (a region); a bad frame from ``src``
+        raises :class:`FrameRejected` (one line naming it) on every receiver."""
+        return self._broadcast_frame(obj, src, group, what, max_bytes, intra=True)
+
+    def all_gather_object(self, obj: Any, what: str = "control message") -> list[Any]:
+        """Every rank's ``obj`` over the whole world, in rank order. A rank whose frame fails its checks
+        raises :class:`FrameRejected` on every rank (naming it): a static world cannot go on without it."""
+        got = self._gather_frames(obj, None, what, self.max_control_bytes)
+        for rank, item in enumerate(got):
+            if isinstance(item, Rejected):
+                raise FrameRejected(f"rank {rank} sent a bad control frame during {what}: {item.reason}")
+        return got
+
+    def broadcast_object(self, obj: Any, src: int = 0, what: str = "control message",
+                         max_bytes: int | None = None) -> Any:  # fmt: skip
+        """Global rank ``src``'s ``obj`` on every rank of the world (``max_bytes``: default
+        ``max_broadcast_bytes``, as it may carry θ); a bad frame raises :class:`FrameRejected`."""
+        return self._broadcast_frame(obj, src, None, what, self.max_broadcast_bytes if max_bytes is None else max_bytes)
 
 
 def split_gathered(gathered: torch.Tensor, nbytes: int) -> list[bytes | None]:
