@@ -146,13 +146,16 @@ def test_a_state_that_does_not_fit_the_joiner_s_model_is_refused(servers):
 # ---- control messages between ranks ----------------------------------------------------------------------
 
 
-def _ranks_with_keys(rank: int, world: int, init: str, keys: list[bytes], out) -> None:
+def _ranks_with_keys(rank: int, world: int, init: str, keys: list[bytes], out, rounds=(3, 3)) -> None:
     from geomesh.runtime.distributed.transport import FrameRejected, Transport
 
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     t = Transport(torch.device("cpu"), "gloo", 30.0, key=keys[rank], run_id="job-1")
     got = t.all_gather_json({"rank": rank, "crc": "ab"}, None, world, what="the round's info")
     out.put((rank, "json", got, [r["reason"] for r in t.rejected]))
+    # rank 0 sends a payload, rank 1 "no update" (which a stranger must not be able to forge)
+    slots = t.all_gather_payloads(b"GMSH" + bytes([rank]) * 12 if rank == 0 else None, 16, None, world, rounds[rank])
+    out.put((rank, "payloads", [s if not hasattr(s, "reason") else "rejected: " + s.reason for s in slots], None))
     try:
         t.all_gather_object({"rank": rank})
         out.put((rank, "object", "accepted", None))
@@ -166,15 +169,15 @@ def _ranks_with_keys(rank: int, world: int, init: str, keys: list[bytes], out) -
     dist.destroy_process_group()
 
 
-def _run_ranks(tmp_path, keys: list[bytes]) -> dict:
+def _run_ranks(tmp_path, keys: list[bytes], rounds=(3, 3)) -> dict:
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     init = f"file://{tmp_path / 'store'}"
-    procs = [ctx.Process(target=_ranks_with_keys, args=(r, 2, init, keys, out)) for r in range(2)]
+    procs = [ctx.Process(target=_ranks_with_keys, args=(r, 2, init, keys, out, rounds)) for r in range(2)]
     for p in procs:
         p.start()
     results = {}
-    for _ in range(6):
+    for _ in range(8):
         rank, what, got, detail = out.get(timeout=120)
         results[(rank, what)] = (got, detail)
     for p in procs:
@@ -187,6 +190,14 @@ def test_ranks_with_the_same_key_exchange_control_messages(tmp_path):
     assert got[(0, "json")][0] == [{"rank": 0, "crc": "ab"}, {"rank": 1, "crc": "ab"}]
     assert got[(1, "object")][0] == "accepted"
     assert got[(1, "broadcast")][0] == {"members": [0, 1]}
+    assert got[(1, "payloads")][0] == [b"GMSH" + bytes(12), None]  # a payload, and a signed "no update"
+
+
+def test_a_payload_replayed_from_another_round_is_rejected(tmp_path):
+    got = _run_ranks(tmp_path, [KEY, KEY], rounds=(3, 2))  # rank 1 sends what it signed for round 2
+    slots = got[(0, "payloads")][0]
+    assert slots[0] == b"GMSH" + bytes(12)
+    assert slots[1] == "rejected: a payload of round 2 in round 3: replayed or stale"
 
 
 def test_a_rank_with_another_key_is_named_and_rejected(tmp_path):
@@ -199,6 +210,8 @@ def test_a_rank_with_another_key_is_named_and_rejected(tmp_path):
     assert got[(0, "broadcast")][0] == {"members": [0, 1]}
     raised, line = got[(1, "broadcast")]
     assert raised == "raised" and line.startswith("rank 0 sent a bad control frame during the quorum")
+    # the "no update" of the rank with another key is not taken for one: it is rejected
+    assert got[(0, "payloads")][0][1].startswith("rejected: HMAC tag mismatch")
 
 
 # ---- which runs need a key -------------------------------------------------------------------------------

@@ -13,7 +13,9 @@ sender's rank, so a frame replayed from an earlier collective or put in another 
 Receivers bound a frame's size: a sender that claims more than ``max_control_bytes`` (gathers) or
 ``max_broadcast_bytes`` (broadcasts), or whose frame is malformed, unsigned or forged, stops the run on every
 rank with one line naming that rank (:class:`FrameRejected`): a static world cannot go on without a rank,
-but it never runs what a peer sent.
+but it never runs what a peer sent. :meth:`Transport.all_gather_json` instead leaves such a rank's slot
+``None`` (the reason in :attr:`Transport.rejected`). Payloads: :meth:`Transport.all_gather_payloads` signs each
+slot for its sender and round, "no update" included (:func:`split_gathered`'s four zero bytes prove nothing).
 - :class:`WanShaper` stretches an exchange to what the scenario's WAN model says it costs (latency +
   bytes / bandwidth of the ring collective, :class:`~geomesh.network.WanModel`), so heterogeneous-link
   experiments run on one machine over loopback (``--wan shaper``). ``latency`` mode adds only the latency
@@ -27,9 +29,12 @@ but it never runs what a peer sent.
 from __future__ import annotations
 
 import datetime
+import hashlib
+import hmac
 import os
 import shutil
 import socket
+import struct
 import subprocess
 import sys
 import time
@@ -157,6 +162,51 @@ class Transport:
         gather(out, mine, group=group)
         self.wan_bytes += nbytes
         return out.cpu()
+
+    def all_gather_payloads(self, payload: bytes | None, nbytes: int, group: Any, size: int, round_number: int,
+                            what: str = "all_gather of the payloads") -> list[bytes | None | Rejected]:  # fmt: skip
+        """All-gather one ``nbytes`` payload per rank of ``group``, each slot signed for its sender and round.
+
+        A slot is ``flag`` (u8: 1 a payload, 0 "no update"), the round (u64), the payload (zeros for no
+        update), and with the run's key an HMAC-SHA256 tag over the run id, the sender's global rank and
+        all of the above: so "no update" cannot be forged to drop a region, and a slot replayed from another
+        round or sender is refused. Returns per group rank the payload, ``None`` (a signed "no update") or
+        :class:`~geomesh.runtime.distributed.frames.Rejected` with the reason (also in :attr:`rejected`)."""
+        self.op = what
+        key, run_id = self._trust()
+        ranks = self._ranks(group)
+        if len(ranks) != size:
+            raise ValueError(f"{what}: a group of {len(ranks)} ranks, expected {size}")
+        if payload is not None and len(payload) != nbytes:
+            raise ValueError(f"payload of {len(payload)} bytes, expected {nbytes} (all payloads are one size)")
+        head = struct.pack("<BQ", 0 if payload is None else 1, int(round_number))
+        body = head + (payload if payload is not None else bytes(nbytes))
+        tag = _slot_tag(key, run_id, dist.get_rank(), body) if key else b""
+        width = len(body) + len(tag)
+        mine = torch.frombuffer(bytearray(body + tag), dtype=torch.uint8).to(self.device)
+        out = torch.empty(size * width, dtype=torch.uint8, device=self.device)
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        gather(out, mine, group=group)
+        self.wan_bytes += width
+        raw = out.cpu().numpy().tobytes()
+        result: list[bytes | None | Rejected] = []
+        for k, rank in enumerate(ranks):
+            slot = raw[k * width : (k + 1) * width]
+            body_k, tag_k = slot[: width - len(tag)], slot[width - len(tag) :]
+            flag, claimed_round = struct.unpack_from("<BQ", body_k, 0)
+            if key and not hmac.compare_digest(tag_k, _slot_tag(key, run_id, rank, body_k)):
+                got: bytes | None | Rejected = Rejected("HMAC tag mismatch (forged, replayed from another sender, "
+                                                        "or signed with another key)")  # fmt: skip
+            elif flag not in (0, 1) or (flag == 0 and any(body_k[9:])):
+                got = Rejected("malformed payload slot")
+            elif claimed_round != round_number:
+                got = Rejected(f"a payload of round {claimed_round} in round {round_number}: replayed or stale")
+            else:
+                got = body_k[9:] if flag == 1 else None
+            if isinstance(got, Rejected):
+                self._reject(rank, what, got.reason)
+            result.append(got)
+        return result
 
     def all_reduce_sum(self, flat: torch.Tensor, group: Any) -> torch.Tensor:
         """Sum a flat float32 buffer over ``group`` (in place); returns it."""
@@ -292,6 +342,13 @@ class Transport:
         """Global rank ``src``'s ``obj`` on every rank of the world (``max_bytes``: default
         ``max_broadcast_bytes``, as it may carry θ); a bad frame raises :class:`FrameRejected`."""
         return self._broadcast_frame(obj, src, None, what, self.max_broadcast_bytes if max_bytes is None else max_bytes)
+
+
+def _slot_tag(key: bytes, run_id: str, sender: int, body: bytes) -> bytes:
+    mac = hmac.new(key, b"GMPL-slot\0", hashlib.sha256)
+    mac.update(struct.pack("<I", len(run_id.encode())) + run_id.encode() + struct.pack("<q", sender))
+    mac.update(body)
+    return mac.digest()
 
 
 def split_gathered(gathered: torch.Tensor, nbytes: int) -> list[bytes | None]:
