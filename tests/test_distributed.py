@@ -238,7 +238,7 @@ def test_bad_arguments_are_one_line_and_exit_2(argv, message, tmp_path, small_co
 
 
 def test_a_rank_outside_a_launch_says_how_to_start(monkeypatch, capsys, tmp_path, small_corpus):
-    from geomesh import run
+    from geomesh.cli import rank as run
 
     scenario = write_scenario(tmp_path, small_corpus, ("H100",))
     for name in ("RANK", "WORLD_SIZE", "MASTER_PORT"):
@@ -447,7 +447,7 @@ def test_ddp_method_refuses_sharded_regions(tmp_path, small_corpus, capsys):
 
 
 def test_a_rank_whose_region_env_disagrees_with_the_layout_is_refused(monkeypatch, capsys, tmp_path, small_corpus):
-    from geomesh import run
+    from geomesh.cli import rank as run
 
     scenario = write_scenario(tmp_path, small_corpus, ("H100", "A100"))
     monkeypatch.setenv("RANK", "1")
@@ -545,7 +545,7 @@ def test_a_rank_under_plain_torchrun_sets_its_region_env(monkeypatch, tmp_path, 
     """Without the launcher (torchrun sets only RANK, WORLD_SIZE, ...), geomesh.cli.rank puts the region in os.environ."""
     import os
 
-    from geomesh import run
+    from geomesh.cli import rank as run
     from geomesh.runtime.distributed.transport import free_port
 
     scenario = write_scenario(tmp_path, small_corpus, ("H100",), zero_shot_items=0)

@@ -33,13 +33,13 @@ import threading
 import time
 from pathlib import Path
 
-from .ranks import REGION_ENV, LaunchResult, RankExit, rank_argv, report, run_ranks
+from .ranks import REGION_ENV, LaunchResult, RankExit, report, run_ranks
+from .run_args import rank_argv, scenario_overrides, validate
 
-WAN_MODES = ("shaper", "netns", "none")
 
 
 def register(sub) -> None:
-    from .rank import add_run_arguments
+    from .run_args import add_run_arguments
 
     p = sub.add_parser("launch", help="run the distributed runtime with N local ranks (Gloo over loopback)")
     add_run_arguments(p, launcher=True)
@@ -57,13 +57,8 @@ def _check(args: argparse.Namespace):
 
     if args.nproc is None or args.nproc < 1 or args.nproc > 256:
         raise ConfigError(f"--nproc {args.nproc}: expected 1..256 ranks")
-    if args.wan not in WAN_MODES:
-        raise ConfigError(f"--wan {args.wan!r}: expected one of {', '.join(WAN_MODES)}")
-    if not args.timeout > 0:
-        raise ConfigError(f"--timeout {args.timeout}: expected a positive number of seconds")
-    if args.tokens is not None and args.tokens <= 0:
-        raise ConfigError(f"--tokens {args.tokens}: expected a positive token budget")
-    scenario = load_scenario(args.scenario, parse_overrides(args.set))
+    validate(args, launcher=True)
+    scenario = load_scenario(args.scenario, parse_overrides(scenario_overrides(args)))
     method = get_method(args.method)
     counts = parse_ranks_per_region(args.ranks_per_region, len(scenario.regions))
     layout = rank_layout(scenario, args.nproc, counts)
@@ -84,15 +79,7 @@ def _check(args: argparse.Namespace):
         reason = netns_unavailable_reason()
         if reason:
             raise RunError(f"--wan netns: {reason}; use --wan shaper")
-    if args.checkpoint_every is not None and args.checkpoint_every < 0:
-        raise ConfigError(f"--checkpoint-every {args.checkpoint_every}: expected >= 0 rounds (0: no checkpoints)")
-    if args.keep is not None and args.keep < 1:
-        raise ConfigError(f"--keep {args.keep}: expected >= 1 checkpoint")
-    check_distributed_support(scenario, method)
-    if scenario.faults and not _elastic(args, scenario) and method.kind == "outer":
-        from ..runtime.distributed import STATIC_FAULTS
-
-        raise ConfigError(STATIC_FAULTS)
+    check_distributed_support(scenario, method, elastic=_elastic(args, scenario))
     if _elastic(args, scenario):
         if args.wan == "netns":
             raise ConfigError("--wan netns: not with elastic regions (min_regions >= 1); use --wan shaper or none")
@@ -106,8 +93,7 @@ def _check(args: argparse.Namespace):
     if args.resume:  # refused before anything in the run folder is touched
         from ..runtime.distributed.checkpoints import DistCheckpointError, check_resume, fingerprint
 
-        seed = args.seed if args.seed is not None else scenario.training.seed
-        tokens = args.tokens if args.tokens is not None else scenario.training.tokens
+        seed, tokens = scenario.training.seed, scenario.training.tokens
         run_id = (read_lock(Path(args.out)) or {}).get("run_id")
         try:  # verified as the ranks will verify it: a damaged newest checkpoint is named here, once
             if _elastic(args, scenario):  # every region has its own checkpoints: DIR/checkpoints/<region>

@@ -22,6 +22,7 @@ import warnings
 from pathlib import Path
 
 from .ranks import REGION_ENV  # this rank's region (set by `geomesh launch`, else here from the layout)
+from .run_args import add_run_arguments, dist_options, scenario_overrides, validate
 
 LAUNCHER_ENV = "GEOMESH_LAUNCHER"  # set by `geomesh launch`: the launcher prints the summary
 
@@ -30,55 +31,6 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m geomesh.run", description=__doc__.splitlines()[0])
     add_run_arguments(p)
     return p
-
-
-def add_run_arguments(p: argparse.ArgumentParser, launcher: bool = False) -> None:
-    """The options a rank takes; ``geomesh launch`` takes the same with its own ``--wan`` and ``--timeout``."""
-    p.add_argument("scenario", help="a preset name or a YAML file (the same on every rank)")
-    p.add_argument("--method", required=True, help="ddp, diloco, geomesh, geomesh-balance-only, geomesh-sign-only")
-    p.add_argument("--out", required=True, help="run folder (written by rank 0): summary.json, events.jsonl")
-    p.add_argument("--tokens", type=int, default=None, help="token budget (overrides training.tokens)")
-    p.add_argument("--seed", type=int, default=None, help="overrides training.seed")
-    p.add_argument("--set", action="append", metavar="FIELD=VALUE", help="override a scenario field")
-    p.add_argument("--backend", default="auto", help="auto (NCCL when CUDA is available, else Gloo), gloo or nccl")
-    if launcher:
-        p.add_argument(
-            "--wan",
-            default="shaper",
-            help="how the WAN is emulated: shaper (default: each exchange "
-            "held to the scenario's WAN model), netns (a network namespace per rank with kernel rate "
-            "limits and delays; needs root) or none (plain loopback)",
-        )
-    else:
-        p.add_argument(
-            "--wan",
-            default="none",
-            help="none (the real network, default), shaper (hold each "
-            "exchange to the scenario's WAN model: latency + bytes/bandwidth) or latency (its latency only)",
-        )
-    p.add_argument("--timeout", type=float, default=120.0 if launcher else 300.0,
-                   help="seconds any collective (and the straggler barrier) may wait before the run stops")  # fmt: skip
-    p.add_argument("--ranks-per-region", default=None, metavar="K[,K...]",
-                   help="ranks of each region, in scenario order (default: one per region, or one per GPU)")  # fmt: skip
-    p.add_argument("--profile", action="append", metavar="REGION=FILE", help="a measured profile for a region")
-    p.add_argument("--target-loss", type=float, default=None, help="validation loss for time-to-target")
-    p.add_argument("--save-params", action="store_true", help="rank 0 writes DIR/final_params.pt")
-    p.add_argument("--quiet", action="store_true", help="no progress lines")
-    p.add_argument("--checkpoint-every", type=int, default=None, metavar="N",
-                   help="write a checkpoint (torch.distributed.checkpoint) every N rounds into DIR/checkpoints "
-                   "(overrides reliability.checkpoint_every_rounds)")  # fmt: skip
-    p.add_argument("--keep", type=int, default=None, metavar="K",
-                   help="keep the newest K checkpoints (overrides reliability.keep_checkpoints)")
-    p.add_argument("--resume", action="store_true",
-                   help="continue the interrupted run in --out from its newest checkpoint (same command)")
-    p.add_argument("--min-regions", type=int, default=None, metavar="N",
-                   help="elastic regions: go on while at least N regions are alive (overrides "
-                   "reliability.min_regions; 0: a lost region stops the run)")  # fmt: skip
-    if not launcher:
-        p.add_argument("--region", default=None, metavar="NAME",
-                       help="elastic regions: the region these ranks train (default: $GEOMESH_REGION)")
-        p.add_argument("--lighthouse", default=None, metavar="http://HOST:PORT",
-                       help="elastic regions: the quorum service (default: $TORCHFT_LIGHTHOUSE)")
 
 
 def resolve_backend(name: str) -> str:
@@ -152,17 +104,12 @@ def _main(args: argparse.Namespace) -> int:
 
         from ..config import ConfigError, load_scenario, parse_overrides
         from ..methods import get_method
-        from ..runtime.distributed import DistOptions, DistributedRun, parse_ranks_per_region, rank_layout
+        from ..runtime.distributed import DistributedRun, parse_ranks_per_region, rank_layout
         from ..runtime.distributed.membership import MembershipError
 
-        scenario = load_scenario(args.scenario, parse_overrides(args.set))
+        validate(args)
+        scenario = load_scenario(args.scenario, parse_overrides(scenario_overrides(args)))
         method = get_method(args.method)
-        if args.tokens is not None and args.tokens <= 0:
-            raise ConfigError(f"--tokens {args.tokens}: expected a positive token budget")
-        if args.wan not in ("none", "shaper", "latency"):
-            raise ConfigError(f"--wan {args.wan!r}: expected none, shaper or latency")
-        if not args.timeout > 0:
-            raise ConfigError(f"--timeout {args.timeout}: expected a positive number of seconds")
         rank, world, local = _env_int("RANK"), _env_int("WORLD_SIZE"), int(os.environ.get("LOCAL_RANK", "0"))
         _env_int("MASTER_PORT")
         counts = parse_ranks_per_region(args.ranks_per_region, len(scenario.regions))
@@ -194,13 +141,8 @@ def _main(args: argparse.Namespace) -> int:
             print(f"error: {who}: cannot join the process group at "
                   f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}: {_short(exc)}", file=sys.stderr)  # fmt: skip
             return 1
-        opts = DistOptions(out_dir=Path(args.out), tokens=args.tokens, seed=args.seed,
-                           target_val_loss=args.target_loss, backend=backend, timeout_s=args.timeout,
-                           wan=args.wan, ranks_per_region=counts,
-                           profiles=list(args.profile or []), save_params=args.save_params,
-                           progress=not args.quiet, checkpoint_every=args.checkpoint_every,
-                           keep_checkpoints=args.keep, resume=args.resume, min_regions=args.min_regions,
-                           elastic_region=region if elastic else None, lighthouse=args.lighthouse)  # fmt: skip
+        opts = dist_options(args, backend=backend, ranks_per_region=counts,
+                            elastic_region=region if elastic else None)  # fmt: skip
         run = DistributedRun(scenario, method, opts)
         try:
             summary = run.run()

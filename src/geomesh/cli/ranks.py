@@ -65,30 +65,6 @@ class LaunchResult:
     netns: dict[str, Any] | None = None
 
 
-def rank_argv(args: argparse.Namespace, wan_mode: str) -> list[str]:
-    argv = [sys.executable, "-m", "geomesh.run", str(args.scenario), "--method", args.method, "--out", str(args.out),
-            "--wan", wan_mode, "--timeout", str(args.timeout), "--backend", args.backend]  # fmt: skip
-    for flag, value in (("--tokens", args.tokens), ("--seed", args.seed), ("--target-loss", args.target_loss),
-                        ("--ranks-per-region", args.ranks_per_region)):  # fmt: skip
-        if value is not None:
-            argv += [flag, str(value)]
-    for pair in args.set or []:
-        argv += ["--set", pair]
-    for pair in args.profile or []:
-        argv += ["--profile", pair]
-    for flag, value in (("--checkpoint-every", args.checkpoint_every), ("--keep", args.keep),
-                        ("--min-regions", args.min_regions)):  # fmt: skip
-        if value is not None:
-            argv += [flag, str(value)]
-    if args.resume:
-        argv.append("--resume")
-    if args.save_params:
-        argv.append("--save-params")
-    if args.quiet:
-        argv.append("--quiet")
-    return argv
-
-
 def run_ranks(args: argparse.Namespace, cmds: list[list[str]], envs: list[dict[str, str]], regions: list[str],
               stop_at: Callable[[list[RankExit]], float | None]) -> tuple[list[RankExit], bool]:
     """Start rank ``k`` as ``cmds[k]`` with environment ``envs[k]``, forward its output, and wait for every rank.

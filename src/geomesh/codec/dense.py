@@ -111,6 +111,31 @@ class DenseCodec(_Codec):
         out = vals.to(device=torch.device(device), dtype=_F32, copy=True)
         return DecodedPayload(tokens, self._split(out))
 
+    # ---- the all-reduce form: contributions that a sum combines ----------------------------------------
+    def reduce_weight(self, tokens: int) -> float:
+        """A payload's weight in the summed form: its tokens (in units of 2^20, so the sum stays well inside
+        float32) under token weighting, else 1."""
+        return tokens / 2**20 if self.weighting == "tokens" else 1.0
+
+    def reducible(self, payload: bytes | None, *, device: torch.device | str = "cpu") -> torch.Tensor:
+        """``[w·Δ, w]`` (float32, numel + 1) of a checked payload: summing these over workers (an all-reduce)
+        and dividing by the last element (:meth:`reduced_update`) is the weighted average. ``None``: zeros,
+        a worker that sends no update."""
+        flat = torch.zeros(self._numel + 1, dtype=_F32, device=torch.device(device))
+        if payload is not None:
+            decoded = self.decode(payload, device=device)
+            w = self.reduce_weight(decoded.tokens)
+            torch.cat([t.reshape(-1) for t in decoded.tensors.values()], out=flat[: self._numel])
+            flat[: self._numel].mul_(w)
+            flat[self._numel] = w
+        return flat
+
+    def reduced_update(self, summed: torch.Tensor) -> dict[str, torch.Tensor] | None:
+        """The update in a sum of :meth:`reducible` forms (views into ``summed``); None when nothing was sent."""
+        if float(summed[self._numel]) <= 0:
+            return None
+        return self._split(summed[: self._numel].div(summed[self._numel]))
+
     def combine_with_tokens(
         self,
         payloads: Iterable[bytes],

@@ -187,6 +187,72 @@ class OuterLoopMethod(Method):
         return True
 
 
+@dataclass
+class RoundKit:
+    """What one worker (a region) of a round-based method needs besides its model, built once from the method
+    and the scenario for every runtime and for :class:`~geomesh.api.GeoMeshSync`: its encoder (which holds the
+    error-feedback residual), the combiner every receiver decodes with, the outer optimizer over θ, and the
+    payload sizes (the model's, and the timing model's that the plan and the modeled clock use)."""
+
+    method: OuterLoopMethod
+    manifest: Manifest
+    codec: Codec
+    combiner: Codec
+    outer: OuterNesterov
+    payload_nbytes: int  # one payload of the model that really trains
+    modeled_payload_nbytes: int  # one payload at the timing model's size
+    key: bytes | None
+
+    @classmethod
+    def build(cls, method: OuterLoopMethod, scenario: ScenarioConfig, params: Tensors,
+              key: bytes | None = None) -> RoundKit:  # fmt: skip
+        manifest = Manifest.from_tensors(params)
+        combiner = method.make_codec(manifest, scenario, key=key)
+        lr, momentum = method.outer_settings(scenario)
+        return cls(method, manifest, method.make_codec(manifest, scenario, key=key), combiner,
+                   OuterNesterov(params, lr=lr, momentum=momentum), combiner.payload_nbytes(),
+                   method.modeled_payload_bytes(scenario, manifest), key)  # fmt: skip
+
+    @property
+    def dense(self) -> bool:
+        """Payloads that are summed (an all-reduce of :meth:`DenseCodec.reducible`), not gathered."""
+        return self.method.collective == "all_reduce"
+
+
+@dataclass(frozen=True)
+class RoundSteps:
+    """One round's inner steps per worker (after the budget and the fold), its tokens, and the learning rate
+    of every inner step: the same numbers in both runtimes."""
+
+    steps: list[int]
+    tokens: int  # Σ batch · steps · seq_len over the round's workers
+    start_tokens: int  # tokens trained before this round
+
+    def lr_at(self, steps: int, budget: int, tr: Any) -> Callable[[int], float]:
+        """Inner step k's learning rate for a worker running ``steps`` steps this round (the schedule follows
+        the run's tokens, spread evenly over the round)."""
+        from ..worker import inner_lr
+
+        start, total = self.start_tokens, self.tokens
+        return lambda k: inner_lr(start + k / steps * total, budget, tr)
+
+
+def round_steps(entries: list[Any], seq_len: int, tokens_done: int, budget: int, plan: Plan | None = None,
+                overlapped: bool = False) -> RoundSteps:  # fmt: skip
+    """The round's steps for the plan ``entries`` (one per worker taking part): the budget in whole rounds
+    (:func:`budget_steps`), and, overlapped, a remainder too short to hide the exchange folded into this round
+    (:func:`~geomesh.methods.overlap.fold_remainder`, needs ``plan``)."""
+    from .overlap import fold_remainder
+
+    remaining = budget - tokens_done
+    batches = [w.batch for w in entries]
+    steps = budget_steps([w.inner_steps for w in entries], batches, seq_len, remaining)
+    if overlapped:
+        steps = fold_remainder(steps, batches, seq_len, remaining, plan.sequences_per_round * seq_len,
+                               plan.compute_s, plan.exchange_s)  # fmt: skip
+    return RoundSteps(steps, sum(b * h for b, h in zip(batches, steps)) * seq_len, tokens_done)
+
+
 MIN_KEY_BYTES = 16
 
 

@@ -175,6 +175,14 @@ class Plan:
             "overlap": self.overlap,
         }
 
+    def digest(self) -> str:
+        """What the ranks compare to agree that they hold the same plan: each worker's batch, micro-batch,
+        accumulation and inner steps (the numbers that decide what trains; timings may differ by rounding)."""
+        import hashlib
+
+        key = ";".join(f"{w.name}:{w.micro_batch}x{w.accum}={w.batch},{w.inner_steps}" for w in self.workers)
+        return hashlib.sha256(key.encode()).hexdigest()[:16]
+
     @classmethod
     def from_json(cls, data: Mapping) -> "Plan":
         """Inverse of :meth:`to_json`; ``ValueError`` with the reason when malformed."""

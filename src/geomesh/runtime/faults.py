@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from ..config import ScenarioConfig
     from ..worker import Worker
 
-__all__ = ["FAULT_KINDS", "ONE_ROUND_FAULTS", "ClusterState", "FaultEffects", "corrupt_payload", "faults_at",
+__all__ = ["FAULT_KINDS", "ONE_ROUND_FAULTS", "ClusterState", "FaultEffects", "RoundFaults", "corrupt_payload", "faults_at",
            "grads_finite", "optimizer_finite", "poison_grads", "poisoned"]  # fmt: skip
 
 ONE_ROUND_FAULTS = ("nan", "corrupt")  # fault kinds that last one round (the others change the cluster)
@@ -79,6 +79,74 @@ class FaultEffects:
     remake: bool = False  # membership or links changed: the plan must be remade
     joined: list[int] = field(default_factory=list)  # workers that came back this round
     once: dict[int, set[str]] = field(default_factory=dict)  # worker -> one-round faults ("nan", "corrupt")
+
+
+class RoundFaults:
+    """The scenario's faults as the distributed round loop applies them: at the start of their round, on every
+    rank of every region alike (so every rank plans the same), over a :class:`ClusterState` (a region away
+    from a scheduled ``leave`` until its ``join``, its compute slowdown, the links), with one record per fault
+    for the summary. ``nan`` and ``corrupt`` hit one round of a region that takes part in it."""
+
+    def __init__(self, scenario: ScenarioConfig):
+        self.scenario = scenario
+        self.names = [r.name for r in scenario.regions]
+        self.cluster = ClusterState(scenario)
+        self.records: list[dict[str, Any]] = []
+        self.applied = -1  # the last round whose faults were applied
+
+    def at_round(self, round_index: int, members: list[int], now: float) -> tuple[FaultEffects, list[dict]]:
+        """Apply the faults of round ``round_index`` (0-based) once: (what they do to it, their new records)."""
+        effects = FaultEffects()
+        if round_index <= self.applied:
+            return effects, []
+        self.applied = round_index
+        new = []
+        for f in faults_at(self.scenario, round_index):
+            if f.kind not in FAULT_KINDS:
+                continue
+            i = self.names.index(f.region)
+            record = {"round": round_index, "time": now, "region": f.region, "kind": f.kind, "factor": f.factor,
+                      "tokens_lost": 0}  # fmt: skip
+            if f.kind in ONE_ROUND_FAULTS:
+                if i in members:
+                    effects.once.setdefault(i, set()).add(f.kind)
+                else:
+                    record["ignored"] = "the region is not in this round"
+            elif f.kind == "join":
+                if not self.cluster.alive[i]:
+                    self.cluster.apply(i, "join", f.factor)
+                    effects.joined.append(i)
+            else:
+                self.cluster.apply(i, f.kind, f.factor)
+                effects.remake |= f.kind in ("slowdown", "bandwidth")  # the plan learns speeds and links at once
+            self.records.append(record)
+            new.append(record)
+        return effects, new
+
+    def away(self, i: int) -> bool:
+        """Out of the run by a scheduled ``leave`` (until its ``join``): connected, but it trains nothing."""
+        return not self.cluster.alive[i]
+
+    def speed(self, i: int) -> float:
+        return self.cluster.speed[i]
+
+    def wan(self, members: list[int]):
+        return self.cluster.wan(members)
+
+    def count_lost(self, round_index: int, lost: dict[int, int]) -> None:
+        """Fill in the tokens a one-round fault of ``round_index`` cost its region."""
+        for f in self.records:
+            if f["round"] == round_index and f["kind"] in ONE_ROUND_FAULTS and "ignored" not in f:
+                f["tokens_lost"] = lost.get(self.names.index(f["region"]), 0)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"cluster": self.cluster.state_dict(), "records": [dict(r) for r in self.records],
+                "applied": self.applied}  # fmt: skip
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.cluster.load_state_dict(state["cluster"])
+        self.records[:] = [dict(r) for r in state["records"]]
+        self.applied = int(state["applied"])
 
 
 # ---- injection ---------------------------------------------------------------------------------------

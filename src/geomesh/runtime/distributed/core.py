@@ -8,6 +8,7 @@ one. See :mod:`geomesh.runtime.distributed` for ranks, regions, time and telemet
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import os
@@ -40,25 +41,35 @@ TEST_EXIT_ENV = "GEOMESH_TEST_EXIT_AFTER_ROUND"  # "RANK:ROUND": that rank exits
 WIRE_IFACE_ENV = "GEOMESH_WIRE_IFACE"  # a network interface whose tx bytes measure what really went out
 
 
-STATIC_FAULTS = ("the scenario's faults are injected into real processes with elastic regions: set "
-                 "reliability.min_regions (or --min-regions N) to at least 1; without them one lost region stops "
-                 "the whole run")
+MEMBERSHIP_FAULTS = ("leave", "join")  # faults that change who is in a round: elastic regions only
 
 
 class RankFailure(RuntimeError):
     """A peer rank died or hung past the timeout, or the ranks disagree; the message says which."""
 
 
-def check_distributed_support(scenario: ScenarioConfig, method: Method) -> None:
-    """Refuse, in one line, what the distributed runtime cannot run (before any process starts, and on every rank)."""
+def check_distributed_support(scenario: ScenarioConfig, method: Method, elastic: bool = False) -> None:
+    """Refuse, in one line, what the distributed runtime cannot run (before any process starts, and on every
+    rank): the asynchronous baseline, a sharded ddp baseline, scenario faults the run cannot honour."""
     if method.kind == "async":
         raise ConfigError(f"--method {method.name}: runs in the emulated runtime only (`geomesh train`); the "
-                          "distributed runtime runs ddp, diloco, geomesh, geomesh-balance-only, geomesh-sign-only")  # fmt: skip
+                          "distributed runtime runs ddp and the round-based methods")  # fmt: skip
     if method.kind == "ddp":
         sharded = [r.name for r in scenario.regions if r.strategy == "fsdp"]
         if sharded:
             raise ConfigError(f"--method ddp: regions {', '.join(sharded)} have strategy fsdp; the ddp baseline keeps "
                               "a full replica on every rank (set their strategy to ddp)")  # fmt: skip
+        if scenario.faults:
+            kinds = sorted({f.kind for f in scenario.faults})
+            raise ConfigError(f"--method ddp: the scenario has faults ({', '.join(kinds)}); the ddp baseline's step "
+                              "loop does not inject them (remove the scenario's faults, or run a round-based "
+                              "method)")  # fmt: skip
+        if elastic:
+            raise ConfigError("--method ddp: not with elastic regions (reliability.min_regions / --min-regions): "
+                              "ddp all-reduces every step across every region")  # fmt: skip
+    if not elastic and any(f.kind in MEMBERSHIP_FAULTS for f in scenario.faults):
+        raise ConfigError("the scenario's leave/join faults need elastic regions: set reliability.min_regions (or "
+                          "--min-regions N) to at least 1; a static run keeps every region in every round")  # fmt: skip
 
 
 def params_checksum(params: dict[str, torch.Tensor], samples: int = 4096) -> str:
@@ -75,6 +86,32 @@ def params_checksum(params: dict[str, torch.Tensor], samples: int = 4096) -> str
 
 def _fingerprint(*parts: Any) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+class WallClock:
+    """A rank's wall clock and the spans of its worker's time: seconds since the start barrier (or the time
+    a resumed or healed run had reached), and a cursor up to which the worker's time is accounted."""
+
+    def __init__(self) -> None:
+        self.t0 = time.perf_counter()
+        self.cursor = 0.0
+        self.spans: list[tuple[str, float, float, int]] = []
+
+    def now(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def start(self) -> None:
+        """Time 0 is now (every rank calls this right after the start barrier)."""
+        self.t0, self.cursor = time.perf_counter(), 0.0
+
+    def resume(self, at: float) -> None:
+        """The clock goes on from ``at`` seconds (a checkpoint's time, or a live region's when healed)."""
+        self.t0, self.cursor = time.perf_counter() - at, at
+
+    def take_spans(self) -> list[tuple[str, float, float, int]]:
+        """The spans recorded since the last call (what a rank reports with its round)."""
+        spans, self.spans = self.spans, []
+        return spans
 
 
 # ---- the run --------------------------------------------------------------------------------------
@@ -112,7 +149,8 @@ class RankRun:
         self.is_leader = self.rank == self.leader
         self.out_dir = self.options.out_dir
         self.telemetry = Telemetry(None)
-        self.tokens_done = 0
+        self.tokens_done = 0  # tokens whose updates reached θ
+        self.tokens_lost = 0  # tokens trained whose updates did not (rejected, dropped, lost regions)
         self.rounds = 0
         self.plans: list[Plan] = []
         self.global_model = None
@@ -120,9 +158,9 @@ class RankRun:
         self.saves_global = True  # this rank writes θ and the outer momentum into checkpoints
         self.evaluates = self.rank == 0  # the ranks that run evaluations of θ (rank 0 records them)
         self.outer_state_bytes: list[int] | None = None  # per rank, at the end (rank 0; round-based loops)
-        self._t0 = time.perf_counter()
-        self._cursor = 0.0
-        self._spans: list[tuple[str, float, float, int]] = []
+        self.clock = WallClock()
+        self.keeps_records = self.rank == 0  # the rank whose telemetry keeps the run's records (elastic: leaders)
+        self._profiles_cache: list[WorkerProfile] | None = None
         self._exit_after = self._test_exit()
         self._iface = os.environ.get(WIRE_IFACE_ENV) or None
         self.totals = {"bytes_sent": 0, "proxy_bytes_sent": 0, "wire_bytes_sent": 0, "intra_region_bytes": 0,
@@ -137,8 +175,25 @@ class RankRun:
             return int(parts[1]), parts[2:] == ["hang"]
         return None
 
+    # the clock's cursor and pending spans, as the loops and checkpoints read and set them
+    @property
+    def _cursor(self) -> float:
+        return self.clock.cursor
+
+    @_cursor.setter
+    def _cursor(self, value: float) -> None:
+        self.clock.cursor = value
+
+    @property
+    def _spans(self) -> list[tuple[str, float, float, int]]:
+        return self.clock.spans
+
+    @_spans.setter
+    def _spans(self, value: list) -> None:
+        self.clock.spans = value
+
     def _now(self) -> float:
-        return time.perf_counter() - self._t0
+        return self.clock.now()
 
     def _mark(self, kind: str, until: float | None = None) -> None:
         """This worker's next span, from the end of the last one to ``until`` (default: now)."""
@@ -174,7 +229,7 @@ class RankRun:
     # ---- set-up ------------------------------------------------------------------------------------
     def _setup(self) -> None:
         sc, tr = self.scenario, self.scenario.training
-        check_distributed_support(sc, self.method)
+        check_distributed_support(sc, self.method, elastic=self.options.elastic_region is not None)
         mine = _fingerprint(sc.to_dict(), self.method.name, self.seed, self.budget, self.layout.counts,
                             self.options.wan)  # fmt: skip
         prints = self.transport.all_gather_object(mine, what="checking that all ranks run the same job")
@@ -230,6 +285,13 @@ class RankRun:
 
         self._on_rank0("loading the corpus", first)
         return corpus if corpus is not None else load()
+
+    @property
+    def profiles(self) -> list[WorkerProfile]:
+        """Every region's profile (scenario order), read once: the plans of every round are made from these."""
+        if self._profiles_cache is None:
+            self._profiles_cache = self._profiles()
+        return [copy.copy(p) for p in self._profiles_cache]
 
     def _profiles(self) -> list[WorkerProfile]:
         """Cost-model profiles as the emulated runtime builds them, or measured ones (``REGION=FILE``)."""
@@ -314,17 +376,37 @@ class RankRun:
     def _start_clock(self) -> None:
         """Every rank meets at the start barrier; the wall clock starts there."""
         self.transport.barrier(None, what="the start barrier")
-        self._t0 = time.perf_counter()
-        self._cursor = 0.0
+        self.clock.start()
 
-    def _gather_checked(self, info: dict[str, Any], unit: str, what: str) -> list[dict[str, Any]]:
-        """Every rank's ``info`` of the round (``unit``: round or step) on every rank, after checking that the
-        ranks hold the same ``what`` (their ``crc``)."""
-        infos = self.transport.all_gather_object(info, what=f"the checksum of {unit} {self.rounds}")
-        crcs = {i["crc"] for i in infos}
+    def _gather_in_region(self, mine: dict[str, Any], what: str) -> list[dict[str, Any]]:
+        """Every rank of this region's ``mine`` on its leader (and every other rank of it), in rank order."""
+        if self.region_group is None:
+            return [mine]
+        return self.transport.all_gather_json(mine, self.region_group, len(self.region_ranks), what=what)
+
+    def _gather_leaders(self, info: dict[str, Any], what: str) -> list[dict[str, Any]] | None:
+        """(leaders) Every leader's ``info``, in region order; other ranks get None. Only leaders cross the WAN."""
+        if not self.is_leader:
+            return None
+        return self.transport.all_gather_json(info, self.leaders_group, len(self.layout.leaders), what=what)
+
+    def _gather_checked(self, info: dict[str, Any], unit: str, what: str) -> list[dict[str, Any]] | None:
+        """Every region's ``info`` of the round (``unit``: round or step) on the leaders (None elsewhere), after
+        checking that every rank holds the same ``what`` (its ``crc``): inside each region first, then across
+        the leaders."""
+        region = self._gather_in_region({"crc": info["crc"], "intra_bytes": info["intra_bytes"]},
+                                        what=f"the region's checksum of {unit} {self.rounds}")  # fmt: skip
+        crcs = {i["crc"] for i in region}
         if len(crcs) > 1:
-            detail = ", ".join(f"rank {r}: {i['crc']}" for r, i in enumerate(infos))
-            raise RankFailure(f"{unit} {self.rounds}: the ranks hold different {what} ({detail})")
+            detail = ", ".join(f"rank {r}: {i['crc']}" for r, i in zip(self.region_ranks, region))
+            raise RankFailure(f"{unit} {self.rounds}: the ranks of region {self.scenario.regions[self.region].name} "
+                              f"hold different {what} ({detail})")  # fmt: skip
+        info = {**info, "intra_bytes": sum(i["intra_bytes"] for i in region)}
+        infos = self._gather_leaders(info, what=f"the checksum of {unit} {self.rounds}")
+        if infos is not None and len({i["crc"] for i in infos}) > 1:
+            names = [r.name for r in self.scenario.regions]
+            detail = ", ".join(f"{names[k]}: {i['crc']}" for k, i in enumerate(infos))
+            raise RankFailure(f"{unit} {self.rounds}: the regions hold different {what} ({detail})")
         return infos
 
     def _round_info(self, crc: str, compute_s: float, comm_s: float, sent_before: int, wire_before: int | None,
@@ -332,14 +414,13 @@ class RankRun:
         """What this rank reports about the round it just finished (to every rank, then rank 0's records);
         hands over the spans recorded since the last report."""
         info = {
-            "crc": crc, "spans": self._spans, "compute_s": compute_s, "comm_s": comm_s,
+            "crc": crc, "spans": self.clock.take_spans(), "compute_s": compute_s, "comm_s": comm_s,
             "wan_bytes": self.transport.wan_bytes - sent_before, "leader": self.is_leader,
             "proxy_bytes": proxy_bytes, "dropped_local": int(dropped),
             "wire_bytes": (wire_after - wire_before) if (wire_before is not None and wire_after is not None
                                                          and self.is_leader) else None,
             "intra_bytes": self.transport.intra_bytes, **more,
         }  # fmt: skip
-        self._spans = []
         return info
 
     def _exchange_fields(self, payload_bytes: int, proxy_payload: int, timing_payload: int, shaper_s: float,
@@ -359,11 +440,12 @@ class RankRun:
         """After the last round: every rank's last spans, θ's checksum and the bytes of θ and outer momentum
         it holds to rank 0, which records them."""
         self._mark("other")
-        final = {"spans": self._spans, "crc": params_checksum(params),
+        final = {"spans": self.clock.take_spans(), "crc": params_checksum(params),
                  "outer_bytes": None if outer_buf is None else local_bytes(params) + local_bytes(outer_buf)}  # fmt: skip
-        infos = self.transport.all_gather_object(final, what="the final telemetry")
-        self._spans = []
+        region = self._gather_in_region(final, what="the region's final telemetry")
+        regions = self._gather_leaders({"ranks": region}, what="the final telemetry")
         if self.rank == 0:
+            infos = [i for r in regions for i in r["ranks"]]  # rank order: ranks fill regions in order
             names = [r.name for r in self.scenario.regions]
             for r, i in enumerate(infos):
                 self._write_spans(names[self.layout.region_of(r)], i["spans"])
@@ -449,11 +531,11 @@ class RankRun:
         for kind, a, b, r in spans:
             self.telemetry.span(worker, kind, a, b, r)
 
-    def _record_round(self, infos: list[dict], names: list[str]) -> None:
-        leaders = [infos[r] for r in self.layout.leaders]
-        for r, i in enumerate(infos):
+    def _record_round(self, leaders: list[dict], names: list[str], **more: Any) -> None:
+        """Rank 0: the round's record from every region's report (region order), and their spans."""
+        for k, i in enumerate(leaders):
             if i["spans"]:
-                self._write_spans(names[self.layout.region_of(r)], i["spans"])
+                self._write_spans(names[k], i["spans"])
         t = self.totals
         t["bytes_sent"] += sum(i["wan_bytes"] for i in leaders)
         t["proxy_bytes_sent"] += sum(i["proxy_bytes"] for i in leaders)
@@ -461,7 +543,7 @@ class RankRun:
         wire = sum(wires) if all(w is not None for w in wires) else None
         if wire is not None:
             t["wire_bytes_sent"] += wire
-        t["intra_region_bytes"] = sum(i["intra_bytes"] for i in infos)
+        t["intra_region_bytes"] = sum(i["intra_bytes"] for i in leaders)
         comm = max(i["comm_s"] for i in leaders)
         t["comm_s"] += comm
         dropped = sum(i["dropped_local"] for i in leaders)
@@ -469,7 +551,7 @@ class RankRun:
             self.telemetry.count("dropped_updates", dropped)
         record = {"type": "round", "round": self.rounds, "time": self._now(), "tokens": self.tokens_done,
                   "compute_s": [i["compute_s"] for i in leaders], "exchange_s": comm,
-                  "bytes_sent": sum(i["wan_bytes"] for i in leaders)}  # fmt: skip
+                  "bytes_sent": sum(i["wan_bytes"] for i in leaders), **more}  # fmt: skip
         if wire is not None:
             record["wire_bytes"] = wire
         self.telemetry.emit(record)

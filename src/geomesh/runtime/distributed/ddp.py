@@ -78,7 +78,7 @@ def run_ddp(run: RankRun) -> dict[str, Any]:
         saver = RunCheckpointer(run, {}, None, None, run._checkpoint_fingerprint())
     if run._resume_from is not None:
         saver.restore(Path(run._resume_from))
-        run._t0 = time.perf_counter() - run._cursor  # the clock goes on from the checkpoint's time
+        run.clock.resume(run._cursor)  # the clock goes on from the checkpoint's time
         run._say(f"[ddp] resumed from the checkpoint of step {run.rounds} ({run._resume_from})")
     step_tokens = n * tr.batch * seq
     model.train()

@@ -16,7 +16,6 @@ import torch
 
 from ...planner import Plan
 from ...telemetry import _jsonable
-from .checkpoints import RunCheckpointer
 from .core import params_checksum
 from .region import lay_out_like
 
@@ -35,7 +34,7 @@ class Records:
 
 
 class ElasticState:
-    """Records, recovery state and checkpoint state of :class:`~geomesh.runtime.distributed.elastic.ElasticLoop` (a part
+    """Records, recovery state and checkpoint state of :class:`~geomesh.runtime.distributed.elastic.QuorumExchange` (a part
     of its class: it reads the loop's and the run's fields)."""
 
     # ---- torchft's recovery: what a live region sends, and how a joiner loads it ---------------------
@@ -70,9 +69,8 @@ class ElasticState:
             "outer": outer,
             "run": {"rounds": run.rounds, "tokens_done": run.tokens_done, "plans": [p.to_json() for p in run.plans],
                     "records": list(self.records), **tel.state_dict(), "run_totals": dict(run.totals),
-                    "stats": json.loads(json.dumps(self.stats)), "faults": list(self.faults),
-                    "streams": dict(self.streams), "members": list(self.members or []), "now": run._now(),
-                    "slowdown": dict(self.slowdown), "bandwidth": dict(self.bandwidth), "away": sorted(self.away)},
+                    "stats": json.loads(json.dumps(self.stats)), "faults": self.faults.state_dict(),
+                    "streams": dict(self.streams), "members": list(self.members or []), "now": run._now()},
         }  # fmt: skip
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -91,14 +89,11 @@ class ElasticState:
         run.rounds, run.tokens_done = int(s["rounds"]), int(s["tokens_done"])
         run.plans = [Plan.from_json(p) for p in s["plans"]]
         self.stats = s["stats"]
-        self.faults[:] = s["faults"]
+        self.faults.load_state_dict(s["faults"])
         self.streams = dict(s["streams"])
         self.members = list(s["members"])
-        self.slowdown = {int(k): float(v) for k, v in s["slowdown"].items()}
-        self.bandwidth = {int(k): float(v) for k, v in s["bandwidth"].items()}
-        self.away = set(s["away"])
-        run.worker.slowdown = self.sc.regions[self.me].slowdown * self.slowdown[self.me]
-        run._t0 = time.perf_counter() - float(s["now"])  # this region's clock joins the others'
+        run.worker.slowdown = self.sc.regions[self.me].slowdown * self.faults.speed(self.me)
+        run.clock.resume(float(s["now"]))  # this region's clock joins the others'
         self.written = -1  # the records are the live region's now: rewrite events.jsonl if this one writes it
         run._cursor = float(s["now"])
         run._spans = []
@@ -114,31 +109,21 @@ class ElasticState:
         if mine is not None:
             run.worker.stream.load_state_dict(mine)
 
-    # ---- checkpoints (checkpoints.RunCheckpointer, one folder per region) -------------------------
-    def _checkpoint_state(self) -> dict[str, Any]:
-        run = self.run
-        common = {"stats": self.stats, "faults": self.faults, "streams": self.streams,
-                  "members": self.members, "slowdown": self.slowdown, "bandwidth": self.bandwidth,
-                  "away": sorted(self.away)}  # fmt: skip
-        return {"common": json.loads(json.dumps(common)),
-                "rank0": {"records": self.records} if run.is_leader else None}  # fmt: skip
+    # ---- this component's part of the region's checkpoint (one folder per region) --------------------------
+    def checkpoint_state(self) -> dict[str, Any]:
+        """What every rank of the region stores (plain JSON)."""
+        return json.loads(json.dumps({"stats": self.stats, "streams": self.streams, "members": self.members}))
 
-    def _load_checkpoint_state(self, state: dict[str, Any]) -> None:
+    def checkpoint_state_rank0(self) -> dict[str, Any] | None:
+        return {"records": self.records} if self.run.is_leader else None
+
+    def load_checkpoint_state(self, state: dict[str, Any]) -> None:
         c = state["common"]
-        self.stats, self.faults[:], self.streams = c["stats"], c["faults"], dict(c["streams"])
+        self.stats, self.streams = c["stats"], dict(c["streams"])
         self.members = c["members"]
-        self.slowdown = {int(k): float(v) for k, v in c["slowdown"].items()}
-        self.bandwidth = {int(k): float(v) for k, v in c["bandwidth"].items()}
-        self.away = set(c["away"])
-        self.run.worker.slowdown = self.sc.regions[self.me].slowdown * self.slowdown[self.me]
+        self.run.worker.slowdown = self.sc.regions[self.me].slowdown * self.faults.speed(self.me)
         if state["rank0"] is not None and self.run.is_leader:
             self.records[:] = state["rank0"]["records"]
-
-    def _checkpointer(self):
-        run = self.run
-        return RunCheckpointer(run, self.params, self.outer, self.codec, run._checkpoint_fingerprint(),
-                               directory=run._checkpoint_dir(), extra=self._checkpoint_state,
-                               load_extra=self._load_checkpoint_state)  # fmt: skip
 
     # ---- events.jsonl ----------------------------------------------------------------------------------
     def _writer(self, took_part: list[int]) -> bool:

@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from ...methods.overlap import (TailSend, TailSplit, apply_step, eager_start, eager_weights, fragment_codecs,
                                planned_tokens, tail_fragments, tail_split)  # fmt: skip
+from ..payloads import screen_payload
 from .region import lay_out_like
 from .transport import split_gathered
 
@@ -55,6 +56,8 @@ class RankOverlap:
         self._split: TailSplit | None = None  # the last round's fragments
         self._fragment_codecs: list[Any] = []
         self._fragments: dict[int, tuple[Any, torch.Tensor, float, float]] = {}  # f -> work, buffer, since, at
+        self._rejected: list[tuple[int, str]] = []  # (region, why) of payloads screened out since last taken
+        self._dropped: list[int] = []  # regions whose slot arrived empty (no update) since last taken
 
     def apply_at(self, wp: Any, steps: int) -> int:
         """This round's apply step, from the plan's predicted step time (as the emulated runtime)."""
@@ -84,15 +87,11 @@ class RankOverlap:
         """Launch the collective of one payload made by ``codec`` (the whole model's or a fragment's):
         (work, the buffer it fills)."""
         run, group = self.run, self.run.leaders_group
-        if self.dense:
-            d = codec.manifest.numel
-            flat = torch.zeros(d + 1, dtype=torch.float32, device=self.device)
-            if payload is not None:
-                decoded = codec.decode(payload, device=self.device)
-                w = decoded.tokens / 2**20 if codec.weighting == "tokens" else 1.0
-                torch.cat([t.reshape(-1) for t in decoded.tensors.values()], out=flat[:d])
-                flat[:d].mul_(w)
-                flat[d] = w
+        if self.dense:  # a sum mixes contributions before anyone could check one: the sender checks its own
+            reason = screen_payload(codec, payload) if payload is not None else None
+            if reason is not None:
+                self._rejected.append((run.region, reason))
+            flat = codec.reducible(payload if reason is None else None, device=self.device)
             run.transport.wan_bytes += flat.numel() * flat.element_size()
             return dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group, async_op=True), flat
         nbytes, size = codec.payload_nbytes(), len(run.layout.leaders)
@@ -210,16 +209,40 @@ class RankOverlap:
     def _combined(self, exchanged: torch.Tensor, codec: Any) -> Tensors | None:
         """The combined update in the exchanged bytes of payloads made by ``codec``; None when none arrived."""
         if self.dense:
-            manifest = codec.manifest
-            d = manifest.numel
-            if float(exchanged[d]) <= 0:
-                return None
-            flat = exchanged[:d].div(exchanged[d])
-            return {s.name: flat[o : o + s.numel].view(s.shape) for s, o in zip(manifest, manifest.offsets)}
-        payloads = [p for p in split_gathered(exchanged.cpu(), codec.payload_nbytes()) if p is not None]
+            return codec.reduced_update(exchanged)
+        payloads = []  # every payload screened before any is combined (a bad one costs its sender's update)
+        for region, p in enumerate(split_gathered(exchanged.cpu(), codec.payload_nbytes())):
+            if p is None:
+                self._dropped.append(region)
+                continue
+            reason = screen_payload(codec, p)
+            if reason is None:
+                payloads.append(p)
+            else:
+                self._rejected.append((region, reason))
         if not payloads:
             return None
+        if hasattr(codec, "reducible"):  # signed dense payloads (a run key), summed here in region order
+            summed = torch.zeros(codec.manifest.numel + 1, dtype=torch.float32, device=self.device)
+            for p in payloads:
+                summed.add_(codec.reducible(p, device=self.device))
+            return codec.reduced_update(summed)
         return codec.combine(payloads, device=self.device)
+
+    def take_rejected(self) -> list[tuple[int, str]]:
+        """(region, why) of every payload screened out since the last call (each region once)."""
+        seen, out = set(), []
+        for region, why in self._rejected:
+            if region not in seen:
+                seen.add(region)
+                out.append((region, why))
+        self._rejected = []
+        return out
+
+    def take_dropped(self) -> list[int]:
+        """Regions whose update was absent (non-finite) since the last call."""
+        out, self._dropped = sorted(set(self._dropped)), []
+        return out
 
     @torch.no_grad()
     def _step(self, combined: Tensors | None) -> None:

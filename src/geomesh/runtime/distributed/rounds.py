@@ -1,180 +1,428 @@
-"""The round loop of the distributed runtime for round-based methods (diloco, geomesh and its ablations, with
-or without overlap), on one rank: the region's inner steps, the leaders' straggler barrier and exchange
-(all-gather of payloads or all-reduce of the weighted fp32 pseudo-gradient), the broadcast inside a region,
-the outer step on every rank, the checksum of θ, records and checkpoints (see
-:mod:`geomesh.runtime.distributed`)."""
+"""The round loop of the distributed runtime, written once, on one rank: static or elastic regions, plain or
+overlapped rounds, scenario faults, payload screening, evaluation and checkpoints are parts of this loop.
+
+One round (every rank of every region; the leader alone crosses the WAN):
+
+1. **Who trains.** The exchange (:mod:`.exchange`: the static leaders' group, or torchft's quorum with
+   elastic regions, :mod:`.elastic`) names the round's members; a region that was behind is healed first.
+2. **Faults and plan.** The scenario's faults of the round apply on every rank alike
+   (:class:`~geomesh.runtime.faults.RoundFaults`); the members are (re-)planned when they or their speeds
+   and links changed. The round's steps, tokens and learning rates come from
+   :func:`~geomesh.methods.base.round_steps`, as in the emulated runtime.
+3. **Inner steps** on every rank of a member region (:meth:`OuterLoopMethod.local_phase`, or the overlapped
+   round, :mod:`.overlap`), then the region's payload.
+4. **Exchange** over the members' leaders: the straggler barrier, the collective (an all-gather of payloads,
+   or an all-reduce of dense contributions), the WAN shaper's hold; the leader shares the bytes inside its
+   region.
+5. **Screen, combine, step.** Every rank screens every payload before combining any
+   (:func:`~geomesh.runtime.payloads.screen_payload`): a bad payload costs its sender's update this round (a
+   warning naming the region, ``rejected_payloads``), never the run; the combined update is checked finite;
+   every rank takes the same outer step.
+6. **Records, evaluation, checkpoint.** The round's record and spans (static: rank 0 writes ``events.jsonl``;
+   elastic: :class:`~geomesh.runtime.distributed.elastic.QuorumExchange` keeps and writes them), evaluation on
+   its cadence, a checkpoint when due (an overlapped round before it drains its exchange first).
+"""
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from ...codec import Manifest
 from ...errors import RunError
-from ...methods.base import OuterLoopMethod, budget_steps, payload_key
-from ...methods.overlap import fold_remainder, round_compute_s
-from ...outer import OuterNesterov
+from ...methods.base import OuterLoopMethod, RoundKit, payload_key, round_steps
+from ...methods.overlap import round_compute_s
 from ...planner import Plan
-from ...worker import inner_lr
+from ..faults import ONE_ROUND_FAULTS, RoundFaults, corrupt_payload, optimizer_finite, poisoned
+from ..payloads import screen_payload
 from .checkpoints import RunCheckpointer
-from .core import STATIC_FAULTS, RankRun, params_checksum
-from ..payloads import CombineOn
+from .core import RankRun, params_checksum
+from .exchange import Exchanged, RoundView, StaticExchange
 from .region import lay_out_like
 from .transport import WanShaper, split_gathered, tx_bytes
+
+TEST_KILL_ENV = "GEOMESH_TEST_KILL_MID_ROUND"  # "REGION:ROUND[:hang]": its ranks die (or hang) before that exchange
+
+STATIC_MEMBERSHIP_FAULTS = ("the scenario's leave/join faults need elastic regions: set reliability.min_regions "
+                            "(or --min-regions N) to at least 1; a static run keeps every region in every round")
+
+
+class RoundLoop:
+    """The rounds of a round-based method on this rank of ``run`` (set up), over the run's exchange."""
+
+    def __init__(self, run: RankRun):
+        self.run = run
+        method: OuterLoopMethod = run.method  # type: ignore[assignment]
+        sc = run.scenario
+        self.method, self.sc, self.tr = method, sc, sc.training
+        self.names = [r.name for r in sc.regions]
+        self.n = len(self.names)
+        self.me = run.region
+        self.seq = sc.proxy.seq_len
+        self.params = {k: p.detach() for k, p in run.global_model.named_parameters()}
+        self.kit = RoundKit.build(method, sc, self.params, key=payload_key(sc))
+        self.codec, self.combiner, self.outer = self.kit.codec, self.kit.combiner, self.kit.outer
+        self.d = self.kit.manifest.numel
+        # dense contributions are summed by an all-reduce, unless a run key signs them: then each is gathered
+        # as a signed payload and every rank sums the ones that pass screening (N·P bytes instead of ~2·P)
+        self.summed = self.kit.dense and self.kit.key is None
+        self.faults = RoundFaults(sc)
+        self.elastic = run.options.elastic_region is not None
+        self.plan: Plan | None = None
+        self.planned_for: list[int] | None = None
+        self.lay_out = lambda whole: lay_out_like(whole, self.params)  # updates land as θ is held
+        self.overlap = None  # the overlapped round (runtime/distributed/overlap.py, docs/overlap.md)
+        region, _, at = os.environ.get(TEST_KILL_ENV, "").partition(":")
+        at, _, how = at.partition(":")
+        self._kill_at = (region, int(at), how) if at.isdigit() else None
+        if self.elastic:
+            from .elastic import QuorumExchange
+
+            self.exchange = QuorumExchange(self)
+        else:
+            if any(f.kind in ("leave", "join") for f in sc.faults):
+                raise RunError(STATIC_MEMBERSHIP_FAULTS)
+            self.exchange = StaticExchange(self)
+        if method.overlapped(sc):
+            from .overlap import RankOverlap
+
+            shaper = WanShaper(sc.wan_model(), run.options.wan)
+            self.overlap = RankOverlap(run, method, self.combiner, self.outer, self.params, self.kit.manifest,
+                                       shaper, self.exchange.shaper_s(list(range(self.n))), self.summed,
+                                       self.kit.payload_nbytes)  # fmt: skip
+
+    @property
+    def wire_nbytes(self) -> int:
+        """What one leader hands to the cross-region collective per round."""
+        return 4 * (self.d + 1) if self.summed else self.kit.payload_nbytes
+
+    # ---- planning ---------------------------------------------------------------------------------------
+    def make_plan(self, members: list[int]) -> Plan:
+        """The members planned over the WAN that links them now, at their speeds now (every rank alike)."""
+        wan = self.faults.wan(members)
+        exchange_s, _ = self.method.exchange(wan, self.kit.modeled_payload_nbytes)
+        profiles = [self.run.profiles[i] for i in members]
+        for p, i in zip(profiles, members):
+            p.slowdown = self.sc.regions[i].slowdown * self.faults.speed(i)
+        return self.method.plan(self.sc, profiles, exchange_bytes=self.kit.modeled_payload_nbytes,
+                                exchange_s=exchange_s)  # fmt: skip
+
+    def emit(self, record: dict[str, Any]) -> None:
+        """A record of the run, on the rank that keeps the records (static: rank 0; elastic: every leader)."""
+        if self.run.keeps_records:
+            self.run.telemetry.emit(record)
+
+    # ---- the run ----------------------------------------------------------------------------------------
+    def run_loop(self) -> dict[str, Any]:
+        run, method, tr = self.run, self.method, self.tr
+        every, keep = run._checkpoint_cadence()
+        saver = None
+        if every > 0 or run._resume_from is not None:
+            saver = RunCheckpointer(run, self.params, self.outer, self.codec, run._checkpoint_fingerprint(),
+                                    directory=run._checkpoint_dir(), extra=self._checkpoint_state,
+                                    load_extra=self._load_checkpoint_state, overlap=self.overlap)  # fmt: skip
+        self.exchange.start()
+        if run._resume_from is not None:
+            saver.restore(Path(run._resume_from))
+            run.clock.resume(run._cursor)  # the clock goes on from the checkpoint's time
+            self.plan = run.plans[-1] if run.plans else None
+            self.planned_for = self.exchange.planned_for_after_resume()
+            self.exchange.resumed()
+            run._say(f"[{method.name}] resumed from the checkpoint of round {run.rounds} ({run._resume_from})")
+        first = True
+        while True:
+            # 1. who trains this round
+            view = self.exchange.open_round(first)
+            run._mark("straggler_wait")  # (elastic: waiting for the round's quorum, i.e. the slowest live region)
+            first = False
+            if view.healed:
+                self.exchange.apply_healed(view.state)
+                self.planned_for = None
+            if run.tokens_done >= run.budget:
+                break
+            r = run.rounds  # 0-based index of this round (fault schedule); round records count from 1
+            # 2. faults and plan
+            effects, new_faults = self.faults.at_round(r, view.members, run._now())
+            for record in new_faults:
+                self.emit({"type": "fault", **{k: v for k, v in record.items() if k != "tokens_lost"}})
+            if self.me in effects.joined:  # back as a restarted process would be: fresh AdamW, empty residual
+                run.worker.optimizer.state.clear()
+                if hasattr(self.codec, "reset_residual"):
+                    self.codec.reset_residual()
+            run.worker.slowdown = self.sc.regions[self.me].slowdown * self.faults.speed(self.me)
+            if effects.remake:
+                self.planned_for = None
+            members = [i for i in view.members if not self.faults.away(i)]
+            if not members:
+                raise RunError(f"round {r + 1}: every live region is away (the scenario's leave faults)")
+            self.exchange.members_known(view, members)
+            if self.planned_for != members:
+                self.plan = self.make_plan(members)
+                run.plans.append(self.plan)
+                self.exchange.planned(self.plan, members, r)
+                self.planned_for = list(members)
+            plan = self.plan
+            entries = {i: plan.worker(self.names[i]) for i in members}
+            rs = round_steps([entries[i] for i in members], self.seq, run.tokens_done, run.budget, plan,
+                             overlapped=self.overlap is not None)  # fmt: skip
+            steps = dict(zip(members, rs.steps))
+            planned = {i: entries[i].batch * steps[i] * self.seq for i in members}
+            checkpoint_due = saver is not None and every > 0 and (run.rounds + 1) % every == 0  # after this round
+            last = run.tokens_done + rs.tokens >= run.budget
+            # 3. inner steps
+            run._mark("other")
+            round_start = run._cursor
+            once = effects.once.get(self.me, set())
+            payload, split = None, None
+            if self.me in members:
+                payload, split = self._local_phase(entries, steps, rs, members, plan, once, last or checkpoint_due)
+            run._mark("compute")
+            compute_s = run._cursor - round_start - (self.overlap.waited_s if self.overlap is not None else 0.0)
+            self._test_kill_point()
+            # 4. exchange over the members' leaders
+            sent_before, wire_before = run.transport.wan_bytes, tx_bytes(run._iface)
+            if self.overlap is not None:
+                result, comm_s = self._exchange_overlapped(payload, split, members)
+            else:
+                result, comm_s = self._exchange(payload, members, compute_s)
+                if result.healed_state is not None:  # this region fell behind during the exchange
+                    self.exchange.apply_healed(result.healed_state)
+                    self.planned_for = None
+                    continue
+            wire_after = tx_bytes(run._iface)
+            # 5. screen, combine, step (overlapped: the previous round's update, applied inside this round)
+            outcome = self._apply(result, members) if self.overlap is None else None
+            run.rounds += 1
+            if self.overlap is not None:
+                run.tokens_done += rs.tokens  # (the update of these tokens is formed when the exchange arrives)
+                if run.tokens_done >= run.budget or checkpoint_due:
+                    # the last round's exchange (nothing is left to hide it under), or one a checkpoint must not
+                    # hold: waited for now
+                    self.overlap.drain()
+                    comm_s += self.overlap.take_waited()
+                outcome = self._overlap_outcome(members)
+            lost = {i: planned[i] for i in outcome["lost"] if i in planned}
+            if self.overlap is None:  # the budget counts tokens whose updates reached θ
+                run.tokens_done += sum(planned[i] for i in outcome["took_part"] if i not in outcome["lost"])
+            run.tokens_lost += sum(lost.values())
+            self.faults.count_lost(r, lost)
+            # 6. records, evaluation, checkpoint
+            self._warn(outcome)
+            self.exchange.end_round(result, members, outcome, lost, planned, compute_s, comm_s, payload=payload,
+                                    split=split, sent_before=sent_before, wire_before=wire_before,
+                                    wire_after=wire_after)  # fmt: skip
+            if self.overlap is None and run.evaluates and (run.rounds % tr.eval_every_rounds == 0
+                                                            or run.tokens_done >= run.budget):  # fmt: skip
+                run._evaluate(run._now())  # (overlapped: evaluated when the update arrives)
+            if checkpoint_due:
+                run._save_checkpoint(saver, keep)
+            run._test_exit_point()
+        return self.exchange.finish()
+
+    # ---- the parts of a round ----------------------------------------------------------------------------
+    def _local_phase(self, entries, steps, rs, members, plan, once, drains: bool):
+        """This region's inner steps and payload (a tuple of fragments when the last overlapped exchange
+        leaves in fragments); faults of this round applied to it."""
+        run, method = self.run, self.method
+        wp, h = entries[self.me], steps[self.me]
+        run.worker.follow_plan(wp)
+        lr_at = rs.lr_at(h, run.budget, self.tr)
+        split = None
+        with poisoned(run.worker, "nan" in once):
+            if self.overlap is not None:
+                ov = self.overlap
+                if drains:  # an exchange nothing hides (the last, one a checkpoint waits for) leaves in fragments
+                    split = ov.tail_split(self.faults.wan(members), self.kit.modeled_payload_nbytes,
+                                          round_compute_s([entries[i] for i in members], [steps[i] for i in members]))  # fmt: skip
+                apply_at = ov.apply_at(wp, h)
+                tail = ov.tail_send(split, wp, h, apply_at) if split is not None else None
+                payload, _ = method.local_phase_overlapped(run.worker, h, wp.batch, ov.start, apply_at, ov.arrive,
+                                                           self.codec, lr_at, tail)  # fmt: skip
+                if split is None:
+                    ov.prepare_next(payload, plan, [steps[i] for i in members], plan.exchange_s)
+            else:
+                payload, _ = method.local_phase(run.worker, h, wp.batch, self.params, self.codec, lr_at)
+        parts = payload if split is not None else (payload,)
+        if any(p is None for p in parts) and not optimizer_finite(run.worker.optimizer):
+            run.worker.optimizer.state.clear()  # one bad round must not poison the next ones
+        if "corrupt" in once:  # damage on the wire (the ``corrupt`` fault)
+            parts = tuple(corrupt_payload(p) if p is not None else None for p in parts)
+            payload = parts if split is not None else parts[0]
+        return payload, split
+
+    def _test_kill_point(self) -> None:
+        """Tests: this region's ranks die (or hang) with their payload unsent (:data:`TEST_KILL_ENV`)."""
+        if self._kill_at is not None and self._kill_at[:2] == (self.names[self.me], self.run.rounds + 1):
+            if self._kill_at[2] == "hang":  # stop responding (torchft's heartbeat thread goes on)
+                while True:
+                    time.sleep(3600)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def _info(self, payload: bytes | None, compute_s: float, members: list[int], reason: str | None) -> dict:
+        """What this leader tells the others with its payload (JSON)."""
+        run = self.run
+        info = {"region": self.me, "active": self.me in members, "compute_s": compute_s, "sent": payload is not None,
+                "rejected": reason, "plan": self.plan.digest() if self.plan is not None else None}  # fmt: skip
+        info.update(self.exchange.info_fields())
+        return info
+
+    def _exchange(self, payload: bytes | None, members: list[int], compute_s: float) -> tuple[Exchanged, float]:
+        """The plain round's exchange on the leader, shared inside the region: (what arrived, comm seconds)."""
+        run = self.run
+        result = None
+        comm_start = run._cursor
+        if run.is_leader:
+            self.exchange.straggler_barrier(run.rounds + 1)
+            run._mark("straggler_wait")
+            comm_start = run._cursor
+            summed, reason = None, None
+            if self.summed:  # a sum mixes contributions before anyone could check one: the sender checks its own
+                reason = screen_payload(self.combiner, payload) if payload is not None else None
+                summed = self.combiner.reducible(payload if reason is None else None, device=run.device)
+            info = self._info(payload, compute_s, members, reason)
+            result = self.exchange.exchange(payload, summed, info, members)
+        result = self._share(result)
+        run._mark("comm_wait")
+        return result, run._cursor - comm_start
+
+    def _exchange_overlapped(self, payload, split, members) -> tuple[Exchanged, float]:
+        """The overlapped round: the leader passes the barrier and launches the exchange (or its last
+        fragment); it arrives inside the next round. Returns the round's info exchange, done with it."""
+        run, ov = self.run, self.overlap
+        comm_start = run._cursor
+        if run.is_leader:
+            self.exchange.straggler_barrier(run.rounds + 1)
+            run._mark("straggler_wait")
+            comm_start = run._cursor
+            since = time.perf_counter()
+            if split is not None:  # the last fragment, launched as the others were; drained below
+                ov.launch_fragment(split.fragments - 1, payload[-1])
+            else:
+                ov.launch(payload, since)
+        run._mark("comm_wait")
+        comm_s = run._cursor - comm_start + ov.take_waited()
+        return Exchanged(infos=[], payloads=None, summed=None, comm_s=comm_s, wan_bytes=0), comm_s
+
+    def _share(self, result: Exchanged | None) -> Exchanged:
+        """The leader's exchange result on every rank of the region (JSON for the infos, raw bytes for the
+        payloads, a float32 tensor for a dense sum, the healing state's tensors one by one)."""
+        run = self.run
+        if run.region_group is None:
+            return result
+        head = run.transport.broadcast_json(result.to_json() if run.is_leader else None, run.leader,
+                                            run.region_group, what="the round's exchange")  # fmt: skip
+        if head["healed_state"] is not None or (run.is_leader and result.healed_state is not None):
+            state = self.exchange.share_state(result.healed_state if run.is_leader else None)
+            return Exchanged(infos=head["infos"], payloads=None, summed=None, comm_s=head["comm_s"],
+                             wan_bytes=head["wan_bytes"], healed_state=state)  # fmt: skip
+        if self.summed:
+            summed = result.summed if run.is_leader else torch.empty(self.d + 1, dtype=torch.float32,
+                                                                      device=run.device)  # fmt: skip
+            summed = run.transport.broadcast(summed, run.leader, run.region_group)
+            return Exchanged(head["infos"], None, summed, head["comm_s"], head["wan_bytes"])
+        nbytes = self.kit.payload_nbytes
+        packed = torch.zeros(self.n * nbytes, dtype=torch.uint8)
+        if run.is_leader:
+            for i, p in result.payloads.items():
+                if p is not None:
+                    packed[i * nbytes : (i + 1) * nbytes] = torch.frombuffer(bytearray(p), dtype=torch.uint8)
+        packed = run.transport.broadcast(packed, run.leader, run.region_group)
+        slots = split_gathered(packed, nbytes)
+        active = {i["region"] for i in head["infos"]} if head["infos"] else set(range(self.n))
+        payloads = {i: slots[i] for i in range(self.n) if i in active}
+        return Exchanged(head["infos"], payloads, None, head["comm_s"], head["wan_bytes"])
+
+    @torch.no_grad()
+    def _apply(self, result: Exchanged, members: list[int]) -> dict[str, Any]:
+        """Screen every payload, combine those that pass, check the update and take the outer step (every
+        rank alike). Returns who took part, whose update was rejected (why) or dropped, and whose was lost."""
+        infos = result.infos
+        took_part = [i["region"] for i in infos if i.get("active", True)] if infos else list(members)
+        rejected: list[tuple[int, str]] = []
+        dropped: list[int] = []
+        for i in infos:  # a member that reported a plan other than this rank's: its update is not used
+            if i.get("plan") is not None and self.plan is not None and i["plan"] != self.plan.digest() \
+                    and i["region"] in took_part:  # fmt: skip
+                rejected.append((i["region"], "its plan differs from this region's (the regions disagree)"))
+        combined = None
+        if self.summed:
+            for i in infos:
+                if i["active"] and not i["sent"]:
+                    dropped.append(i["region"])
+                if i.get("rejected"):
+                    rejected.append((i["region"], f"payload rejected: {i['rejected']}"))
+            combined = self.combiner.reduced_update(result.summed)
+        else:
+            arrived, arrived_from = [], []
+            for i in sorted(result.payloads):  # scenario order: the emulated runtime's combine order
+                payload = result.payloads[i]
+                if i not in took_part or any(j == i for j, _ in rejected):
+                    continue
+                if payload is None:
+                    dropped.append(i)
+                    continue
+                reason = screen_payload(self.combiner, payload)
+                if reason is None:
+                    arrived.append(payload)
+                    arrived_from.append(i)
+                else:
+                    rejected.append((i, f"payload rejected: {reason}"))
+            if arrived:
+                if self.kit.dense:  # signed dense contributions, summed here in scenario order
+                    summed = torch.zeros(self.d + 1, dtype=torch.float32, device=self.run.device)
+                    for p in arrived:
+                        summed.add_(self.combiner.reducible(p, device=self.run.device))
+                    combined = self.combiner.reduced_update(summed)
+                else:
+                    combined = self.combiner.combine(arrived, device=self.run.device)
+        if combined is not None and not all(bool(torch.isfinite(t).all()) for t in combined.values()):
+            rejected.extend((i, "the combined update is not finite") for i in took_part)
+            combined = None
+        if combined is not None:
+            self.outer.step(self.lay_out(combined))
+            self.exchange.theta_changed()
+        lost = set(dropped) | {i for i, _ in rejected}
+        return {"took_part": took_part, "rejected": rejected, "dropped": dropped, "lost": lost}
+
+    def _overlap_outcome(self, members: list[int]) -> dict[str, Any]:
+        """Overlapped rounds: the payloads that the updates applied during this round rejected or missed.
+        Their tokens were counted when trained (the round they came from), so none are counted as lost here."""
+        rejected = [(i, f"payload rejected: {why}") for i, why in self.overlap.take_rejected()]
+        return {"took_part": list(members), "rejected": rejected, "dropped": self.overlap.take_dropped(),
+                "lost": set()}  # fmt: skip
+
+    def _warn(self, outcome: dict[str, Any]) -> None:
+        """One warning per bad sender of the round, naming its region, and the counters."""
+        run = self.run
+        for i, reason in outcome["rejected"]:
+            run.telemetry.count("rejected_payloads")
+            self.emit({"type": "warning", "round": run.rounds, "worker": self.names[i],
+                       "message": f"{reason}; its update is dropped this round"})  # fmt: skip
+            if run.is_leader and run.region == min(outcome["took_part"] or [self.me]):
+                print(f"warning: round {run.rounds}: region {self.names[i]}: {reason}; its update is dropped this "
+                      f"round", flush=True)  # fmt: skip
+        for i in outcome["dropped"]:
+            run.telemetry.count("dropped_updates")
+            self.emit({"type": "warning", "round": run.rounds, "worker": self.names[i],
+                       "message": "non-finite loss, parameters or pseudo-gradient; its update is dropped"})  # fmt: skip
+
+    # ---- checkpoint state of this loop (plain JSON; the same on every rank) --------------------------------
+    def _checkpoint_state(self) -> dict[str, Any]:
+        common = {"faults": self.faults.state_dict(), **self.exchange.checkpoint_state()}
+        return {"common": common, "rank0": self.exchange.checkpoint_state_rank0()}
+
+    def _load_checkpoint_state(self, state: dict[str, Any]) -> None:
+        self.faults.load_state_dict(state["common"]["faults"])
+        self.exchange.load_checkpoint_state(state)
+        self.plan = self.run.plans[-1] if self.run.plans else None
+        self.planned_for = self.exchange.planned_for_after_resume()
 
 
 def run_rounds(run: RankRun) -> dict[str, Any]:
     """The round loop of a round-based method on this rank of ``run`` (set up); returns the summary's method
     fields."""
-    method: OuterLoopMethod = run.method  # type: ignore[assignment]
-    sc, tr = run.scenario, run.scenario.training
-    if sc.faults:
-        raise RunError(STATIC_FAULTS)
-    model = run.global_model
-    params = {k: p.detach() for k, p in model.named_parameters()}
-    manifest = Manifest.from_tensors(params)
-    key = payload_key(sc)  # the shared secret that signs payloads, when the scenario names one
-    codec = method.make_codec(manifest, sc, key=key)
-    combiner = method.make_codec(manifest, sc, key=key)
-    outer = OuterNesterov(params, lr=tr.outer_lr, momentum=tr.outer_momentum)
-    wan = sc.wan_model()
-    shaper = WanShaper(wan, run.options.wan)
-    proxy_payload = combiner.payload_nbytes()
-    modeled_payload = method.modeled_payload_bytes(sc, manifest)
-    exchange_s, _ = method.exchange(wan, modeled_payload)
-
-    def make_plan() -> dict:
-        return method.plan(sc, run._profiles(), exchange_bytes=modeled_payload, exchange_s=exchange_s).to_json()
-
-    plan = Plan.from_json(run._on_rank0("planning", make_plan))
-    run.plans.append(plan)
-    n = len(sc.regions)
-    d = manifest.numel
-    dense = method.collective == "all_reduce"
-    # what one leader hands to the cross-region collective, and what the shaper holds it for
-    wan_nbytes = 4 * (d + 1) if dense else proxy_payload
-    shaper_s = shaper.allreduce_s(wan_nbytes) if dense else shaper.allgather_s(wan_nbytes)
-    names = [r.name for r in sc.regions]
-    seq = sc.proxy.seq_len
-    lay_out = lambda whole: lay_out_like(whole, params)  # noqa: E731 - updates land as θ is held (sharded or whole)
-    overlap = None  # the overlapped round (runtime/distributed/overlap.py, docs/overlap.md)
-    if method.overlapped(sc):
-        from .overlap import RankOverlap
-
-        overlap = RankOverlap(run, method, combiner, outer, params, manifest, shaper, shaper_s, dense,
-                              proxy_payload)  # fmt: skip
-    run._start_records(plan)
-    run._start_clock()
-    every, keep = run._checkpoint_cadence()
-    saver = None
-    if every > 0 or run._resume_from is not None:
-        saver = RunCheckpointer(run, params, outer, codec, run._checkpoint_fingerprint(), overlap=overlap)
-    if run._resume_from is not None:
-        saver.restore(Path(run._resume_from))
-        plan = run.plans[-1]
-        run._t0 = time.perf_counter() - run._cursor  # the clock goes on from the checkpoint's time
-        run._say(f"[{method.name}] resumed from the checkpoint of round {run.rounds} ({run._resume_from})")
-    while run.tokens_done < run.budget:
-        remaining = run.budget - run.tokens_done
-        steps = budget_steps([w.inner_steps for w in plan.workers], [w.batch for w in plan.workers], seq,
-                             remaining)  # as the emulated runtime
-        if overlap is not None:  # a remainder too short to hide the exchange joins this round (as emulated)
-            steps = fold_remainder(steps, [w.batch for w in plan.workers], seq, remaining,
-                                   plan.sequences_per_round * seq, plan.compute_s, plan.exchange_s)  # fmt: skip
-        round_tokens = sum(w.batch * h for w, h in zip(plan.workers, steps)) * seq
-        run._mark("other")
-        round_start = run._cursor
-        wp, h, start = plan.workers[run.region], steps[run.region], run.tokens_done
-        run.worker.follow_plan(wp)
-
-        def lr_at(k: int, h: int = h, start: int = start, total: int = round_tokens) -> float:
-            return inner_lr(start + k / h * total, run.budget, tr)
-
-        checkpoint_due = saver is not None and every > 0 and (run.rounds + 1) % every == 0  # after this round
-        split = None  # an overlapped exchange nothing hides (the last, one a checkpoint waits for) leaves in
-        # fragments (as emulated)
-        if overlap is not None and (run.tokens_done + round_tokens >= run.budget or checkpoint_due):
-            split = overlap.tail_split(wan, modeled_payload, round_compute_s(plan.workers, steps))
-        if overlap is not None:  # the previous round's update is applied inside this one, when it arrives
-            apply_at = overlap.apply_at(wp, h)
-            tail = overlap.tail_send(split, wp, h, apply_at) if split is not None else None
-            payload, _ = method.local_phase_overlapped(run.worker, h, wp.batch, overlap.start, apply_at,
-                                                       overlap.arrive, codec, lr_at, tail)  # fmt: skip
-            if split is None:
-                overlap.prepare_next(payload, plan, steps, plan.exchange_s)
-        else:
-            payload, _ = method.local_phase(run.worker, h, wp.batch, params, codec, lr_at)
-        run._mark("compute")
-        compute_s = run._cursor - round_start - (overlap.waited_s if overlap is not None else 0.0)
-        sent_before, wire_before = run.transport.wan_bytes, tx_bytes(run._iface)
-        comm_start = run._cursor
-        exchanged: torch.Tensor | None = None
-        if run.is_leader:
-            run.transport.barrier(run.leaders_group, what=f"the straggler barrier of round {run.rounds + 1}")
-            run._mark("straggler_wait")
-            comm_start = run._cursor
-            since = time.perf_counter()
-            if split is not None:  # the last fragment, launched as the others were; drained below
-                overlap.launch_fragment(split.fragments - 1, payload[-1])
-            elif overlap is not None:  # launched, not waited for: it arrives inside the next round
-                overlap.launch(payload, since)
-            elif dense:
-                flat = torch.zeros(d + 1, dtype=torch.float32, device=run.device)
-                if payload is not None:
-                    decoded = combiner.decode(payload, device=run.device)
-                    w = decoded.tokens / 2**20 if combiner.weighting == "tokens" else 1.0
-                    torch.cat([t.reshape(-1) for t in decoded.tensors.values()], out=flat[:d])
-                    flat[:d].mul_(w)
-                    flat[d] = w
-                exchanged = run.transport.all_reduce_sum(flat, run.leaders_group)
-            else:
-                exchanged = run.transport.all_gather_bytes(payload, proxy_payload, run.leaders_group, n)
-            if overlap is None:
-                shaper.hold(shaper_s, since)
-        if run.region_group is not None and overlap is None:
-            if exchanged is None:
-                exchanged = (torch.empty(d + 1, dtype=torch.float32, device=run.device) if dense
-                             else torch.empty(n * proxy_payload, dtype=torch.uint8))  # fmt: skip
-            exchanged = run.transport.broadcast(exchanged, run.leader, run.region_group)
-        run._mark("comm_wait")
-        comm_s = run._cursor - comm_start
-        wire_after = tx_bytes(run._iface)
-        # the outer step, on every rank from the same bytes (overlapped: when the exchange arrives)
-        if overlap is not None:
-            comm_s += overlap.take_waited()
-        elif dense:
-            if float(exchanged[d]) > 0:
-                flat = exchanged[:d].div(exchanged[d])
-                outer.step(lay_out({s.name: flat[o : o + s.numel].view(s.shape)
-                                    for s, o in zip(manifest, manifest.offsets)}))  # fmt: skip
-        else:
-            slots = split_gathered(exchanged, proxy_payload)
-            method.apply([p for p in slots if p is not None], CombineOn(combiner, run.device, lay_out),
-                         outer)  # fmt: skip
-        run.tokens_done += round_tokens
-        run.rounds += 1
-        if overlap is not None and (run.tokens_done >= run.budget or checkpoint_due):
-            # the last round's exchange (nothing is left to hide it under), or one a checkpoint must not hold
-            overlap.drain()
-            comm_s += overlap.take_waited()
-        checksum = params_checksum(params)
-        run._mark("other")
-        parts = payload if split is not None else (payload,)
-        info = run._round_info(checksum, compute_s, comm_s, sent_before, wire_before, wire_after,
-                               proxy_bytes=sum(len(p) for p in parts if p is not None) if run.is_leader else 0,
-                               dropped=any(p is None for p in parts) and run.is_leader)  # fmt: skip
-        infos = run._gather_checked(info, "round", "global parameters")
-        if run.rank == 0:
-            run._record_round(infos, names)
-        if run.evaluates and overlap is None and (run.rounds % tr.eval_every_rounds == 0
-                                                  or run.tokens_done >= run.budget):  # fmt: skip
-            run._evaluate(run._now())  # (overlapped: evaluated when the update arrives)
-        if checkpoint_due:
-            run._save_checkpoint(saver, keep)
-        run._test_exit_point()
-    run._final_telemetry(params, outer.buf)
-    return {**run._exchange_fields(wan_nbytes, proxy_payload, modeled_payload, shaper_s, method.collective),
-            "overlap": overlap is not None}
+    return RoundLoop(run).run_loop()

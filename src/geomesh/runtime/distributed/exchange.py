@@ -1,0 +1,218 @@
+"""The exchange seam of the distributed round loop: who takes part in a round, and how the leaders' bytes
+cross the WAN (:mod:`geomesh.runtime.distributed.rounds` is written once over it).
+
+An exchange answers three questions for the loop, always on a region's leader (the loop shares the answers
+inside the region):
+
+- :meth:`open_round`: which regions train this round (:class:`RoundView`), and whether this region was
+  behind and has just received the live state (elastic regions only);
+- :meth:`straggler_barrier`: wait for the slowest member (the span ``straggler_wait``);
+- :meth:`exchange`: every member's payload (or the sum of the dense contributions) and every member's round
+  info, in scenario order (:class:`Exchanged`), after the WAN shaper's hold.
+
+Two implementations: :class:`StaticExchange`, the leaders' ``torch.distributed`` group of a static run
+(every region in every round; a lost region stops the run with one error), and
+:class:`~geomesh.runtime.distributed.elastic.QuorumExchange`, torchft's quorum per round (regions leave, hang,
+come back and are healed). :class:`LocalExchange` runs the loop's exchange logic in one process (tests).
+
+Payloads travel as the raw bytes their codec wrote (one fixed size per codec: an absent update is a slot of
+zeros); round infos are JSON. Nothing a peer sends is unpickled, and nothing is trusted before the loop
+screens it: a bad payload costs its sender's update this round, never the run.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from .core import params_checksum
+from .transport import WanShaper, split_gathered
+
+
+@dataclass
+class RoundView:
+    """A round's members (region indices, scenario order) as this region's leader learned them."""
+
+    members: list[int]
+    healed: bool = False  # this region was behind and has just received a live region's state
+    state: dict[str, Any] | None = None  # that state (the loop applies it on every rank of the region)
+    rejoined: list[int] = field(default_factory=list)  # regions healed at this quorum
+
+
+@dataclass
+class Exchanged:
+    """What the leaders exchanged in one round, in scenario order of the regions that took part."""
+
+    infos: list[dict[str, Any]]  # every member's round info (its ``region`` index included)
+    payloads: dict[int, bytes | None] | None  # region -> its payload (None: it sent no update); gathered codecs
+    summed: torch.Tensor | None  # the sum of the dense contributions; summed codecs
+    comm_s: float  # seconds the collective took on this leader (the shaper's hold included)
+    wan_bytes: int  # bytes this leader handed to the collective
+    healed_state: dict[str, Any] | None = None  # elastic: this region fell behind during the exchange
+
+    def to_json(self) -> dict[str, Any]:
+        """The non-tensor part, as the leader shares it inside its region."""
+        return {"infos": self.infos, "comm_s": self.comm_s, "wan_bytes": self.wan_bytes,
+                "healed_state": self.healed_state}  # fmt: skip
+
+
+class Exchange(Protocol):
+    """The seam (see the module docstring); ``run`` is the rank's :class:`~.core.RankRun`."""
+
+    elastic: bool
+
+    def open_round(self, first: bool) -> RoundView: ...
+
+    def straggler_barrier(self, round_number: int) -> None: ...
+
+    def exchange(self, payload: bytes | None, summed: torch.Tensor | None, info: dict[str, Any],
+                 members: list[int]) -> Exchanged: ...  # fmt: skip
+
+    def shaper_s(self, members: list[int]) -> float: ...
+
+
+class StaticExchange:
+    """Every region in every round, over the leaders' process group of a static run: a monitored barrier
+    (Gloo names the rank that does not arrive within ``--timeout``), then an all-gather of the payloads (or an
+    all-reduce of the dense sum) and of the round infos, held by the WAN shaper. Rank 0 keeps the records:
+    after each round every region reports to it (inside the region first, then across the leaders only)."""
+
+    elastic = False
+
+    def __init__(self, loop: Any):
+        self.loop, self.run = loop, loop.run
+        self.n = len(self.run.scenario.regions)
+
+    # ---- start and resume -----------------------------------------------------------------------------
+    def start(self) -> None:
+        """The first plan (every region), the ``run`` and ``plan`` records and the evaluation at 0, the clock."""
+        loop, run = self.loop, self.run
+        every = list(range(self.n))
+        loop.plan, loop.planned_for = loop.make_plan(every), every
+        run.plans.append(loop.plan)
+        run._start_records(loop.plan)
+        run._start_clock()
+
+    def resumed(self) -> None:
+        pass
+
+    def planned_for_after_resume(self) -> list[int]:
+        return list(range(self.n))
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        return {}
+
+    def checkpoint_state_rank0(self) -> None:
+        return None
+
+    def load_checkpoint_state(self, state: dict[str, Any]) -> None:
+        pass
+
+    # ---- a round ------------------------------------------------------------------------------------------
+    def open_round(self, first: bool) -> RoundView:
+        return RoundView(members=list(range(self.n)))
+
+    def members_known(self, view: RoundView, members: list[int]) -> None:
+        pass
+
+    def planned(self, plan: Any, members: list[int], round_index: int) -> None:
+        self.loop.emit({"type": "plan", "round": round_index, "time": self.run._now(), "plan": plan.to_json()})
+
+    def apply_healed(self, state: dict[str, Any]) -> None:
+        raise AssertionError("a static run is never healed")
+
+    def straggler_barrier(self, round_number: int) -> None:
+        run = self.run
+        run.transport.barrier(run.leaders_group, what=f"the straggler barrier of round {round_number}")
+
+    def info_fields(self) -> dict[str, Any]:
+        return {}
+
+    def shaper_s(self, members: list[int]) -> float:
+        """What the WAN shaper holds this exchange to (0 without a shaper or with a single region)."""
+        if len(members) < 2:
+            return 0.0
+        loop = self.loop
+        shaper = WanShaper(loop.faults.wan(members), self.run.options.wan)
+        return shaper.allreduce_s(loop.wire_nbytes) if loop.summed else shaper.allgather_s(loop.wire_nbytes)
+
+    def exchange(self, payload: bytes | None, summed: torch.Tensor | None, info: dict[str, Any],
+                 members: list[int]) -> Exchanged:  # fmt: skip
+        run, loop = self.run, self.loop
+        t0 = since = time.perf_counter()
+        before = run.transport.wan_bytes
+        payloads = None
+        if summed is not None:
+            summed = run.transport.all_reduce_sum(summed, run.leaders_group)
+        else:
+            nbytes = loop.kit.payload_nbytes
+            gathered = run.transport.all_gather_bytes(payload, nbytes, run.leaders_group, self.n)
+            payloads = dict(enumerate(split_gathered(gathered, nbytes)))
+        infos = run.transport.all_gather_json(info, run.leaders_group, self.n,
+                                              what=f"the round infos of round {run.rounds + 1}")  # fmt: skip
+        for k, i in enumerate(infos):  # a malformed info: its region takes no part in this round's update
+            if not isinstance(i, dict):
+                infos[k] = {"region": k, "active": True, "sent": False,
+                            "rejected": "its round info is not a JSON object"}  # fmt: skip
+            infos[k]["region"] = k
+        WanShaper(loop.faults.wan(members), run.options.wan).hold(self.shaper_s(members), since)
+        return Exchanged(infos=infos, payloads=payloads, summed=summed, comm_s=time.perf_counter() - t0,
+                         wan_bytes=run.transport.wan_bytes - before)  # fmt: skip
+
+    def theta_changed(self) -> None:
+        pass
+
+    def end_round(self, result: Exchanged, members: list[int], outcome: dict[str, Any], lost: dict[int, int],
+                  planned: dict[int, int], compute_s: float, comm_s: float, *, payload: Any = None,
+                  split: Any = None, sent_before: int = 0, wire_before: int | None = None,
+                  wire_after: int | None = None) -> None:  # fmt: skip
+        """Every region reports the round to rank 0 (θ's checksum, spans, bytes), which records it."""
+        run, loop = self.run, self.loop
+        checksum = params_checksum(loop.params)
+        run._mark("other")
+        parts = payload if split is not None else (payload,)
+        info = run._round_info(checksum, compute_s, comm_s, sent_before, wire_before, wire_after,
+                               proxy_bytes=sum(len(p) for p in parts if p is not None) if run.is_leader else 0,
+                               dropped=False)  # fmt: skip
+        infos = run._gather_checked(info, "round", "global parameters")
+        if run.rank == 0:
+            run._record_round(infos, loop.names, members=[loop.names[i] for i in outcome["took_part"]],
+                              tokens_lost={loop.names[i]: t for i, t in lost.items()})  # fmt: skip
+
+    def finish(self) -> dict[str, Any]:
+        run, loop = self.run, self.loop
+        run._final_telemetry(loop.params, loop.outer.buf)
+        every = list(range(self.n))
+        return {**run._exchange_fields(loop.wire_nbytes, loop.kit.payload_nbytes, loop.kit.modeled_payload_nbytes,
+                                       self.shaper_s(every), loop.method.collective),
+                "overlap": loop.overlap is not None, "faults": loop.faults.records,
+                "rejected_payloads": int(run.telemetry.counters.get("rejected_payloads", 0)),
+                "tokens_lost": int(run.tokens_lost)}  # fmt: skip
+
+
+class LocalExchange:
+    """Regions of one process (tests): ``peers`` give the other members' payloads and infos for each round;
+    this region's are put in its slot. It exercises the loop's screening and combine without processes."""
+
+    elastic = False
+
+    def __init__(self, region: int, n: int, peers):
+        self.region, self.n, self.peers = region, n, peers
+
+    def open_round(self, first: bool) -> RoundView:
+        return RoundView(members=list(range(self.n)))
+
+    def straggler_barrier(self, round_number: int) -> None:
+        pass
+
+    def shaper_s(self, members: list[int]) -> float:
+        return 0.0
+
+    def exchange(self, payload, summed, info, members) -> Exchanged:
+        theirs = self.peers(info)  # region -> (payload, info)
+        payloads = {i: (payload if i == self.region else theirs[i][0]) for i in members}
+        infos = [{**(info if i == self.region else theirs[i][1]), "region": i} for i in members]
+        return Exchanged(infos=infos, payloads=payloads, summed=None, comm_s=0.0, wan_bytes=len(payload or b""))
