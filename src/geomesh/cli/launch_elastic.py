@@ -20,7 +20,8 @@ import sys
 import time
 from pathlib import Path
 
-from .ranks import REGION_ENV, LaunchResult, RankExit, rank_argv, report, run_ranks
+from .ranks import REGION_ENV, LaunchResult, RankExit, report, run_ranks
+from .run_args import rank_argv
 
 
 def launch_elastic(args: argparse.Namespace, env: dict[str, str], scenario, layout) -> LaunchResult:

@@ -47,7 +47,6 @@ from typing import Any
 from .ddp import run_ddp
 from .rounds import run_rounds
 from .core import (
-    STATIC_FAULTS,
     TEST_EXIT_ENV,
     WIRE_IFACE_ENV,
     RankFailure,
@@ -55,12 +54,11 @@ from .core import (
     check_distributed_support,
     params_checksum,
 )
-from .elastic import run_elastic
 from .layout import RankLayout, parse_ranks_per_region, rank_layout
 from ..options import DistOptions
 from .trust import establish as establish_trust
 
-__all__ = ["STATIC_FAULTS", "TEST_EXIT_ENV", "WIRE_IFACE_ENV", "DistOptions", "DistributedRun", "RankFailure",
+__all__ = ["TEST_EXIT_ENV", "WIRE_IFACE_ENV", "DistOptions", "DistributedRun", "RankFailure",
            "RankLayout", "check_distributed_support", "params_checksum", "parse_ranks_per_region", "rank_layout"]  # fmt: skip
 
 
@@ -75,8 +73,6 @@ class DistributedRun(RankRun):
                                      lighthouse=self.options.lighthouse)  # fmt: skip
 
     def _run_loop(self) -> dict[str, Any]:
-        if self.options.elastic_region is not None:
-            return run_elastic(self)
         if self.method.kind == "ddp":
             return run_ddp(self)
         return run_rounds(self)
