@@ -121,6 +121,7 @@ class Opened:
 class Rejected:
     reason: str
     sender: int | None = None  # the sender the frame claims, when its tag (if any) held
+    run: str | None = None  # the run id it claims, when its tag held but the run is another one
 
     def __bool__(self) -> bool:  # `if opened:` reads as "it opened"
         return False
@@ -291,7 +292,8 @@ def _open(mv: memoryview, ctx: Context, key: bytes | None, max_bytes: int, sende
     if not isinstance(claimed, int) or isinstance(claimed, bool):
         return Rejected("malformed frame header (sender)")
     if doc["run"] != ctx.run_id:
-        return Rejected(f"frame of another run (run id {str(doc['run'])[:32]!r}, this run {ctx.run_id!r})", claimed)
+        return Rejected(f"frame of another run (run id {str(doc['run'])[:32]!r}, this run {ctx.run_id!r})", claimed,
+                        str(doc["run"]))  # fmt: skip
     if doc["kind"] != ctx.kind:
         return Rejected(f"{str(doc['kind'])[:32]!r} frame where a {ctx.kind!r} frame belongs", claimed)
     if doc["round"] != ctx.round or doc["scope"] != ctx.scope:

@@ -28,7 +28,10 @@ shorter than the quorum. A member whose frame is malformed, oversize (its claime
 :attr:`Membership.frame_limit`), unsigned, forged, replayed from another round or collective, from another
 run, or whose message's ``"region"`` differs from the region its frame is signed for, is left out: it is
 named in :attr:`Membership.rejected` (for the last collective: ``[{"slot", "region", "reason"}]``, ``region``
-the claimed one or ``None``), counted in :attr:`Membership.rejected_frames`, and warned about on stderr. Two
+the claimed one or ``None``), counted in :attr:`Membership.rejected_frames`, and warned about on stderr. A
+genuine frame of this very collective from a live member of *another* job (another run id: a region started
+with another scenario, seed or budget) is handed on, so that the loop's job check (the header's ``hash``)
+names the odd region and stops it; recovery between two jobs is refused (:mod:`.heal`). Two
 members signed for one region (a region started again while its original is alive): the instance that took
 part in a quorum first is kept; the other is rejected, and on the newcomer itself the call raises
 :class:`DuplicateRegion` (one line; it should exit).
@@ -49,6 +52,7 @@ import time
 import uuid
 import warnings
 from contextlib import contextmanager
+from dataclasses import replace
 from datetime import timedelta
 from typing import Any, Callable
 
@@ -295,6 +299,10 @@ class Membership:
         for slot, raw in enumerate(self._gather_raw(frame)):
             got = raw if isinstance(raw, Rejected) else open_frame(raw, ctx=ctx, key=self.key,
                                                                     max_bytes=self.frame_limit)  # fmt: skip
+            if isinstance(got, Rejected) and got.run is not None:
+                # a live member of another job (its frame is genuine and of this very collective): its message
+                # is handed on, so the loop's job check names the odd region and stops it
+                got = open_frame(raw, ctx=replace(ctx, run_id=got.run), key=self.key, max_bytes=self.frame_limit)
             if isinstance(got, Rejected):
                 self._reject(slot, got.sender, got.reason)
                 continue

@@ -9,8 +9,8 @@ hash elastic regions compare in their header), and makes both this process's
 A run whose ranks or regions are on more than one host must have a key: its frames cross networks, and
 without a key nothing proves who sent them. A run is on one host when ``geomesh launch`` started it (every
 process on this machine, network namespaces included), or when every address it uses is a loopback address
-(``MASTER_ADDR``; with elastic regions also the quorum service and ``GEOMESH_ADVERTISE_HOST``), or when a
-static world's ranks are all local (``WORLD_SIZE == LOCAL_WORLD_SIZE``). ``GEOMESH_ALLOW_UNSIGNED=1`` runs
+(``MASTER_ADDR``, unless a world's ranks are all local: ``WORLD_SIZE == LOCAL_WORLD_SIZE``; with elastic
+regions also the quorum service, which every region must reach). ``GEOMESH_ALLOW_UNSIGNED=1`` runs
 across hosts without a key anyway, with a warning on every rank: for a network that is private end to end.
 """
 
@@ -51,16 +51,13 @@ def off_host_addresses(elastic: bool, lighthouse: str | None) -> list[str]:
     found = []
     if not is_loopback(env.get("MASTER_ADDR", "127.0.0.1")) and not (world and world == local):
         found.append(f"MASTER_ADDR={env.get('MASTER_ADDR')}")
-    if elastic:
-        from .membership import ADVERTISE_ENV, LIGHTHOUSE_ENV
+    if elastic:  # regions that all reach the quorum service over loopback are all on this machine
+        from .membership import LIGHTHOUSE_ENV
 
         address = lighthouse or env.get(LIGHTHOUSE_ENV) or ""
         host = urlsplit(address if "://" in address else f"http://{address}").hostname
         if address and not is_loopback(host):
             found.append(f"the quorum service {address}")
-        advertised = env.get(ADVERTISE_ENV)
-        if not is_loopback(advertised):
-            found.append(f"{ADVERTISE_ENV}={advertised}" if advertised else f"{ADVERTISE_ENV} unset (the host name)")
     return found
 
 
