@@ -254,3 +254,55 @@ def test_a_multi_host_run_needs_a_key_or_an_explicit_opt_out(tiny_scenario, monk
     assert got.key == b"a key of more than sixteen bytes" and got == run_trust()
     assert got.run_id == trust.establish(sc, "geomesh", 0, 1000, elastic=False).run_id
     assert got.run_id != trust.establish(sc, "geomesh", 1, 1000, elastic=False).run_id
+
+
+# ---- what a region's leader listens on ---------------------------------------------------------------------
+
+
+def _listening() -> dict[int, str]:
+    """This process's listening TCP sockets: port -> address (hex as the kernel writes it, decoded)."""
+    import ipaddress
+    import os
+
+    mine = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            mine.add(target[8:-1])
+    found = {}
+    for table, width in (("/proc/self/net/tcp", 4), ("/proc/self/net/tcp6", 16)):
+        with open(table) as f:
+            for line in f.readlines()[1:]:
+                cols = line.split()
+                local, state, inode = cols[1], cols[3], cols[9]
+                if state != "0A" or inode not in mine:
+                    continue
+                addr, port = local.split(":")
+                raw = bytes.fromhex(addr)
+                raw = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))  # kernel words, little-endian
+                found[int(port, 16)] = str(ipaddress.ip_address(raw if width == 16 else raw[:4]))
+    return found
+
+
+def test_a_leader_s_servers_listen_on_the_advertised_address_only(monkeypatch):
+    from torch.distributed import TCPStore
+
+    from geomesh.runtime.distributed.membership import Membership, start_lighthouse
+
+    monkeypatch.setenv("GEOMESH_ADVERTISE_HOST", "127.0.0.1")
+    lighthouse = start_lighthouse(1, 10.0)
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # PyTorch's: every interface
+    m = Membership(region=0, name="r0", lighthouse=f"http://127.0.0.1:{lighthouse.address().rsplit(':', 1)[-1]}",
+                   min_regions=1, deadline_s=10, quorum_timeout_s=10, state_dict=dict, load_state_dict=lambda s: None,
+                   store_addr="127.0.0.1", store_port=store.port)  # fmt: skip
+    try:
+        ours = {p: a for p, a in _listening().items() if p != store.port}
+        assert len(ours) >= 3, ours  # the Lighthouse, torchft's manager server, the recovery server
+        assert set(ours.values()) == {"127.0.0.1"}, ours
+        assert m.heal.port in ours
+    finally:
+        m.shutdown()
+        lighthouse.shutdown()
