@@ -124,7 +124,8 @@ finally:
 
 
 def keyed_scenario(tmp_path: Path, corpus: list[str], **extra) -> Path:
-    return scenario(tmp_path, corpus, slowdown=3.0, gpus=("H100", "A100"), round_deadline_s=60,
+    # inner steps padded with sleep (no CPU): a run of about a minute, long enough for a process to join it
+    return scenario(tmp_path, corpus, slowdown=10.0, gpus=("H100", "A100"), round_deadline_s=60,
                     hmac_key_env=KEY_ENV, **extra)  # fmt: skip
 
 
@@ -150,7 +151,8 @@ def test_an_outsider_on_the_quorum_service_gets_nothing_and_runs_nothing(tmp_pat
     report, marker = tmp_path / "intruder.json", tmp_path / "code-ran"
     script = tmp_path / "intruder.py"
     script.write_text(INTRUDER)
-    proc = start(launch_argv(path, out, 7680 * 3), tag, out)  # 8 rounds of the two regions
+    # 48 short rounds of the two regions: room for the outsider to start and join
+    proc = start(launch_argv(path, out, 7680 * 8), tag, out)
     try:
         wait_for_round(out, proc, 1)
         lighthouse = rank_env(tag, "r0-h100")["TORCHFT_LIGHTHOUSE"]
@@ -178,7 +180,7 @@ def test_an_outsider_on_the_quorum_service_gets_nothing_and_runs_nothing(tmp_pat
     summary = json.loads((out / "summary.json").read_text())
     assert summary["elastic"]["regions_at_end"] == ["r0-h100", "r1-a100"]
     assert len(set(summary["param_checksums"].values())) == 1
-    assert summary["tokens"] >= 7680 * 3
+    assert summary["tokens"] >= 7680 * 8
 
 
 def test_a_second_copy_of_a_live_region_exits_with_one_line_and_the_run_goes_on(tmp_path, small_corpus,
@@ -186,7 +188,7 @@ def test_a_second_copy_of_a_live_region_exits_with_one_line_and_the_run_goes_on(
     monkeypatch.setenv(KEY_ENV, "the run's secret, 32 bytes long!")
     path = keyed_scenario(tmp_path, small_corpus)
     out, tag = tmp_path / "run", uuid.uuid4().hex
-    proc = start(launch_argv(path, out, 7680 * 3), tag, out)
+    proc = start(launch_argv(path, out, 7680 * 8), tag, out)
     try:
         wait_for_round(out, proc, 1)
         original = Path("/proc") / str(processes(tag, "r1-a100")[0])
