@@ -12,8 +12,9 @@ membership rather than consensus written here:
   process group over the quorum's leaders (a new rendezvous per quorum, so a dead peer never poisons the
   next round), and counts committed rounds (``current_step`` = rounds done);
 - **live recovery**: a region whose step is behind the quorum's (a restarted process, or one that missed
-  rounds) receives the state of a live region over torchft's HTTP checkpoint transport before its first
-  round (:meth:`Membership.quorum` returns ``healed=True``).
+  rounds) receives the state of a live region over :class:`~geomesh.runtime.distributed.heal.HealTransport`
+  (authenticated; in place of torchft's HTTP one) before its first round (:meth:`Membership.quorum` returns
+  ``healed=True``); a recovery that is refused or fails is retried at the next quorum, nothing of it applied.
 
 Trust (docs/distributed.md, "Security"): nothing a peer sends is unpickled. Every message between leaders is a
 frame (:mod:`.frames`) tagged, with the run's key, over the run id, the round (torchft's step), the quorum
