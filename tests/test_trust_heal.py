@@ -306,3 +306,14 @@ def test_a_leader_s_servers_listen_on_the_advertised_address_only(monkeypatch):
     finally:
         m.shutdown()
         lighthouse.shutdown()
+
+
+def test_a_cluster_lighthouse_needs_the_address_to_listen_on(monkeypatch, capsys):
+    from geomesh.runtime.distributed import membership
+
+    monkeypatch.delenv("GEOMESH_ADVERTISE_HOST", raising=False)
+    assert membership.main(["--min-regions", "2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: --host: the address to listen on is needed")
+    assert membership.main(["--min-regions", "2", "--host", "no-such-host.invalid"]) == 2
+    assert "does not resolve on this host" in capsys.readouterr().err
