@@ -8,6 +8,7 @@ pseudo-gradients and takes the outer Nesterov step; every worker ends each round
     python examples/own_loop.py --nproc 2             # 2 processes over a Gloo group, one worker each
     torchrun --nproc-per-node 2 examples/own_loop.py  # the same under torchrun
     python examples/own_loop.py --single              # one model alone (a world of one, uniform plan)
+    python examples/own_loop.py --nproc 2 --replan    # the plan follows the speeds the two ranks measure
 
 ``--out FILE`` writes each rank's result (final loss, a digest of its parameters) as JSON lines.
 """
@@ -83,7 +84,10 @@ def train(rank: int, world: int, args: argparse.Namespace) -> dict:
     models = [BigramLM() for _ in range(n_local)]
     opts = [torch.optim.AdamW(m.parameters(), lr=3e-3) for m in models]
     data = [BigramData(seed=100 + rank * n_local + j) for j in range(n_local)]
-    plan_args = {"batch_size": 8, "inner_steps": 5} if args.single else {"scenario": str(SCENARIO)}
+    # the scenario's plan stays fixed unless --replan: the in-process and the two-rank runs then train the same
+    # workers bit for bit (re-planned, each follows the speeds it measures, which differ between the two)
+    plan_args = {"batch_size": 8, "inner_steps": 5} if args.single else {"scenario": str(SCENARIO),
+                                                                          "replan": args.replan}  # fmt: skip
     sync = GeoMeshSync(models if n_local > 1 else models[0], group=group, error_feedback=True, **plan_args)
     heldout = BigramData(seed=999).batch(64)
     for _ in range(args.rounds):
@@ -129,6 +133,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--nproc", type=int, default=1, help="spawn this many ranks (Gloo) on this machine")
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--single", action="store_true", help="one model, no peers, a uniform plan")
+    ap.add_argument("--replan", action="store_true",
+                    help="re-plan from each worker's measured compute time (with --nproc 2: in-process replicas "
+                    "measure nothing)")
     ap.add_argument("--out", default=None, help="append each rank's result as a JSON line to this file")
     args = ap.parse_args(argv)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun

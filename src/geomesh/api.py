@@ -25,6 +25,13 @@ steps; rank ``r``'s replica ``j`` is region ``r·k + j`` with ``k`` replicas per
 
 Only trainable floating-point parameters are synchronised (buffers such as BatchNorm statistics are not).
 A replica whose update is non-finite sends an empty slot and is reset to θ; the round goes on without it.
+
+A plan made from a scenario is a loop, as in the runtimes: ``sync`` measures each worker's compute, the wall
+time since the previous sync returned (or ``compute_s=``, what the caller measured), gathers every worker's
+measurement over the group as JSON, folds them into the online planner
+(:class:`~geomesh.planner.OnlinePlanner`) identically on every rank and, when a worker's speed drifted past
+``geomesh.replan_threshold``, re-plans: every rank then holds the same new plan, which ``plan_for_rank``
+returns from then on. The first sync's interval (set-up, first-step warm-up) is not folded in.
 """
 
 from __future__ import annotations
@@ -46,7 +53,7 @@ from .codec import Manifest
 from .config import ConfigError, GeoMeshConfig, ScenarioConfig, TrainingConfig, load_scenario
 from .methods import OuterLoopMethod, get_method
 from .outer import OuterNesterov
-from .planner import Plan, WorkerPlan, split_batch
+from .planner import OnlinePlanner, Plan, WorkerPlan, split_batch
 
 __all__ = ["GeoMeshSync", "RankPlan", "SyncResult", "plan_from_scenario", "load_plan"]
 
@@ -90,7 +97,8 @@ class SyncResult:
     payload_bytes: int  # bytes of one worker's payload
     bytes_sent: int  # bytes this process handed to the all-gather (0 in-process)
     update_norm: float  # L2 norm of the combined outer gradient (0 when nothing arrived)
-    seconds: float  # wall time of the sync (encode, exchange, decode, outer step)
+    seconds: float  # wall time of the sync (encode, exchange, decode, outer step, re-planning)
+    replanned: bool = False  # whether the plan changed at this sync (plan_for_rank returns the new one)
 
 
 def load_plan(plan: Plan | Mapping[str, Any] | str | Path) -> Plan:
@@ -121,23 +129,37 @@ def _scenario(scenario: ScenarioConfig | str | Path) -> ScenarioConfig:
     return scenario if isinstance(scenario, ScenarioConfig) else load_scenario(scenario)
 
 
+@dataclasses.dataclass(frozen=True)
+class _ScenarioInputs:
+    """What the planner reads of a scenario: one profile per region, the payload and its exchange time."""
+
+    profiles: list[Any]
+    exchange_bytes: int
+    exchange_s: float
+
+
+def _scenario_inputs(sc: ScenarioConfig, m: OuterLoopMethod, manifest: Manifest | None,
+                     profiles: Mapping[str, Any] | None) -> _ScenarioInputs:  # fmt: skip
+    from .hardware import load_profile
+
+    measured = {}
+    for name, given in (profiles or {}).items():
+        measured[name] = load_profile(given) if isinstance(given, (str, Path)) else given
+    payload = m.modeled_payload_bytes(sc, manifest)
+    exchange_s, _ = m.exchange(sc.wan_model(), payload)
+    return _ScenarioInputs(sc.worker_profiles(measured), payload, exchange_s)
+
+
 def plan_from_scenario(scenario: ScenarioConfig | str | Path, method: str | OuterLoopMethod = "geomesh", *,
                        manifest: Manifest | None = None, profiles: Mapping[str, Any] | None = None) -> Plan:  # fmt: skip
     """The method's plan for a scenario's regions: the cost model of each region's GPU for the scenario's
     timing model (or measured profiles: region name -> :class:`~geomesh.hardware.WorkerProfile` or a
     ``geomesh profile`` JSON file), the WAN model for the exchange. ``manifest`` (your model's tensors)
     gives the codec's exact bytes per parameter; default: the scenario's proxy model's."""
-    from .hardware import load_profile
-
     sc = _scenario(scenario)
     m = _method(method)
-    measured = {}
-    for name, given in (profiles or {}).items():
-        measured[name] = load_profile(given) if isinstance(given, (str, Path)) else given
-    resolved = sc.worker_profiles(measured)
-    payload = m.modeled_payload_bytes(sc, manifest)
-    exchange_s, _ = m.exchange(sc.wan_model(), payload)
-    return m.plan(sc, resolved, exchange_bytes=payload, exchange_s=exchange_s)
+    inputs = _scenario_inputs(sc, m, manifest, profiles)
+    return m.plan(sc, inputs.profiles, exchange_bytes=inputs.exchange_bytes, exchange_s=inputs.exchange_s)
 
 
 class GeoMeshSync:
@@ -163,7 +185,12 @@ class GeoMeshSync:
         broadcast_initial: with a group, copy group rank 0's parameters to every rank at construction (with
             replicas: replica 0's to the others), so all workers start from the same θ.
         telemetry: a :class:`~geomesh.telemetry.Telemetry`; every sync emits a ``sync`` record to it (and so
-            to its sinks: TensorBoard, W&B; see :mod:`geomesh.telemetry_sinks`).
+            to its sinks: TensorBoard, W&B; see :mod:`geomesh.telemetry_sinks`), every plan (the first one
+            and each re-plan) a ``plan`` record, and each re-plan counts in its ``replans`` counter.
+        replan: re-plan from measured compute times (a plan made from ``scenario`` by a balanced method
+            only); default: the scenario's ``geomesh.replan`` (on). ``profiles``: measured profiles for the
+            scenario's regions (region name -> :class:`~geomesh.hardware.WorkerProfile` or a ``geomesh
+            profile`` file), as :func:`plan_from_scenario` takes them.
     """
 
     def __init__(self, model: nn.Module | Sequence[nn.Module], *, method: str | OuterLoopMethod = "geomesh",
@@ -172,7 +199,8 @@ class GeoMeshSync:
                  batch_size: int | None = None, inner_steps: int | None = None, chunk_size: int | None = None,
                  scale: str | None = None, error_feedback: bool | None = None, outer_lr: float | None = None,
                  outer_momentum: float | None = None, tokens_per_step: int | None = None,
-                 broadcast_initial: bool = True, telemetry: Any = None):  # fmt: skip
+                 broadcast_initial: bool = True, telemetry: Any = None, replan: bool | None = None,
+                 profiles: Mapping[str, Any] | None = None):  # fmt: skip
         self.replicas: list[nn.Module] = list(model) if isinstance(model, (list, tuple)) else [model]
         if not self.replicas or not all(isinstance(m, nn.Module) for m in self.replicas):
             raise TypeError("model must be a torch.nn.Module or a non-empty list of them")
@@ -232,11 +260,27 @@ class GeoMeshSync:
         self.payload_bytes = self.combiner.payload_nbytes()
         self.outer = OuterNesterov(self.global_params, lr=self.outer_lr, momentum=self.outer_momentum)
 
-        # the plan
+        # the plan; one made from the scenario by a balanced method is re-planned from measurements
+        self.online: OnlinePlanner | None = None
+        self.replans = 0
         if plan is not None:
             self.plan: Plan | None = load_plan(plan)
         elif self.scenario is not None:
-            self.plan = plan_from_scenario(self.scenario, self.method, manifest=self.manifest)
+            inputs = _scenario_inputs(self.scenario, self.method, self.manifest, profiles)
+            self._exchange = (inputs.exchange_bytes, inputs.exchange_s)
+            wanted = self.scenario.geomesh.replan if replan is None else bool(replan)
+            if self.method.balanced and wanted:
+                # the profiles describe the scenario's timing model, not the model in this loop: the first
+                # measurement replaces the profile's speed rather than being smoothed with it
+                constraints = self.method.constraints(self.scenario, len(inputs.profiles))
+                self.online = OnlinePlanner(inputs.profiles, constraints,
+                                            smoothing=self.scenario.geomesh.replan_smoothing,
+                                            threshold=self.scenario.geomesh.replan_threshold,
+                                            first_measurement_sets_factor=True)  # fmt: skip
+                self.plan = self.online.plan(*self._exchange)
+            else:
+                self.plan = self.method.plan(self.scenario, inputs.profiles, exchange_bytes=inputs.exchange_bytes,
+                                             exchange_s=inputs.exchange_s)  # fmt: skip
         elif batch_size is not None and inner_steps is not None:
             self.plan = _uniform_plan(self.n_workers, batch_size, inner_steps)
         else:
@@ -246,7 +290,19 @@ class GeoMeshSync:
                 f"the plan has {len(self.plan.workers)} workers ({', '.join(w.name for w in self.plan.workers)}) "
                 f"but there are {self.n_workers} ({self.world_size} processes x {self.local} replicas)"
             )
+        if replan and self.online is None:
+            raise ConfigError("replan=True needs a plan made from scenario= by a balanced method (geomesh, "
+                              "geomesh-balance-only): a given or uniform plan has no profiles to re-plan from")  # fmt: skip
+        if profiles and (self.scenario is None or plan is not None):
+            raise ConfigError("profiles= are the measured profiles of scenario='s regions; pass scenario= (not plan=)")
         self.tokens_per_step = tokens_per_step
+        self._transport: Any = None
+        self._wan_bytes_seen = 0
+        # the compute of round 1 runs from here; its interval also holds the caller's set-up, so it is not measured
+        self._round_started = time.perf_counter()
+        self._interval_measurable = False
+        if self.plan is not None:
+            self._record_plan(self.plan)
 
     # ---- the plan ---------------------------------------------------------------------------------
     def plan_for_rank(self, rank: int | None = None, replica: int = 0) -> RankPlan:
@@ -269,12 +325,19 @@ class GeoMeshSync:
         return self.plan_for_rank().inner_steps
 
     # ---- the round --------------------------------------------------------------------------------
-    def sync(self, tokens: int | Sequence[int] | None = None) -> SyncResult:
+    def sync(self, tokens: int | Sequence[int] | None = None,
+             compute_s: float | Sequence[float] | None = None) -> SyncResult:  # fmt: skip
         """End the round: exchange the compressed pseudo-gradients, take the outer step, and load the new
         global parameters into the model(s). ``tokens``: tokens trained since the last sync (one count per
-        replica; ``None``: ``tokens_per_step × inner_steps``). Every rank of the group must call it."""
+        replica; ``None``: ``tokens_per_step × inner_steps``). Every rank of the group must call it.
+
+        With re-planning on, each worker's compute time of the round is measured: ``compute_s`` (seconds, one
+        per replica) when given, else the wall time since the previous sync returned (a process with several
+        replicas cannot tell theirs apart and measures nothing without ``compute_s``). Every rank folds the
+        group's measurements into the online planner and re-plans at the same sync when speeds drifted."""
         started = time.perf_counter()
         counts = self._token_counts(tokens)
+        measured = self._round_compute(started, compute_s) if self.online is not None else None
         payloads: list[bytes | None] = []
         for j, (model, codec, n) in enumerate(zip(self.replicas, self.codecs, counts)):
             payloads.append(self._encode(j, model, codec, n))
@@ -294,15 +357,88 @@ class GeoMeshSync:
         self.rounds += 1
         self.tokens_total += total
         self.bytes_sent += sent
+        replanned = self._replan(measured) if measured is not None else False
         result = SyncResult(round=self.rounds, tokens=total, contributions=len(arrived),
                             dropped=len(payloads) - len(arrived), payload_bytes=self.payload_bytes, bytes_sent=sent,
-                            update_norm=norm, seconds=time.perf_counter() - started)  # fmt: skip
+                            update_norm=norm, seconds=time.perf_counter() - started, replanned=replanned)  # fmt: skip
         if self.telemetry is not None:
             self.telemetry.emit({"type": "sync", "round": self.rounds, "time": time.perf_counter() - self._started,
                                  "tokens": self.tokens_total, "round_tokens": total, "bytes_sent": self.bytes_sent,
                                  "payload_bytes": self.payload_bytes, "dropped": result.dropped,
-                                 "update_norm": norm, "sync_s": result.seconds})  # fmt: skip
+                                 "update_norm": norm, "sync_s": result.seconds, "replans": self.replans})  # fmt: skip
+        # the next round's compute starts now: the time spent in here (waiting for slower workers included) is not it
+        self._round_started = time.perf_counter()
+        self._interval_measurable = True
         return result
+
+    # ---- re-planning from measurements ------------------------------------------------------------------
+    def _round_compute(self, started: float, compute_s: float | Sequence[float] | None) -> list[float | None]:
+        """This process's measured compute time of the round, one entry per replica (None: not measured)."""
+        if compute_s is not None:
+            given = [compute_s] if isinstance(compute_s, (int, float)) else list(compute_s)
+            if len(given) != self.local:
+                raise ValueError(f"sync() got {len(given)} compute times for {self.local} replicas")
+            for s in given:
+                if isinstance(s, bool) or not isinstance(s, (int, float)) or not math.isfinite(s) or s <= 0:
+                    raise ValueError(f"compute time {s!r}: expected positive, finite seconds")
+            return [float(s) for s in given]
+        if self.local == 1 and self._interval_measurable:
+            return [started - self._round_started]
+        return [None] * self.local
+
+    def _replan(self, mine: list[float | None]) -> bool:
+        """Fold every worker's measurement into the online planner, in worker order on every rank (the same
+        numbers, gathered as JSON), and re-plan when one drifted; returns whether the plan changed."""
+        assert self.online is not None and self.plan is not None
+        if self.group is not None:
+            gathered = self._transport_for_group().all_gather_json({"compute_s": mine}, self.group, self.world_size,
+                                                                  what="the workers' compute times")  # fmt: skip
+            measured: list[float | None] = []
+            for rank, item in enumerate(gathered):
+                values = item.get("compute_s") if isinstance(item, dict) else None
+                if not isinstance(values, list) or len(values) != self.local:
+                    values = [None] * self.local  # a rank whose message is unreadable measured nothing this round
+                measured += [v if isinstance(v, (int, float)) and math.isfinite(v) and v > 0 else None
+                             for v in values]  # fmt: skip
+        else:
+            measured = list(mine)
+        old = self.plan
+        seen = {}
+        for wp, seconds in zip(old.workers, measured):
+            if seconds is not None:
+                self.online.observe(wp.name, float(seconds), old)
+                seen[wp.name] = float(seconds)
+        if not seen:
+            return False
+        new = self.online.maybe_replan(*self._exchange)
+        if new is None:
+            return False
+        self.plan = new
+        self.replans += 1
+        if self.telemetry is not None:
+            self.telemetry.count("replans")
+        self._record_plan(new, measured_s=seen, planned_s={w.name: w.compute_s for w in old.workers if w.name in seen})
+        return True
+
+    def _record_plan(self, plan: Plan, **measurement: Any) -> None:
+        if self.telemetry is not None:
+            record = {"type": "plan", "round": self.rounds, "time": time.perf_counter() - self._started,
+                      "plan": plan.to_json()}  # fmt: skip
+            if measurement:  # a re-plan: what each worker measured against what the old plan expected of it
+                record.update(measurement, factors=dict(self.online.factors) if self.online is not None else {})
+            self.telemetry.emit(record)
+
+    def _transport_for_group(self) -> Any:
+        """One transport for the group's collectives (its control-message counter runs across syncs)."""
+        if self._transport is None:
+            import torch.distributed as dist
+
+            from .runtime.distributed.transport import Transport
+
+            backend = dist.get_backend(self.group)
+            device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+            self._transport = Transport(device=device, backend=backend, timeout_s=1800.0)
+        return self._transport
 
     def _token_counts(self, tokens: int | Sequence[int] | None) -> list[int]:
         if tokens is None:
@@ -328,17 +464,14 @@ class GeoMeshSync:
             return None
 
     def _all_gather(self, payloads: list[bytes | None]) -> tuple[list[bytes | None], int]:
-        import torch.distributed as dist
+        from .runtime.distributed.transport import split_gathered
 
-        from .runtime.distributed.transport import Transport, split_gathered
-
-        backend = dist.get_backend(self.group)
-        device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
-        transport = Transport(device=device, backend=backend, timeout_s=1800.0)
+        transport = self._transport_for_group()
         n = self.payload_bytes
         blob = b"".join(p if p is not None else bytes(n) for p in payloads)
         gathered = transport.all_gather_bytes(blob, len(blob), self.group, self.world_size)
-        return split_gathered(gathered, n), transport.wan_bytes
+        sent, self._wan_bytes_seen = transport.wan_bytes - self._wan_bytes_seen, transport.wan_bytes
+        return split_gathered(gathered, n), sent
 
     def _load_global(self) -> None:
         with torch.no_grad():
@@ -380,6 +513,8 @@ class GeoMeshSync:
             "outer": self.outer.state_dict(),
             "codecs": [c.state_dict() if hasattr(c, "state_dict") else {} for c in self.codecs],
             "plan": self.plan.to_json() if self.plan is not None else None,
+            "online": self.online.state_dict() if self.online is not None else None,
+            "replans": self.replans,
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -396,6 +531,11 @@ class GeoMeshSync:
         self.bytes_sent = int(state.get("bytes_sent", 0))
         if state.get("plan") is not None:
             self.plan = load_plan(state["plan"])
+        if self.online is not None and state.get("online") is not None:
+            self.online.load_state_dict(state["online"])
+        self.replans = int(state.get("replans", 0))
+        # the time since construction is not a round's compute
+        self._round_started, self._interval_measurable = time.perf_counter(), False
         self._load_global()
 
 

@@ -67,6 +67,12 @@ class OnlinePlanner:
     ``maybe_replan`` returns a new plan (made on copies of the profiles with ``slowdown`` scaled by f) when
     some worker's |f − f_assumed| / f_assumed exceeds ``threshold``, f_assumed being the factor the current
     plan was made with; otherwise ``None``. The caller's profiles are copied, never changed.
+
+    ``first_measurement_sets_factor``: a worker's first measurement becomes its factor outright instead of
+    being smoothed with the profile's 1.0. For profiles of another model than the one that trains (a user's
+    loop planned with the scenario's timing model), where 1.0 is no evidence and smoothing towards it would
+    take many rounds to forget it. :meth:`state_dict` / :meth:`load_state_dict` carry the factors and the
+    current plan (JSON values), so a resumed run re-plans as the uninterrupted one.
     """
 
     def __init__(
@@ -76,6 +82,7 @@ class OnlinePlanner:
         *,
         smoothing: float = 0.5,
         threshold: float = 0.1,
+        first_measurement_sets_factor: bool = False,
     ):
         if not 0.0 <= smoothing < 1.0:
             raise ValueError(f"smoothing={smoothing!r}: must be in [0, 1)")
@@ -89,6 +96,8 @@ class OnlinePlanner:
         self.factors: dict[str, float] = {p.name: 1.0 for p in self.profiles}
         self.assumed: dict[str, float] = dict(self.factors)
         self.current: Plan | None = None
+        self.first_measurement_sets_factor = first_measurement_sets_factor
+        self.measured: set[str] = set()  # workers with at least one measurement folded in
 
     def plan(self, exchange_bytes: int = 0, exchange_s: float = 0.0) -> Plan:
         """Plan now with the current speed factors (and remember them as assumed)."""
@@ -104,8 +113,12 @@ class OnlinePlanner:
         if profile is None:
             raise ValueError(f"unknown worker {name!r}; workers: {', '.join(self.factors)}")
         observed = _implied_factor(profile, _entry(plan, name), measured_compute_s)
-        f = self.smoothing * self.factors[name] + (1.0 - self.smoothing) * observed
+        if self.first_measurement_sets_factor and name not in self.measured:
+            f = observed
+        else:
+            f = self.smoothing * self.factors[name] + (1.0 - self.smoothing) * observed
         self.factors[name] = f
+        self.measured.add(name)
         return f
 
     def drift(self) -> dict[str, float]:
@@ -117,3 +130,19 @@ class OnlinePlanner:
         if self.current is None or max(self.drift().values()) > self.threshold:
             return self.plan(exchange_bytes, exchange_s)
         return None
+
+    def state_dict(self) -> dict:
+        """The speed factors, the factors the current plan assumed, who was measured, and the current plan."""
+        return {"factors": dict(self.factors), "assumed": dict(self.assumed), "measured": sorted(self.measured),
+                "current": self.current.to_json() if self.current is not None else None}  # fmt: skip
+
+    def load_state_dict(self, state: Mapping) -> None:
+        """Go on from :meth:`state_dict` output of a planner over the same workers (ValueError otherwise)."""
+        names = set(self.factors)
+        for key in ("factors", "assumed"):
+            if set(state[key]) != names:
+                raise ValueError(f"planner state for workers {sorted(state[key])}, this planner has {sorted(names)}")
+        self.factors = {k: float(v) for k, v in state["factors"].items()}
+        self.assumed = {k: float(v) for k, v in state["assumed"].items()}
+        self.measured = set(state.get("measured", ())) & names
+        self.current = Plan.from_json(state["current"]) if state.get("current") is not None else None
