@@ -344,11 +344,10 @@ def test_bad_input_is_one_error_line_without_a_hang(tmp_path, small_corpus, caps
     assert "Traceback" not in done.stderr and time.monotonic() - started < 100
     # elastic regions refuse checkpoints and network namespaces, in one line, before anything starts
     (tmp_path / "f").mkdir()
-    faulty = scenario(tmp_path / "f", small_corpus, faults=[{"at_round": 1, "region": "r1-a100", "kind": "nan"}])
+    faulty = scenario(tmp_path / "f", small_corpus, faults=[{"at_round": 1, "region": "r1-a100", "kind": "leave"}])
     for scen, extra, says in ((path, ["--wan", "netns"], "not with elastic regions"),
                               (path, ["--min-regions", "4"], "min_regions 4"),
-                              (faulty, ["--min-regions", "0"], "faults are injected into real processes with elastic "
-                                                               "regions")):  # fmt: skip
+                              (faulty, ["--min-regions", "0"], "leave/join faults need elastic regions")):  # fmt: skip
         code = cli_launch.main([*argv(scen, tmp_path / "y", 3840), *extra])
         err = capsys.readouterr().err.strip().splitlines()
         assert code == 2 and len(err) == 1 and says in err[0], err
@@ -416,3 +415,31 @@ def test_a_rank_must_know_its_region(tmp_path, small_corpus, flag):
     done = subprocess.run([sys.executable, "-m", "geomesh.run", str(path), "--method", "geomesh", "--out",
                            str(tmp_path / "x"), flag, "mars"], env=env, capture_output=True, text=True, timeout=120)  # fmt: skip
     assert done.returncode == 2 and done.stderr.strip().splitlines()[-1].startswith("error: region 'mars'")
+
+
+def test_an_overlapped_elastic_run_survives_a_killed_region(tmp_path, small_corpus):
+    """`geomesh-overlap` with elastic regions: each exchange leaves at its own quorum and runs under the next
+    round's compute; one region SIGKILLed mid-run is left out of the exchange in flight (the survivors redo it
+    with the payloads they have) and of every later one; the survivors finish with equal θ."""
+    path = scenario(tmp_path, small_corpus, slowdown=2.0)
+    out, tag = tmp_path / "run", uuid.uuid4().hex
+    cmd = argv(path, out, 7680 * 2, method="geomesh-overlap")
+    proc = start(cmd, tag, out)
+    try:
+        wait_for_round(out, proc, 2)
+        kill_region(tag, "r1-a100")
+        stdout, stderr = proc.communicate(timeout=240)
+    finally:
+        proc.kill()
+        _kill_all(tag)
+    assert proc.returncode == 0, stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["overlap"] is True
+    events = read_events(out / "events.jsonl")
+    leaves = [e for e in events if e["type"] == "leave"]
+    assert [e["region"] for e in leaves] == ["r1-a100"]
+    el = summary["elastic"]
+    assert el["regions_at_end"] == ["r0-h100", "r2-t4"] and el["leaves"] == 1
+    assert summary["tokens"] >= 7680 * 2 and summary["final_val_loss"] is not None
+    checksums = summary["param_checksums"]
+    assert list(checksums) == ["r0-h100", "r2-t4"] and len(set(checksums.values())) == 1

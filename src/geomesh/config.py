@@ -528,10 +528,6 @@ def validate(cfg: ScenarioConfig) -> ScenarioConfig:
     if g.overlap:  # an overlapped round's exchange (and its last round's fragments) is all-gathered
         _require(g.exchange != "sharded", "geomesh.exchange", g.exchange,
                  "expected 'auto' or 'all_gather' with geomesh.overlap: true (the overlapped exchange is an all-gather)")  # fmt: skip
-    if g.overlap:  # the in-flight exchange is not part of an elastic quorum (checkpoints wait for it)
-        _require(cfg.reliability.min_regions == 0, "reliability.min_regions", cfg.reliability.min_regions,
-                 "expected 0 with geomesh.overlap: true (elastic regions join a quorum per round; an "
-                 "overlapped exchange spans two rounds)")  # fmt: skip
     alive = {r.name: True for r in cfg.regions}
     for i, f in enumerate(sorted(cfg.faults, key=lambda f: f.at_round)):
         w = f"faults[{cfg.faults.index(f)}]"

@@ -83,9 +83,6 @@ def _check(args: argparse.Namespace):
     if _elastic(args, scenario):
         if args.wan == "netns":
             raise ConfigError("--wan netns: not with elastic regions (min_regions >= 1); use --wan shaper or none")
-        if method.kind == "outer" and method.overlapped(scenario):
-            raise ConfigError(f"--min-regions: {method.name} overlaps its exchange with the next round, which elastic "
-                              "regions do not support (a quorum is formed per round); run it without --min-regions")  # fmt: skip
     from ..methods.base import payload_key
     from ..runtime.run_folder import claim, read_lock
 

@@ -314,12 +314,6 @@ class RankRun:
         """Train; returns the summary on rank 0 (``None`` on the other ranks)."""
         started = time.perf_counter()
         try:
-            if isinstance(self.method, OuterLoopMethod) and self.method.overlapped(self.scenario):
-                o = self.options
-                if o.elastic_region is not None or o.min_regions:
-                    raise RunError(f"{self.method.name} with overlap: elastic regions are not supported (a quorum "
-                                   "is formed per round; an overlapped exchange spans two rounds); run without "
-                                   "--min-regions")  # fmt: skip
             self._resume_from = self._prepare_resume() if self.options.resume else None
             self._setup()
             if self.rank == 0:  # the scenario's TensorBoard / W&B sinks, on the rank that writes the records

@@ -75,6 +75,7 @@ class QuorumExchange(ElasticState):
         self.healed_state: dict | None = None
         self.whole: tuple[dict, dict] | None = None  # a sharded θ and momentum, gathered (the leader: _snapshot)
         self.membership: Membership | None = None
+        self.launch_members: list[int] | None = None  # overlapped: the members at the last exchange's quorum
         run.keeps_records = run.is_leader
 
     # the loop's state this component reads (θ, the outer optimizer, the encoder, the faults)
@@ -143,8 +144,12 @@ class QuorumExchange(ElasticState):
 
     # ---- 1. the quorum ----------------------------------------------------------------------------------
     def open_round(self, first: bool) -> RoundView:
-        """The round's quorum on the leader, shared inside the region (the healing state's tensors too)."""
+        """The round's quorum on the leader, shared inside the region (the healing state's tensors too).
+        Overlapped rounds take their quorum where the exchange leaves (:meth:`launch_quorum`, so no quorum
+        reconfigures the group while an exchange is in flight); a round starts with the last one's members."""
         run = self.run
+        if self.loop.overlap is not None and not first and self.launch_members is not None:
+            return RoundView(members=list(self.launch_members))
         view = None
         if run.is_leader:
             ctrl = self._quorum(first)
@@ -159,6 +164,16 @@ class QuorumExchange(ElasticState):
             run.leader, run.region_group, what="the round's quorum")  # fmt: skip
         state = self.share_state(view.state if run.is_leader else None) if head["healed"] else None
         return RoundView(members=head["members"], healed=head["healed"], state=state, rejoined=head["rejoined"])
+
+    def launch_quorum(self) -> list[int]:
+        """(leader, overlapped rounds) The quorum of the exchange about to leave: its members."""
+        ctrl = self._quorum(first=False)
+        if ctrl["healed"]:
+            raise RunError(f"region {self.names[self.me]} fell behind the others between two overlapped exchanges; "
+                           f"restart it (it rejoins with the live state)")  # fmt: skip
+        self._restarted_in_place(ctrl["rejoined"])
+        self.launch_members = list(ctrl["members"])
+        return list(ctrl["members"])
 
     def _quorum(self, first: bool) -> dict[str, Any]:
         """(leader) Join the round's quorum and learn its members; retried until a header exchange works."""
@@ -326,14 +341,16 @@ class QuorumExchange(ElasticState):
         self.members = list(members)
 
     def end_round(self, result: Exchanged, members: list[int], outcome: dict[str, Any], lost: dict[int, int],
-                  planned: dict[int, int], compute_s: float, comm_s: float, **_: Any) -> None:  # fmt: skip
+                  planned: dict[int, int], compute_s: float, comm_s: float, round_number: int | None = None,
+                  **_: Any) -> None:  # fmt: skip
         run, names = self.run, self.names
+        number = run.rounds if round_number is None else round_number  # (overlapped: the exchange's own round)
         infos = result.infos
         took_part = outcome["took_part"]
         for i in members:
             if i not in took_part:  # lost during the round: its tokens never reached θ
                 self.stats["leaves"] += 1
-                self._emit({"type": "leave", "round": run.rounds, "time": run._now(), "region": names[i],
+                self._emit({"type": "leave", "round": number, "time": run._now(), "region": names[i],
                             "reason": "lost during the round's exchange", "tokens_lost": planned[i]})  # fmt: skip
                 lost[i] = planned[i]
         self.members = [i for i in members if i in took_part]
@@ -342,7 +359,7 @@ class QuorumExchange(ElasticState):
                 self.stats["rounds_without"][names[i]] += 1
         for i, t in lost.items():
             self.stats["tokens_lost"][names[i]] += t
-        self.faults.count_lost(run.rounds - 1, lost)
+        self.faults.count_lost(number - 1, lost)
         for i in infos:
             self.streams[names[i["region"]]] = i["stream"]
         if run.is_leader:
@@ -354,7 +371,7 @@ class QuorumExchange(ElasticState):
             t["bytes_sent"] += result.wan_bytes * len(infos)
             t["proxy_bytes_sent"] += self.loop.kit.payload_nbytes * (len(took_part) - len(outcome["dropped"]))
             t["comm_s"] += result.comm_s
-            self._emit({"type": "round", "round": run.rounds, "time": run._now(), "tokens": run.tokens_done,
+            self._emit({"type": "round", "round": number, "time": run._now(), "tokens": run.tokens_done,
                         "members": [names[i] for i in took_part], "compute_s": [i["compute_s"] for i in infos],
                         "exchange_s": result.comm_s, "bytes_sent": result.wan_bytes * len(infos),
                         "tokens_lost": {names[i]: t for i, t in lost.items()}})  # fmt: skip

@@ -19,6 +19,7 @@ Rank 0 (with a sharded θ, region 0's ranks together) evaluates θ when it is fo
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any
 
@@ -57,6 +58,13 @@ class RankOverlap:
         self._fragment_codecs: list[Any] = []
         self._fragments: dict[int, tuple[Any, torch.Tensor, float, float]] = {}  # f -> work, buffer, since, at
         self._rejected: list[tuple[int, str]] = []  # (region, why) of payloads screened out since last taken
+        # elastic regions: the exchange is the quorum's (torchft), run whole on a thread of the leader while its
+        # region trains on; the round loop screens, combines and steps when it arrives (see launch_on_thread)
+        self.loop: Any = None
+        self._members: list[int] = []
+        self._thread: threading.Thread | None = None
+        self._outcome: Any = None
+        self.arrived: list[tuple[Any, Any, list[int]]] = []  # (exchanged, outcome, members) not yet recorded
         self._dropped: list[int] = []  # regions whose slot arrived empty (no update) since last taken
 
     def apply_at(self, wp: Any, steps: int) -> int:
@@ -71,10 +79,57 @@ class RankOverlap:
         weights = eager_weights(planned_tokens(plan.workers, steps), self.method.weighting)
         mine = (lay_out_like(self.combiner.combine([payload], device=self.device), self.params)
                 if payload is not None else None)  # fmt: skip
-        name = plan.workers[run.region].name
+        name = run.scenario.regions[run.region].name  # (an elastic plan holds only the round's members)
         self.start = eager_start(self.outer, mine, self.last, weights.get(name, 0.0), run.scenario.geomesh.overlap_start)
         self.in_flight_s = exchange_s
         self._expect = True
+
+    def launch_on_thread(self, exchange: Any, members: list[int]) -> None:
+        """(elastic, the leader) Run ``exchange()`` (the quorum's whole exchange: collective, retries after a
+        lost member, commit) on a thread; it arrives at this round's apply step, as a launched collective would.
+        torchft's Gloo collectives release the interpreter lock, so the region's training goes on meanwhile."""
+        box: dict[str, Any] = {}
+
+        def work() -> None:
+            try:
+                box["result"] = exchange()
+            except BaseException as exc:  # noqa: BLE001 - raised where the exchange is waited for
+                box["error"] = exc
+
+        self._outcome = box
+        self._members = list(members)
+        self._expect = True  # (a region that joined at this exchange has no eager start of its own to set it)
+        self._launched_at = self.run._now()
+        self._thread = threading.Thread(target=work, name="geomesh-exchange", daemon=True)
+        self._thread.start()
+
+    def expect_members(self, members: list[int]) -> None:
+        """(elastic, every rank) The members of the exchange now in flight (the leader launched it)."""
+        self._members = list(members)
+
+    def _arrive_elastic(self) -> Tensors:
+        """The elastic exchange in flight, joined (leader), shared inside the region, screened, combined and
+        applied by the round loop; remembered for its round's records."""
+        run = self.run
+        result = None
+        if run.is_leader:
+            run.transport.op = f"the exchange of round {run.rounds} (overlapped)"
+            self._thread.join()
+            box, self._thread = self._outcome, None
+            if "error" in box:
+                raise box["error"]
+            result = box["result"]
+        result = self.loop._share(result)
+        if result.healed_state is not None:  # this region fell behind during the exchange: the live state
+            self.loop.exchange.apply_healed(result.healed_state)
+            self.loop.planned_for = None
+            self.last = None
+            return self.params
+        outcome = self.loop._apply(result, self._members)
+        if outcome.get("update") is not None and len(outcome["update"]) == len(self.params):
+            self.last = outcome["update"]
+        self.arrived.append((result, outcome, self._members))
+        return self.params
 
     def launch(self, payload: bytes | None, since: float) -> None:
         """The leader hands its payload to the cross-region collective and does not wait for it."""
@@ -174,6 +229,11 @@ class RankOverlap:
             return self.params
         run._mark(before)
         waited_from = run._cursor
+        if self.loop is not None:
+            self._arrive_elastic()
+            run._mark("comm_wait")
+            self.waited_s += run._cursor - waited_from
+            return self._formed()
         exchanged = self._buffer
         if run.is_leader:
             run.transport.op = f"the exchange of round {run.rounds} (overlapped)"

@@ -94,6 +94,9 @@ class RoundLoop:
             self.overlap = RankOverlap(run, method, self.combiner, self.outer, self.params, self.kit.manifest,
                                        shaper, self.exchange.shaper_s(list(range(self.n))), self.summed,
                                        self.kit.payload_nbytes)  # fmt: skip
+            if self.elastic:  # the quorum's exchange runs on the leader's thread; this loop applies it
+                self.overlap.loop = self
+        self._planned_in_flight: list[dict[int, int]] = []  # elastic overlap: planned tokens of exchanges in flight
 
     @property
     def wire_nbytes(self) -> int:
@@ -139,6 +142,9 @@ class RoundLoop:
             view = self.exchange.open_round(first)
             run._mark("straggler_wait")  # (elastic: waiting for the round's quorum, i.e. the slowest live region)
             first = False
+            # overlapped, a region healed at the quorum of the exchange about to leave joins that exchange at once
+            # (with no update: it trained nothing this round), and trains from the next round on
+            joined_now = view.healed and self.overlap is not None
             if view.healed:
                 self.exchange.apply_healed(view.state)
                 self.planned_for = None
@@ -156,7 +162,8 @@ class RoundLoop:
             run.worker.slowdown = self.sc.regions[self.me].slowdown * self.faults.speed(self.me)
             if effects.remake:
                 self.planned_for = None
-            members = [i for i in view.members if not self.faults.away(i)]
+            in_exchange = [i for i in view.members if not self.faults.away(i)]
+            members = [i for i in in_exchange if not (joined_now and i == self.me)]  # the round's trainers
             if not members:
                 raise RunError(f"round {r + 1}: every live region is away (the scenario's leave faults)")
             self.exchange.members_known(view, members)
@@ -186,7 +193,7 @@ class RoundLoop:
             # 4. exchange over the members' leaders
             sent_before, wire_before = run.transport.wan_bytes, tx_bytes(run._iface)
             if self.overlap is not None:
-                result, comm_s = self._exchange_overlapped(payload, split, members)
+                result, comm_s = self._exchange_overlapped(payload, split, in_exchange, quorum=not joined_now)
             else:
                 result, comm_s = self._exchange(payload, members, compute_s)
                 if result.healed_state is not None:  # this region fell behind during the exchange
@@ -199,11 +206,17 @@ class RoundLoop:
             run.rounds += 1
             if self.overlap is not None:
                 run.tokens_done += rs.tokens  # (the update of these tokens is formed when the exchange arrives)
+                if self.elastic:
+                    self._planned_in_flight.append(planned)
                 if run.tokens_done >= run.budget or checkpoint_due:
                     # the last round's exchange (nothing is left to hide it under), or one a checkpoint must not
                     # hold: waited for now
                     self.overlap.drain()
                     comm_s += self.overlap.take_waited()
+                if self.elastic:  # the exchanges that arrived during this round: their rounds' records now
+                    self._record_arrived(compute_s, comm_s)
+                    self._end_of_round(tr, saver, every, keep, checkpoint_due)
+                    continue
                 outcome = self._overlap_outcome(members)
             lost = {i: planned[i] for i in outcome["lost"] if i in planned}
             if self.overlap is None:  # the budget counts tokens whose updates reached θ
@@ -215,13 +228,32 @@ class RoundLoop:
             self.exchange.end_round(result, members, outcome, lost, planned, compute_s, comm_s, payload=payload,
                                     split=split, sent_before=sent_before, wire_before=wire_before,
                                     wire_after=wire_after)  # fmt: skip
-            if self.overlap is None and run.evaluates and (run.rounds % tr.eval_every_rounds == 0
-                                                            or run.tokens_done >= run.budget):  # fmt: skip
-                run._evaluate(run._now())  # (overlapped: evaluated when the update arrives)
-            if checkpoint_due:
-                run._save_checkpoint(saver, keep)
-            run._test_exit_point()
+            self._end_of_round(tr, saver, every, keep, checkpoint_due)
         return self.exchange.finish()
+
+    def _end_of_round(self, tr, saver, every: int, keep: int, checkpoint_due: bool) -> None:
+        """Evaluation on its cadence (overlapped: when the update arrives), a checkpoint when due, test hooks."""
+        run = self.run
+        if self.overlap is None and run.evaluates and (run.rounds % tr.eval_every_rounds == 0
+                                                        or run.tokens_done >= run.budget):  # fmt: skip
+            run._evaluate(run._now())
+        if checkpoint_due:
+            run._save_checkpoint(saver, keep)
+        run._test_exit_point()
+
+    def _record_arrived(self, compute_s: float, comm_s: float) -> None:
+        """Elastic overlapped rounds: warnings and records of the exchanges that arrived (each labelled with
+        its own round). A region lost while its exchange was in flight is left out by the survivors, who
+        redo the exchange with the payloads they have; its tokens of that round are counted as lost."""
+        for result, outcome, members in self.overlap.arrived:
+            planned = self._planned_in_flight.pop(0)
+            number = self.run.rounds - len(self._planned_in_flight)
+            lost = {i: planned[i] for i in outcome["lost"] if i in planned}
+            self.run.tokens_lost += sum(lost.values())
+            self._warn(outcome, number)
+            self.exchange.end_round(result, members or outcome["took_part"], outcome, lost, planned, compute_s,
+                                    comm_s, round_number=number)  # fmt: skip
+        self.overlap.arrived.clear()
 
     # ---- the parts of a round ----------------------------------------------------------------------------
     def _local_phase(self, entries, steps, rs, members, plan, once, drains: bool):
@@ -235,7 +267,8 @@ class RoundLoop:
         with poisoned(run.worker, "nan" in once):
             if self.overlap is not None:
                 ov = self.overlap
-                if drains:  # an exchange nothing hides (the last, one a checkpoint waits for) leaves in fragments
+                if drains and not self.elastic:  # an exchange nothing hides (the last, one a checkpoint waits
+                    # for) leaves in fragments (elastic: one exchange, the quorum's)
                     split = ov.tail_split(self.faults.wan(members), self.kit.modeled_payload_nbytes,
                                           round_compute_s([entries[i] for i in members], [steps[i] for i in members]))  # fmt: skip
                 apply_at = ov.apply_at(wp, h)
@@ -289,7 +322,7 @@ class RoundLoop:
         run._mark("comm_wait")
         return result, run._cursor - comm_start
 
-    def _exchange_overlapped(self, payload, split, members) -> tuple[Exchanged, float]:
+    def _exchange_overlapped(self, payload, split, members, quorum: bool = True) -> tuple[Exchanged, float]:
         """The overlapped round: the leader passes the barrier and launches the exchange (or its last
         fragment); it arrives inside the next round. Returns the round's info exchange, done with it."""
         run, ov = self.run, self.overlap
@@ -299,7 +332,15 @@ class RoundLoop:
             run._mark("straggler_wait")
             comm_start = run._cursor
             since = time.perf_counter()
-            if split is not None:  # the last fragment, launched as the others were; drained below
+            if self.elastic:  # this exchange's quorum now (the barrier), then the exchange on a thread
+                now = self.exchange.launch_quorum() if quorum else list(members)
+                summed, reason = None, None
+                if self.summed:
+                    reason = screen_payload(self.combiner, payload) if payload is not None else None
+                    summed = self.combiner.reducible(payload if reason is None else None)
+                info = self._info(payload, 0.0, now, reason)
+                ov.launch_on_thread(lambda: self.exchange.exchange(payload, summed, info, now), now)
+            elif split is not None:  # the last fragment, launched as the others were; drained below
                 ov.launch_fragment(split.fragments - 1, payload[-1])
             else:
                 ov.launch(payload, since)
@@ -382,11 +423,13 @@ class RoundLoop:
         if combined is not None and not all(bool(torch.isfinite(t).all()) for t in combined.values()):
             rejected.extend((i, "the combined update is not finite") for i in took_part)
             combined = None
+        update = None
         if combined is not None:
-            self.outer.step(self.lay_out(combined))
+            update = self.lay_out(combined)
+            self.outer.step(update)
             self.exchange.theta_changed()
         lost = set(dropped) | {i for i, _ in rejected}
-        return {"took_part": took_part, "rejected": rejected, "dropped": dropped, "lost": lost}
+        return {"took_part": took_part, "rejected": rejected, "dropped": dropped, "lost": lost, "update": update}
 
     def _overlap_outcome(self, members: list[int]) -> dict[str, Any]:
         """Overlapped rounds: the payloads that the updates applied during this round rejected or missed.
@@ -395,19 +438,20 @@ class RoundLoop:
         return {"took_part": list(members), "rejected": rejected, "dropped": self.overlap.take_dropped(),
                 "lost": set()}  # fmt: skip
 
-    def _warn(self, outcome: dict[str, Any]) -> None:
+    def _warn(self, outcome: dict[str, Any], round_number: int | None = None) -> None:
         """One warning per bad sender of the round, naming its region, and the counters."""
         run = self.run
+        number = run.rounds if round_number is None else round_number
         for i, reason in outcome["rejected"]:
             run.telemetry.count("rejected_payloads")
-            self.emit({"type": "warning", "round": run.rounds, "worker": self.names[i],
+            self.emit({"type": "warning", "round": number, "worker": self.names[i],
                        "message": f"{reason}; its update is dropped this round"})  # fmt: skip
             if run.is_leader and run.region == min(outcome["took_part"] or [self.me]):
-                print(f"warning: round {run.rounds}: region {self.names[i]}: {reason}; its update is dropped this "
+                print(f"warning: round {number}: region {self.names[i]}: {reason}; its update is dropped this "
                       f"round", flush=True)  # fmt: skip
         for i in outcome["dropped"]:
             run.telemetry.count("dropped_updates")
-            self.emit({"type": "warning", "round": run.rounds, "worker": self.names[i],
+            self.emit({"type": "warning", "round": number, "worker": self.names[i],
                        "message": "non-finite loss, parameters or pseudo-gradient; its update is dropped"})  # fmt: skip
 
     # ---- checkpoint state of this loop (plain JSON; the same on every rank) --------------------------------
