@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import tiny_scenario_dict
+from conftest import FIXED_PLAN, tiny_scenario_dict
 
 from geomesh.cli import launch as cli_launch
 from geomesh.runtime.distributed import checkpoints as dist_checkpoint
@@ -31,6 +31,7 @@ TAG_ENV = "GEOMESH_TEST_TAG"
 
 def scenario(folder: Path, paths: list[str]) -> Path:
     data = tiny_scenario_dict(paths, ("H100", "A100", "T4"))
+    data["geomesh"].update(FIXED_PLAN)
     data["geomesh"]["error_feedback"] = True  # the residuals must come back too
     path = folder / "scenario.yaml"
     path.write_text(yaml.safe_dump(data))

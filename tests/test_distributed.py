@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import tiny_scenario_dict
+from conftest import FIXED_PLAN, tiny_scenario_dict
 
 from geomesh.cli import launch as cli_launch
 from geomesh.config import ConfigError, load_scenario
@@ -39,6 +39,7 @@ TOKENS = 6000
 
 def write_scenario(folder: Path, paths: list[str], gpus, counts=None, geomesh=None, **training) -> Path:
     data = tiny_scenario_dict(paths, gpus, **training)
+    data["geomesh"].update(FIXED_PLAN)
     for region, count in zip(data["regions"], counts or [1] * len(gpus)):
         region["count"] = count
     data["geomesh"].update(geomesh or {})

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import tiny_scenario_dict
+from conftest import FIXED_PLAN, tiny_scenario_dict
 
 from geomesh.cli import launch as cli_launch
 from geomesh.telemetry import read_events
@@ -32,6 +32,7 @@ TAG_ENV = "GEOMESH_TEST_TAG"
 def scenario(folder: Path, paths: list[str], slowdown: float = 1.0, faults=None, strategy: str = "ddp",
              gpus=("H100", "A100", "T4"), **reliability) -> Path:  # fmt: skip
     data = tiny_scenario_dict(paths, gpus)
+    data["geomesh"].update(FIXED_PLAN)
     for region in data["regions"]:
         region["slowdown"] = slowdown  # inner steps padded with sleep: longer rounds that cost no CPU
         region["strategy"] = strategy  # fsdp: θ and the outer momentum sharded over the region's ranks

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import tiny_scenario_dict
+from conftest import FIXED_PLAN, tiny_scenario_dict
 
 from geomesh.config import ConfigError, TrainingConfig, load_scenario
 from geomesh.methods import OuterLoopMethod, get_method
@@ -32,6 +32,7 @@ TOKENS = 3 * 19360  # 3 full rounds of the tiny scenario's plan (19,360 tokens e
 
 def write(folder: Path, paths: list[str], gbps: float = 1.0, **geomesh) -> Path:
     data = tiny_scenario_dict(paths)
+    data["geomesh"].update(FIXED_PLAN)
     data["wan"]["bandwidth_gbps"] = gbps
     data["geomesh"].pop("round_sequences_factor", None)  # the planning rule, which overlap floors at the exchange
     data["geomesh"].update(geomesh)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import yaml
-from conftest import tiny_scenario_dict
+from conftest import FIXED_PLAN, tiny_scenario_dict
 
 from geomesh.cli import launch as cli_launch
 from geomesh.telemetry import read_events
@@ -16,6 +16,7 @@ ONE_ROUND = 4 * 5 * 32  # b=4, H=5, 32 tokens per sequence (the tiny scenario, u
 
 def write(tmp_path, small_corpus, faults=None, **reliability):
     data = tiny_scenario_dict(small_corpus, ("H100", "A100", "T4"))
+    data["geomesh"].update(FIXED_PLAN)
     data["faults"] = faults or []
     if reliability:
         data["reliability"] = reliability

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import tiny_scenario_dict
+from conftest import FIXED_PLAN, tiny_scenario_dict
 from test_dist_resume import TAG_ENV, tagged_pids
 
 from geomesh.cli import launch as cli_launch
@@ -93,7 +93,9 @@ def test_a_live_runs_lock_refuses_every_start_and_dies_with_it(tmp_path):
 
 def scenario_file(tmp_path: Path, small_corpus: list[str]) -> Path:
     path = tmp_path / "scenario.yaml"
-    path.write_text(yaml.safe_dump(tiny_scenario_dict(small_corpus)))
+    data = tiny_scenario_dict(small_corpus)
+    data["geomesh"].update(FIXED_PLAN)
+    path.write_text(yaml.safe_dump(data))
     return path
 
 

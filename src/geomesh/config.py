@@ -153,6 +153,9 @@ class GeoMeshConfig:
     replan: bool = True  # online re-planning from measured compute times (beyond the paper)
     replan_threshold: float = 0.1  # re-plan when a worker's smoothed speed drifts this far (relative)
     replan_smoothing: float = 0.5  # exponential smoothing of measured/predicted compute time
+    # the distributed runtime measures each region's step time in place before round 0 and plans from that
+    # (a region given --profile keeps its file); false: plan from the datasheet model (a fast start)
+    calibrate: bool = True
     # hide the WAN exchange behind the next round's compute (docs/overlap.md): round r's combined update is
     # applied inside round r+1, at the inner step by which the plan says it has arrived (beyond the paper)
     overlap: bool = False

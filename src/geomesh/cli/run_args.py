@@ -34,6 +34,7 @@ class RunArg:
     metavar: str | None = None
     required: bool = False
     field: str | None = None  # a scenario field: the option is that `--set FIELD=VALUE`
+    field_value: str | None = None  # a flag's value for its field (store_true flags)
     option: str | None = None  # the DistOptions field it fills (None: read by the faces only)
     where: str = "both"  # both | rank (a rank only) | launch (geomesh launch only)
     forward: bool = True  # the launcher hands it to its ranks
@@ -69,6 +70,9 @@ RUN_ARGS: list[RunArg] = [
     RunArg("--min-regions", "elastic regions: go on while at least N regions are alive (--set "
            "reliability.min_regions=N; 0: a lost region stops the run)", type=int, metavar="N",
            field="reliability.min_regions"),
+    RunArg("--no-calibrate", "plan from the datasheet model instead of measuring every region's step time in place "
+           "before round 0 (--set geomesh.calibrate=false): a faster start", action="store_true",
+           field="geomesh.calibrate", field_value="false"),
     RunArg("--set", "override a scenario field", action="append", metavar="FIELD=VALUE"),
     RunArg("--backend", "auto (NCCL when CUDA is available, else Gloo), gloo or nccl", default="auto",
            check=_one_of(("auto", "gloo", "nccl"))),
@@ -115,8 +119,12 @@ def add_run_arguments(p: argparse.ArgumentParser, launcher: bool = False) -> Non
 def scenario_overrides(args: argparse.Namespace) -> list[str]:
     """The ``--set`` pairs of a run: every option that names a scenario field, then ``--set`` itself (which
     wins: it comes last)."""
-    pairs = [f"{a.field}={getattr(args, a.dest)}" for a in RUN_ARGS
-             if a.field is not None and getattr(args, a.dest, None) is not None]  # fmt: skip
+    pairs = []
+    for a in RUN_ARGS:
+        value = getattr(args, a.dest, None)
+        if a.field is None or value is None or value is False:
+            continue
+        pairs.append(f"{a.field}={a.field_value if a.field_value is not None else value}")
     return pairs + list(getattr(args, "set", None) or [])
 
 

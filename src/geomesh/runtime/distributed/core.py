@@ -30,6 +30,7 @@ from ...methods.base import Method, OuterLoopMethod
 from ...planner import Plan
 from ...telemetry import Telemetry, write_json_atomic
 from ..checkpoint_state import truncate_events
+from .clock import WallClock
 from .checkpoints import DistCheckpointError, check_resume, fingerprint
 from .layout import rank_layout, region_layout
 from ..options import DistOptions, checkpoint_cadence, prepare_run_dir, resolve_run
@@ -86,32 +87,6 @@ def params_checksum(params: dict[str, torch.Tensor], samples: int = 4096) -> str
 
 def _fingerprint(*parts: Any) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
-
-
-class WallClock:
-    """A rank's wall clock and the spans of its worker's time: seconds since the start barrier (or the time
-    a resumed or healed run had reached), and a cursor up to which the worker's time is accounted."""
-
-    def __init__(self) -> None:
-        self.t0 = time.perf_counter()
-        self.cursor = 0.0
-        self.spans: list[tuple[str, float, float, int]] = []
-
-    def now(self) -> float:
-        return time.perf_counter() - self.t0
-
-    def start(self) -> None:
-        """Time 0 is now (every rank calls this right after the start barrier)."""
-        self.t0, self.cursor = time.perf_counter(), 0.0
-
-    def resume(self, at: float) -> None:
-        """The clock goes on from ``at`` seconds (a checkpoint's time, or a live region's when healed)."""
-        self.t0, self.cursor = time.perf_counter() - at, at
-
-    def take_spans(self) -> list[tuple[str, float, float, int]]:
-        """The spans recorded since the last call (what a rank reports with its round)."""
-        spans, self.spans = self.spans, []
-        return spans
 
 
 # ---- the run --------------------------------------------------------------------------------------
@@ -293,8 +268,13 @@ class RankRun:
             self._profiles_cache = self._profiles()
         return [copy.copy(p) for p in self._profiles_cache]
 
-    def _profiles(self) -> list[WorkerProfile]:
-        """Cost-model profiles as the emulated runtime builds them, or measured ones (``REGION=FILE``)."""
+    def use_measured_profiles(self, measured: dict[str, WorkerProfile]) -> None:
+        """Plan from profiles measured in place (calibration) where no ``--profile`` file names the region."""
+        self._profiles_cache = self._profiles(measured)
+
+    def _profiles(self, calibrated: dict[str, WorkerProfile] | None = None) -> list[WorkerProfile]:
+        """Cost-model profiles as the emulated runtime builds them, or measured ones (``REGION=FILE``, else
+        ``calibrated`` in place)."""
         sc = self.scenario
         names = [r.name for r in sc.regions]
         measured: dict[str, WorkerProfile] = {}
@@ -306,8 +286,9 @@ class RankRun:
                 measured[region] = load_profile(path)
             except ValueError as exc:
                 raise ConfigError(f"--profile {region}: {exc}") from None
-        profiles = sc.worker_profiles(measured)
-        return profiles
+        for region, profile in (calibrated or {}).items():
+            measured.setdefault(region, copy.copy(profile))
+        return sc.worker_profiles(measured)
 
     # ---- the run ----------------------------------------------------------------------------------
     def run(self) -> dict[str, Any] | None:

@@ -44,7 +44,7 @@ from ...errors import RunError
 from ...telemetry import Telemetry
 from ..checkpoint_state import run_fingerprint
 from .elastic_state import ElasticState, Records
-from .exchange import Exchanged, RoundView
+from .exchange import Exchanged, RoundView, compute_idle
 from .layout import RegionLayout, min_regions_of, region_layout
 from .membership import LIGHTHOUSE_ENV, ExchangeFailed, Membership, MembershipError
 from .transport import WanShaper
@@ -76,6 +76,7 @@ class QuorumExchange(ElasticState):
         self.whole: tuple[dict, dict] | None = None  # a sharded θ and momentum, gathered (the leader: _snapshot)
         self.membership: Membership | None = None
         self.launch_members: list[int] | None = None  # overlapped: the members at the last exchange's quorum
+        self.my_calibration: dict[str, Any] | None = None  # this region's step times measured in place
         run.keeps_records = run.is_leader
 
     # the loop's state this component reads (θ, the outer optimizer, the encoder, the faults)
@@ -118,6 +119,10 @@ class QuorumExchange(ElasticState):
         run.clock.start()
         self._snapshot()  # θ as a region behind may ask for it at the first quorum
 
+    def share_calibration(self, mine: dict[str, Any] | None) -> None:
+        """This region's calibration travels with its quorum header, so every member learns the others'."""
+        self.my_calibration = mine
+
     def resumed(self) -> None:
         if self.membership is not None:
             self.membership.set_step(self.run.rounds)
@@ -156,14 +161,16 @@ class QuorumExchange(ElasticState):
             state = self.healed_state if ctrl["healed"] else None
             self.healed_state = None
             view = RoundView(members=ctrl["members"], healed=ctrl["healed"], state=state,
-                             rejoined=ctrl["rejoined"])  # fmt: skip
+                             rejoined=ctrl["rejoined"], calibration=ctrl["calibration"])  # fmt: skip
         if run.world == 1:
             return view
         head = run.transport.broadcast_json(
-            {"members": view.members, "healed": view.healed, "rejoined": view.rejoined} if run.is_leader else None,
+            {"members": view.members, "healed": view.healed, "rejoined": view.rejoined,
+             "calibration": {str(k): v for k, v in view.calibration.items()}} if run.is_leader else None,
             run.leader, run.region_group, what="the round's quorum")  # fmt: skip
         state = self.share_state(view.state if run.is_leader else None) if head["healed"] else None
-        return RoundView(members=head["members"], healed=head["healed"], state=state, rejoined=head["rejoined"])
+        return RoundView(members=head["members"], healed=head["healed"], state=state, rejoined=head["rejoined"],
+                         calibration={int(k): v for k, v in head["calibration"].items()})  # fmt: skip
 
     def launch_quorum(self) -> list[int]:
         """(leader, overlapped rounds) The quorum of the exchange about to leave: its members."""
@@ -184,7 +191,7 @@ class QuorumExchange(ElasticState):
             try:
                 wait = first and not healed and time.monotonic() < startup_until
                 headers = m.all_gather_object({"region": self.me, "hash": self.job_hash, "wait": wait,
-                                               "healed": healed})  # fmt: skip
+                                               "healed": healed, "calibration": self.my_calibration})  # fmt: skip
             except ExchangeFailed as exc:
                 m.report(exc)
                 continue
@@ -196,8 +203,10 @@ class QuorumExchange(ElasticState):
                 time.sleep(0.3)  # the first round: wait for every region to come up
                 continue
             # regions that were behind and received a live region's state at this quorum
-            return {"members": members, "healed": healed, "rejoined": sorted(h["region"] for h in headers
-                                                                             if h["healed"])}  # fmt: skip
+            return {"members": members, "healed": healed,
+                    "rejoined": sorted(h["region"] for h in headers if h["healed"]),
+                    "calibration": {h["region"]: h.get("calibration") for h in headers
+                                    if isinstance(h.get("calibration"), dict)}}  # fmt: skip
 
     def _check_hashes(self, headers: list[dict[str, Any]]) -> None:
         counts: dict[str, int] = {}
@@ -373,6 +382,7 @@ class QuorumExchange(ElasticState):
             t["comm_s"] += result.comm_s
             self._emit({"type": "round", "round": number, "time": run._now(), "tokens": run.tokens_done,
                         "members": [names[i] for i in took_part], "compute_s": [i["compute_s"] for i in infos],
+                        "straggler_idle_frac": compute_idle([i["compute_s"] for i in infos]),
                         "exchange_s": result.comm_s, "bytes_sent": result.wan_bytes * len(infos),
                         "tokens_lost": {names[i]: t for i, t in lost.items()}})  # fmt: skip
             self._write_events(took_part)
@@ -419,4 +429,5 @@ class QuorumExchange(ElasticState):
             "param_checksums": checksums,
             "rejected_payloads": int(run.telemetry.counters.get("rejected_payloads", 0)),
             "overlap": loop.overlap is not None,
+            **loop.summary_fields(),
         }

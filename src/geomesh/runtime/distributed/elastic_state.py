@@ -70,7 +70,8 @@ class ElasticState:
             "run": {"rounds": run.rounds, "tokens_done": run.tokens_done, "plans": [p.to_json() for p in run.plans],
                     "records": list(self.records), **tel.state_dict(), "run_totals": dict(run.totals),
                     "stats": json.loads(json.dumps(self.stats)), "faults": self.faults.state_dict(),
-                    "streams": dict(self.streams), "members": list(self.members or []), "now": run._now()},
+                    "streams": dict(self.streams), "members": list(self.members or []), "now": run._now(),
+                    "plan_loop": self.loop.plan_state()},
         }  # fmt: skip
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -90,6 +91,7 @@ class ElasticState:
         run.plans = [Plan.from_json(p) for p in s["plans"]]
         self.stats = s["stats"]
         self.faults.load_state_dict(s["faults"])
+        self.loop.load_plan_state(s["plan_loop"])
         self.streams = dict(s["streams"])
         self.members = list(s["members"])
         run.worker.slowdown = self.sc.regions[self.me].slowdown * self.faults.speed(self.me)

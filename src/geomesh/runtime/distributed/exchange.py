@@ -40,6 +40,7 @@ class RoundView:
     healed: bool = False  # this region was behind and has just received a live region's state
     state: dict[str, Any] | None = None  # that state (the loop applies it on every rank of the region)
     rejoined: list[int] = field(default_factory=list)  # regions healed at this quorum
+    calibration: dict[int, Any] = field(default_factory=dict)  # region -> its step times measured in place
 
 
 @dataclass
@@ -57,6 +58,15 @@ class Exchanged:
         """The non-tensor part, as the leader shares it inside its region."""
         return {"infos": self.infos, "comm_s": self.comm_s, "wan_bytes": self.wan_bytes,
                 "healed_state": self.healed_state}  # fmt: skip
+
+
+def compute_idle(compute_s: list[float]) -> float | None:
+    """The round's straggler idle from its members' measured compute: the time the faster ones wait for the
+    slowest, over the members' time (None without a measurement)."""
+    times = [c for c in compute_s if isinstance(c, (int, float)) and c >= 0]
+    if not times or max(times) <= 0:
+        return None
+    return sum(max(times) - c for c in times) / (len(times) * max(times))
 
 
 class Exchange(Protocol):
@@ -98,6 +108,16 @@ class StaticExchange:
 
     def resumed(self) -> None:
         pass
+
+    def share_calibration(self, mine: dict[str, Any] | None) -> None:
+        """Every region's calibration (leaders' all-gather, then inside each region) to the loop."""
+        run = self.run
+        shared = None
+        if run.is_leader:
+            shared = run.transport.all_gather_json(mine, run.leaders_group, self.n, what="the calibrations")
+        if run.region_group is not None:
+            shared = run.transport.broadcast_json(shared, run.leader, run.region_group, what="the calibrations")
+        self.loop.use_calibration({k: c for k, c in enumerate(shared) if isinstance(c, dict)})
 
     def planned_for_after_resume(self) -> list[int]:
         return list(range(self.n))
@@ -180,7 +200,8 @@ class StaticExchange:
         infos = run._gather_checked(info, "round", "global parameters")
         if run.rank == 0:
             run._record_round(infos, loop.names, members=[loop.names[i] for i in outcome["took_part"]],
-                              tokens_lost={loop.names[i]: t for i, t in lost.items()})  # fmt: skip
+                              tokens_lost={loop.names[i]: t for i, t in lost.items()},
+                              straggler_idle_frac=compute_idle([i["compute_s"] for i in infos]))  # fmt: skip
 
     def finish(self) -> dict[str, Any]:
         run, loop = self.run, self.loop
@@ -188,7 +209,7 @@ class StaticExchange:
         every = list(range(self.n))
         return {**run._exchange_fields(loop.wire_nbytes, loop.kit.payload_nbytes, loop.kit.modeled_payload_nbytes,
                                        self.shaper_s(every), loop.method.collective),
-                "overlap": loop.overlap is not None, "faults": loop.faults.records,
+                "overlap": loop.overlap is not None, "faults": loop.faults.records, **loop.summary_fields(),
                 "rejected_payloads": int(run.telemetry.counters.get("rejected_payloads", 0)),
                 "tokens_lost": int(run.tokens_lost)}  # fmt: skip
 

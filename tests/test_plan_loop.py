@@ -1,0 +1,147 @@
+"""The plan as a loop in real processes: regions measure their step time in place before round 0, and every
+round's measured compute times re-plan the run when speeds drift, on every rank alike.
+
+The speed changes here are real, never declared: CPU affinity puts two regions' processes on one core partway
+through a run (a busy neighbour), or the scenario declares H100, A100 and T4 for processes that all run at one
+speed. Assertions are on the plan's direction (the slowed regions get less work, on every rank the same), never
+on seconds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+import torch
+import yaml
+from conftest import tiny_scenario_dict
+from test_elastic import processes, start, wait_for_round
+
+from geomesh.cli import launch as cli_launch
+from geomesh.telemetry import read_events
+
+pytestmark = pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
+                                reason="needs CPU affinity and two cores")  # fmt: skip
+
+
+def write(tmp_path, small_corpus, gpus=("A100", "A100", "A100"), elastic=False, **geomesh):
+    data = tiny_scenario_dict(small_corpus, gpus)
+    data["geomesh"].update({"calibrate": False, "replan": True, **geomesh})
+    if elastic:
+        data["reliability"] = {"min_regions": 2, "round_deadline_s": 120}
+    path = tmp_path / "scenario.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def work(plan: dict, region: str) -> int:
+    w = next(w for w in plan["workers"] if w["name"] == region)
+    return w["batch"] * w["inner_steps"]
+
+
+def pin(tag: str, region: str, cpus: set[int]) -> None:
+    for pid in processes(tag, region):
+        os.sched_setaffinity(pid, cpus)
+
+
+@pytest.mark.parametrize("elastic", [False, True], ids=["static", "elastic"])
+def test_regions_slowed_by_a_busy_neighbour_are_replanned(tmp_path, small_corpus, elastic):
+    """Regions declared alike; after round 3, r1 and r2 are moved onto one core together (half the speed of r0,
+    alone on the other): the measured compute times re-plan the run, giving them less work than r0."""
+    path = write(tmp_path, small_corpus, elastic=elastic)
+    out, tag = tmp_path / "run", uuid.uuid4().hex
+    cmd = ["launch", str(path), "--nproc", "3", "--method", "geomesh", "--out", str(out), "--tokens", "40000",
+           "--quiet", "--wan", "none", "--timeout", "90"]  # fmt: skip
+    proc = start(cmd, tag, out)
+    try:
+        wait_for_round(out, proc, 3)
+        pin(tag, "r0-a100", {1})
+        pin(tag, "r1-a100", {0})
+        pin(tag, "r2-a100", {0})
+        stdout, stderr = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    events = read_events(out / "events.jsonl")
+    replans = [e for e in events if e["type"] == "plan" and e.get("replan")]
+    assert summary["replans"] == len(replans) >= 1
+    last = replans[-1]
+    assert last["round"] > 3 and set(last["measured_s"]) <= {"r0-a100", "r1-a100", "r2-a100"}
+    final = last["plan"]
+    assert work(final, "r1-a100") < work(final, "r0-a100") and work(final, "r2-a100") < work(final, "r0-a100")
+    rounds = [e for e in events if e["type"] == "round"]
+    assert all("straggler_idle_frac" in e for e in rounds)
+    checksums = summary["param_checksums"]
+    assert len(set(checksums.values() if isinstance(checksums, dict) else checksums)) == 1
+
+
+def test_wrong_datasheet_gpus_are_balanced_by_calibration(tmp_path, small_corpus):
+    """H100, A100 and T4 declared, processes that all run at one speed: the datasheet plan gives the 'H100' several
+    times the T4's work; calibrated in place, round 0's plan is close to even."""
+    path = write(tmp_path, small_corpus, gpus=("H100", "A100", "T4"), calibrate=True, replan=False)
+    plans = {}
+    for name, extra in (("datasheet", ["--no-calibrate"]), ("calibrated", [])):
+        out = tmp_path / name
+        args = cli_launch.build_parser().parse_args(
+            ["launch", str(path), "--nproc", "3", "--method", "geomesh", "--out", str(out), "--tokens", "4000",
+             "--quiet", "--wan", "none", "--timeout", "90", *extra])  # fmt: skip
+        result = cli_launch.launch(args, extra_env={"OMP_NUM_THREADS": "1"})
+        assert result.code == 0, result.message
+        plans[name] = [e["plan"] for e in read_events(out / "events.jsonl") if e["type"] == "plan"][-1]
+        if name == "calibrated":
+            assert set(result.summary["calibration_s"]) == {"r0-h100", "r1-a100", "r2-t4"}
+            assert [e for e in read_events(out / "events.jsonl") if e["type"] == "calibration"]
+    spread = {k: work(p, "r0-h100") / work(p, "r2-t4") for k, p in plans.items()}
+    assert spread["datasheet"] > 2.5 and spread["calibrated"] < spread["datasheet"] / 2, spread
+
+
+def test_a_resumed_run_plans_as_the_uninterrupted_one(tmp_path, small_corpus):
+    """Re-planning on: the plan history and the online planner's speed factors are in every checkpoint, so
+    SIGKILL + --resume ends bit-identical. (A threshold no measurement noise passes keeps the two runs' plans
+    alike; wall-clock measurements can be compared across runs no other way.)"""
+    path = write(tmp_path, small_corpus, gpus=("H100", "A100", "T4"), replan_threshold=5.0)
+    base = ["launch", str(path), "--nproc", "3", "--method", "geomesh", "--tokens", "9600", "--save-params",
+            "--quiet", "--wan", "none", "--timeout", "90"]  # fmt: skip
+    ref = tmp_path / "ref"
+    done = cli_launch.launch(cli_launch.build_parser().parse_args([*base, "--out", str(ref)]),
+                             extra_env={"OMP_NUM_THREADS": "1"})  # fmt: skip
+    assert done.code == 0, done.message
+    out, tag = tmp_path / "run", uuid.uuid4().hex
+    cmd = [*base, "--out", str(out), "--checkpoint-every", "1", "--keep", "2"]
+    proc = start(cmd, tag, out)
+    try:
+        deadline = time.monotonic() + 240
+        while not (out / "checkpoints" / "round-000003").is_dir():
+            assert proc.poll() is None, "the run ended before its third checkpoint"
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+    finally:
+        for pid in processes(tag) + [proc.pid]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        proc.wait(timeout=30)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    resumed = subprocess.run([sys.executable, "-m", "geomesh.cli", *cmd, "--resume"], env=env, capture_output=True,
+                             text=True, timeout=300)  # fmt: skip
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["replans"] == done.summary["replans"] == 0
+    assert summary["plan"] == done.summary["plan"]
+    # what the checkpoint carries of the plan's loop: the planner's measured speed factors
+    rank0 = json.loads((out / "checkpoints" / "round-000004" / "rank-0.json").read_text())
+    extra = json.loads(rank0["state"]["run.extra"])
+    online = extra["plan_loop"]["online"]
+    assert set(online["factors"]) == {"r0-h100", "r1-a100", "r2-t4"} and online["measured"]
+    assert any(f != 1.0 for f in online["factors"].values())
+    want, got = torch.load(ref / "final_params.pt"), torch.load(out / "final_params.pt")
+    for name in want:
+        assert torch.equal(want[name], got[name]), name
