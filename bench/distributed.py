@@ -19,13 +19,33 @@ ring collective puts on the wire for them), wall_s_per_round, full_round_wall_s 
 rounds, the last round left out), compute / straggler / comm seconds per round
 (mean over workers), idle fractions, final validation loss; then one ``comparison`` line with the ratios.
 Everything also goes to ``OUT/results.json``; each method's run folder is ``OUT/<method>``.
+
+The plan as a loop (``--cases drift,datasheet``; DESIGN.md "The plan is a loop"), each case run open loop
+(``--set geomesh.replan=false --no-calibrate``) and closed loop (the defaults: calibrated in place, re-planned
+from every round's measured compute times) side by side, GeoMesh on a tiny model (``--loop-preset``) over the
+default corpus, no WAN shaping:
+
+- ``drift``: 3 regions declared alike (A100 x3); after round ``--drift-round`` two regions' processes are
+  pinned onto one core together and the third onto the other (CPU affinity, found by a tag in their
+  environment: a busy neighbour nothing declares). Needs two cores.
+- ``datasheet``: H100, A100 and T4 declared for processes that all run at one speed.
+
+One JSON object per line per case and loop: per round the straggler idle from the round record
+(``straggler_idle_frac``: the members' measured compute, the time the faster wait for the slowest) and from
+the spans (Σ straggler_wait / Σ wall), the rounds re-planned at, the straggler idle over windows of rounds
+(drift: before the change and from ``--settle`` rounds after it; datasheet: from round 1 on; the last round,
+shortened to the budget, left out), ``calibration_s``; then one ``comparison`` line per case (open / closed).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import subprocess
 import sys
+import time
+import uuid
 from pathlib import Path
 
 import yaml
@@ -96,6 +116,191 @@ def row(method: str, s: dict, n: int, events_path: Path | None = None) -> dict:
     return out
 
 
+# ---- the plan as a loop ----------------------------------------------------------------------------------
+LOOP_CASES = ("drift", "datasheet")
+OPEN_LOOP = ["--set", "geomesh.replan=false", "--no-calibrate"]  # the plan made once, from the datasheet
+TAG_ENV = "GEOMESH_BENCH_TAG"  # finds a run's rank processes (with GEOMESH_REGION) to move them between cores
+
+
+def loop_scenario(gpus: tuple[str, ...], preset: str, batch: int, inner_steps: int, max_batch: int) -> dict:
+    """A tiny GeoMesh run on two plays of the default corpus; the regions declare ``gpus`` and nothing else
+    (no slowdown: what the plan learns, it learns from measurement)."""
+    from geomesh.data import default_corpus_files
+
+    paths = [str(f) for f in default_corpus_files() if f.name.startswith(("hamlet", "macbeth"))]
+    regions = [{"name": f"r{i}-{g.lower()}", "gpu": g, "count": 1} for i, g in enumerate(gpus)]
+    n = len(regions)
+    return {
+        "name": "bench-plan-loop",
+        "description": f"3 regions declared {'/'.join(gpus)}, processes of one speed on this machine",
+        "regions": regions,
+        "wan": {"rtt": [[0 if i == j else 80 for j in range(n)] for i in range(n)], "bandwidth_gbps": 10.0},
+        "timing_model": {"n_layers": 12, "hidden": 768, "seq_len": 1024, "vocab": 32000},
+        "proxy": {"preset": preset, "seq_len": 32},
+        "data": {"paths": paths, "vocab_size": 512, "val_fraction": 0.05},
+        "training": {"tokens": 0, "batch": batch, "inner_steps": inner_steps, "inner_lr": 0.003,
+                     "eval_sequences": 16, "eval_every_rounds": 1000},
+        "geomesh": {"min_batch": 1, "max_batch": max_batch, "min_inner_steps": 1, "round_sequences_factor": 1.0},
+    }  # fmt: skip
+
+
+def rank_pids(tag: str, region: str) -> list[int]:
+    """The processes whose environment carries ``tag`` and ``GEOMESH_REGION=region``."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            env = (entry / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"{TAG_ENV}={tag}".encode() in env and f"GEOMESH_REGION={region}".encode() in env:
+            found.append(int(entry.name))
+    return found
+
+
+def rounds_done(events_path: Path) -> int:
+    from geomesh.telemetry import read_events
+
+    try:
+        return max([e["round"] for e in read_events(events_path) if e["type"] == "round"], default=0)
+    except (OSError, json.JSONDecodeError):  # (a line being written)
+        return 0
+
+
+def run_loop_case(path: Path, out: Path, tokens: int, extra: list[str], pins: dict[str, set[int]] | None,
+                  at_round: int, timeout: float) -> tuple[dict, float, int | None, dict[str, int]]:  # fmt: skip
+    """``geomesh launch`` in a child process; with ``pins``, once round ``at_round`` has ended each region's
+    processes (every thread) are moved onto its cores. Returns the summary, the launch's wall seconds, the
+    round the change took effect from (the first round that began after it) and the processes moved per region."""
+    tag = uuid.uuid4().hex
+    env = {**{k: v for k, v in os.environ.items() if k != "GEOMESH_REGION"}, "OMP_NUM_THREADS": "1", TAG_ENV: tag}
+    cmd = [sys.executable, "-m", "geomesh.cli", "launch", str(path), "--nproc", "3", "--method", "geomesh",
+           "--out", str(out), "--tokens", str(tokens), "--wan", "none", "--quiet", "--timeout", str(timeout),
+           *extra]  # fmt: skip
+    t0 = time.monotonic()
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    changed_from, pinned = None, {}
+    try:
+        if pins:
+            while (done := rounds_done(out / "events.jsonl")) < at_round and proc.poll() is None:
+                time.sleep(0.01)
+            if proc.poll() is None:
+                for region, cpus in pins.items():
+                    for pid in rank_pids(tag, region):
+                        for task in Path(f"/proc/{pid}/task").iterdir():  # every thread (as taskset -a)
+                            try:
+                                os.sched_setaffinity(int(task.name), cpus)
+                            except OSError:  # (a thread that has just ended)
+                                pass
+                        pinned[region] = pinned.get(region, 0) + 1
+                changed_from = rounds_done(out / "events.jsonl") + 1 if done >= at_round else None
+        stdout, stderr = proc.communicate(timeout=timeout + 60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    wall = time.monotonic() - t0
+    if proc.returncode != 0:
+        raise RuntimeError(f"{out.name}: geomesh launch exited {proc.returncode}: {stderr[-2000:]}")
+    return json.loads((out / "summary.json").read_text()), wall, changed_from, pinned
+
+
+def per_round_idle(events_path: Path) -> list[dict]:
+    """Each round's straggler idle: the round record's (its members' measured compute) and the spans'
+    (Σ straggler_wait / Σ wall over every worker's spans of that round), and whether it was re-planned after."""
+    from collections import defaultdict
+
+    from geomesh.telemetry import read_events
+
+    events = read_events(events_path)
+    wait, wall = defaultdict(float), defaultdict(float)
+    for e in events:
+        if e["type"] == "span":  # a span's round counts from 0; round records count from 1
+            wall[e["round"] + 1] += e["end"] - e["start"]
+            if e["kind"] == "straggler_wait":
+                wait[e["round"] + 1] += e["end"] - e["start"]
+    replanned = {e["round"] for e in events if e["type"] == "plan" and e.get("replan")}
+    return [{"round": e["round"], "idle_record": e.get("straggler_idle_frac"),
+             "idle_spans": wait[e["round"]] / wall[e["round"]] if wall[e["round"]] else None,
+             "compute_s": e["compute_s"], "replanned": e["round"] in replanned}
+            for e in events if e["type"] == "round"]  # fmt: skip
+
+
+def window(rounds: list[dict], first: int, last: int) -> dict:
+    """Straggler idle over rounds ``first..last``: the mean of the round records', the spans' Σ wait / Σ wall."""
+    got = [r for r in rounds if first <= r["round"] <= last]
+    rec = [r["idle_record"] for r in got if r["idle_record"] is not None]
+    spans = [r["idle_spans"] for r in got if r["idle_spans"] is not None]
+    return {"rounds": [first, last] if got else None,
+            "idle_record": sum(rec) / len(rec) if rec else None,
+            "idle_record_max": max(rec) if rec else None,
+            "idle_spans": sum(spans) / len(spans) if spans else None}  # fmt: skip
+
+
+def loop_row(case: str, loop: str, s: dict, wall: float, rounds: list[dict], changed_from: int | None,
+             settle: int) -> dict:  # fmt: skip
+    last = max((r["round"] for r in rounds), default=0) - 1  # the last round is shortened to the budget
+    out = {"case": case, "loop": loop, "rounds": s["rounds"], "tokens": s["tokens"], "launch_wall_s": wall,
+           "calibration_s": s.get("calibration_s"), "replans": s.get("replans", 0),
+           "replan_rounds": [r["round"] for r in rounds if r["replanned"]],
+           "straggler_idle_frac": s["straggler_idle_frac"], "final_val_loss": s["final_val_loss"]}  # fmt: skip
+    if case == "drift":
+        out["changed_from_round"] = changed_from
+        if changed_from is not None:
+            out["before"] = window(rounds, 1, changed_from - 1)
+            out["after"] = window(rounds, changed_from, last)
+            out["settled"] = window(rounds, changed_from + settle, last)
+    else:
+        out["from_round_1"] = window(rounds, 1, last)
+    out["per_round"] = [{k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items() if k != "compute_s"}
+                        | {"compute_s": [round(c, 4) for c in r["compute_s"]]} for r in rounds]  # fmt: skip
+    return out
+
+
+def loop_cases(args: argparse.Namespace, out: Path, cases: list[str]) -> list[dict]:
+    rows: list[dict] = []
+    for case in cases:
+        if case == "drift" and (not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2):
+            print("error: the drift case needs CPU affinity and two cores", file=sys.stderr)
+            continue
+        gpus = ("A100", "A100", "A100") if case == "drift" else ("H100", "A100", "T4")
+        path = out / case / "scenario.yaml"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(yaml.safe_dump(loop_scenario(gpus, args.loop_preset, args.loop_batch, args.loop_inner_steps,
+                                                    args.loop_max_batch or 512)))
+        tokens = args.loop_rounds * 3 * args.loop_batch * args.loop_inner_steps * 32
+        cpus = sorted(os.sched_getaffinity(0)) if case == "drift" else []
+        # r0 alone on one core; r1 and r2 together on the other (each at about half its speed)
+        pins = {"r0-a100": {cpus[1]}, "r1-a100": {cpus[0]}, "r2-a100": {cpus[0]}} if case == "drift" else None
+        by = {}
+        for loop, extra in (("open", OPEN_LOOP), ("closed", [])):
+            summary, wall, changed_from, pinned = run_loop_case(path, out / case / loop, tokens, extra, pins,
+                                                        args.drift_round, args.timeout)  # fmt: skip
+            rounds = per_round_idle(out / case / loop / "events.jsonl")
+            r = by[loop] = loop_row(case, loop, summary, wall, rounds, changed_from, args.settle)
+            if pins:
+                r["processes_moved"] = pinned
+            rows.append(r)
+            print(json.dumps({k: v for k, v in r.items() if k != "per_round"}), flush=True)
+        key = "settled" if case == "drift" else "from_round_1"
+        o, c = by["open"].get(key) or {}, by["closed"].get(key) or {}
+        comparison = {
+            "comparison": f"{case}: open / closed loop",
+            "window": key,
+            "idle_record": {"open": o.get("idle_record"), "closed": c.get("idle_record")},
+            "idle_spans": {"open": o.get("idle_spans"), "closed": c.get("idle_spans")},
+            "idle_record_ratio": o["idle_record"] / c["idle_record"] if o.get("idle_record") and c.get(
+                "idle_record") else None,
+            "target_met": c.get("idle_record") is not None and c["idle_record"] <= 0.05,
+            "replans": {"open": by["open"]["replans"], "closed": by["closed"]["replans"]},
+            "calibration_s": by["closed"]["calibration_s"],
+            "launch_wall_s": {"open": by["open"]["launch_wall_s"], "closed": by["closed"]["launch_wall_s"]},
+        }
+        rows.append(comparison)
+        print(json.dumps(comparison), flush=True)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default="runs/bench-distributed")
@@ -113,9 +318,26 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="plan from the GPU cost model instead of this CPU's measured step times",
     )
+    p.add_argument("--cases", default="methods",
+                   help="methods (the comparison above) and/or the plan-loop cases drift, datasheet")  # fmt: skip
+    p.add_argument("--loop-preset", default="nano", help="plan-loop cases: the proxy model preset")
+    p.add_argument("--loop-rounds", type=int, default=20, help="plan-loop cases: rounds of the (even) plan")
+    p.add_argument("--loop-batch", type=int, default=8)
+    p.add_argument("--loop-inner-steps", type=int, default=10)
+    p.add_argument("--loop-max-batch", type=int, default=0, help="plan-loop cases: geomesh.max_batch (0: 512)")
+    p.add_argument("--drift-round", type=int, default=3, help="drift: the cores change after this round")
+    p.add_argument("--settle", type=int, default=3, help="drift: the settled window starts this many rounds "
+                   "after the change")  # fmt: skip
     args = p.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    cases = [c.strip() for c in args.cases.split(",") if c.strip()]
+    if unknown := [c for c in cases if c not in ("methods", *LOOP_CASES)]:
+        p.error(f"unknown case(s) {', '.join(unknown)}: expected methods, {', '.join(LOOP_CASES)}")
+    if "methods" not in cases:
+        rows = loop_cases(args, out, [c for c in cases if c in LOOP_CASES])
+        (out / "results.json").write_text(json.dumps({"args": vars(args), "rows": rows}, indent=2) + "\n")
+        return 0
     tokens = args.rounds * 3 * args.batch * args.inner_steps * 64
     path = out / "scenario.yaml"
     path.write_text(yaml.safe_dump(scenario(args.preset, args.mbps, args.rtt_ms, args.batch, args.inner_steps, tokens)))
@@ -133,7 +355,7 @@ def main(argv: list[str] | None = None) -> int:
         for i in range(3):
             profile_flags += ["--profile", f"r{i}={out / 'cpu-profile.json'}"]
     rows = []
-    for method in [m.strip() for m in args.methods.split(",") if m.strip()]:
+    for method in [m.strip() for m in args.methods.split(",") if m.strip()]:  # the methods case
         launch_args = cli_launch.build_parser().parse_args(
             ["launch", str(path), "--nproc", "3", "--method", method, "--out", str(out / method), "--wan", args.wan,
              "--timeout", str(args.timeout), "--quiet", "--backend", "gloo", *profile_flags])  # fmt: skip
@@ -175,6 +397,7 @@ def main(argv: list[str] | None = None) -> int:
         }
         rows.append(comparison)
         print(json.dumps(comparison), flush=True)
+    rows += loop_cases(args, out, [c for c in cases if c in LOOP_CASES])
     (out / "results.json").write_text(json.dumps({"args": vars(args), "rows": rows}, indent=2) + "\n")
     return 0
 
