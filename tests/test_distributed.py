@@ -23,7 +23,7 @@ from geomesh.methods import get_method
 from geomesh.network import WanModel
 from geomesh.runtime.distributed import params_checksum, parse_ranks_per_region, rank_layout
 from geomesh.runtime.emulated import EmulatedRun, RunOptions
-from geomesh.runtime.distributed.transport import ABSENT, WanShaper, netns_unavailable_reason, split_gathered
+from geomesh.runtime.distributed.transport import ABSENT, SLOT_HEADER_NBYTES, WanShaper, netns_unavailable_reason, split_gathered
 from geomesh.telemetry import read_events
 
 SUMMARY_FIELDS = ("method", "scenario", "runtime", "seed", "tokens", "rounds", "modeled_time_s", "final_val_loss",
@@ -153,8 +153,9 @@ def test_summary_and_events_follow_the_formats(geomesh_run):
     # bytes handed to the all-gather: one payload per leader per round
     payload = summary["proxy_payload_bytes"]
     assert summary["collective"] == "all_gather"
-    assert summary["bytes_sent"] == summary["rounds"] * 3 * payload
-    assert summary["proxy_bytes_sent"] == summary["bytes_sent"]
+    # (each slot carries its head: a payload or "no update", and the round it belongs to)
+    assert summary["bytes_sent"] == summary["rounds"] * 3 * (payload + SLOT_HEADER_NBYTES)
+    assert summary["proxy_bytes_sent"] == summary["rounds"] * 3 * payload
     events = read_events(out / "events.jsonl")
     assert events[0]["type"] == "run" and events[0]["runtime"] == "distributed"
     assert sum(e["type"] == "round" for e in events) == summary["rounds"]

@@ -225,3 +225,16 @@ def test_the_layer_test_sees_a_cycle_and_an_upward_import():
     assert _layer("runtime.emulated.core") == "runtimes" and _layer("codec.sign") == "algorithms"
     assert _layer("integrations.lm_eval_adapter") == "faces" and _layer("telemetry_sinks") == "facts"
     assert _layer("cli.plan") == "faces" and _layer("config") == "facts" and _layer("") == "facts"
+
+
+def test_the_runtimes_and_faces_have_their_rooms():
+    """The distributed runtime is a package beside the emulated one, each runtime's own files inside it, one
+    module holds the distributed round loop, and the faces live in cli/ with one table of run options."""
+    mods = _modules()
+    assert not [m for m in mods if m.startswith("runtime.dist_") or m in ("runtime.parallel", "runtime.overlap")]
+    for m in ("runtime.distributed.rounds", "runtime.distributed.exchange", "runtime.distributed.elastic",
+              "runtime.emulated.parallel", "runtime.emulated.overlap", "cli.run_args", "cli.rank", "telemetry_sinks"):
+        assert m in mods, m
+    loops = [m for m in mods if m.startswith("runtime.distributed.")
+             and "def run_loop" in mods[m].read_text()]  # fmt: skip
+    assert loops == ["runtime.distributed.rounds"], loops

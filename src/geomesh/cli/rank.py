@@ -162,6 +162,9 @@ def _main(args: argparse.Namespace) -> int:
         if summary is not None and not os.environ.get(LAUNCHER_ENV):
             print_summary(summary, args.out)
         dist.destroy_process_group()
+        if run.outvoted:  # the others finished without this region's updates
+            print(f"error: {who}: {run.outvoted}", file=sys.stderr)
+            return 2
         return 0
     except USER_ERRORS as exc:
         print(f"error: {exc}", file=sys.stderr)

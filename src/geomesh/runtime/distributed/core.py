@@ -9,6 +9,7 @@ one. See :mod:`geomesh.runtime.distributed` for ranks, regions, time and telemet
 from __future__ import annotations
 
 import copy
+import datetime
 import hashlib
 import json
 import os
@@ -113,11 +114,14 @@ class RankRun:
         else:
             self.device = torch.device("cpu")
         self.transport = Transport(self.device, self.backend, self.options.timeout_s)
+        # a static world's control messages are bounded JSON bound to the run id; its payloads are signed
+        self.transport.sign_control = self.options.elastic_region is not None
         if self.options.elastic_region is not None:  # elastic regions: this world is one region
             self.layout = region_layout(scenario, self.options.elastic_region, self.world)
         else:
             self.layout = rank_layout(scenario, self.world, self.options.ranks_per_region)
         self.writes_summary = True  # elastic: only the leader of the lowest-numbered live region writes
+        self.outvoted: str | None = None  # why this region stood aside (another run key), when it did
         self.region = self.layout.region_of(self.rank)
         self.region_ranks = self.layout.ranks_of(self.region)
         self.leader = self.region_ranks[0]
@@ -196,6 +200,22 @@ class RankRun:
                 raise RunError(box["error"])
             raise RankFailure(f"rank 0 failed while {what}: {box['error']}")
         return box["result"]
+
+    def wait_for_leader(self, what: str, bound_s: float) -> None:
+        """The region's ranks wait for their leader (an elastic quorum may outlast ``--timeout``: the first round
+        waits for every region, a joiner is healed) in the store, bounded by ``bound_s``, not in a collective."""
+        if self.region_group is None:
+            return
+        from torch.distributed.distributed_c10d import _get_default_store
+
+        self._meetings = getattr(self, "_meetings", 0) + 1
+        key = f"geomesh/leader/{self.region}/{self._meetings}"
+        store = _get_default_store()
+        if self.is_leader:
+            store.set(key, "1")
+            return
+        self.transport.op = what
+        store.wait([key], datetime.timedelta(seconds=bound_s))
 
     def _say(self, text: str) -> None:
         if self.rank == 0 and self.options.progress:
@@ -378,7 +398,7 @@ class RankRun:
                               f"hold different {what} ({detail})")  # fmt: skip
         info = {**info, "intra_bytes": sum(i["intra_bytes"] for i in region)}
         infos = self._gather_leaders(info, what=f"the checksum of {unit} {self.rounds}")
-        if infos is not None and len({i["crc"] for i in infos}) > 1:
+        if infos is not None and len({i["crc"] for i in infos if i["crc"] is not None}) > 1:
             names = [r.name for r in self.scenario.regions]
             detail = ", ".join(f"{names[k]}: {i['crc']}" for k, i in enumerate(infos))
             raise RankFailure(f"{unit} {self.rounds}: the regions hold different {what} ({detail})")

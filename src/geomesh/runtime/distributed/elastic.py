@@ -164,6 +164,7 @@ class QuorumExchange(ElasticState):
                              rejoined=ctrl["rejoined"], calibration=ctrl["calibration"])  # fmt: skip
         if run.world == 1:
             return view
+        run.wait_for_leader("the round's quorum", self.leader_wait_s())
         head = run.transport.broadcast_json(
             {"members": view.members, "healed": view.healed, "rejoined": view.rejoined,
              "calibration": {str(k): v for k, v in view.calibration.items()}} if run.is_leader else None,
@@ -171,6 +172,14 @@ class QuorumExchange(ElasticState):
         state = self.share_state(view.state if run.is_leader else None) if head["healed"] else None
         return RoundView(members=head["members"], healed=head["healed"], state=state, rejoined=head["rejoined"],
                          calibration={int(k): v for k, v in head["calibration"].items()})  # fmt: skip
+
+    def leader_wait_s(self) -> float:
+        """How long a region's ranks may wait for their leader's quorum or exchange: the startup wait and the
+        quorum's timeout (each ``--timeout``), a heal of the model's state, and the round deadline."""
+        from .heal import heal_timeout_s
+
+        nbytes = 12 * sum(p.numel() for p in self.params.values())  # θ, momentum and a margin, in fp32
+        return 2 * self.run.options.timeout_s + heal_timeout_s(nbytes) + self.deadline_s
 
     def launch_quorum(self) -> list[int]:
         """(leader, overlapped rounds) The quorum of the exchange about to leave: its members."""

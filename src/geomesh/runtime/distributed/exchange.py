@@ -13,7 +13,7 @@ inside the region):
 Two implementations: :class:`StaticExchange`, the leaders' ``torch.distributed`` group of a static run
 (every region in every round; a lost region stops the run with one error), and
 :class:`~geomesh.runtime.distributed.elastic.QuorumExchange`, torchft's quorum per round (regions leave, hang,
-come back and are healed). :class:`LocalExchange` runs the loop's exchange logic in one process (tests).
+come back and are healed).
 
 Payloads travel as the raw bytes their codec wrote (one fixed size per codec: an absent update is a slot of
 zeros); round infos are JSON. Nothing a peer sends is unpickled, and nothing is trusted before the loop
@@ -29,7 +29,8 @@ from typing import Any, Protocol
 import torch
 
 from .core import params_checksum
-from .transport import WanShaper, split_gathered
+from .frames import Rejected
+from .transport import WanShaper
 
 
 @dataclass
@@ -167,10 +168,10 @@ class StaticExchange:
         payloads = None
         if summed is not None:
             summed = run.transport.all_reduce_sum(summed, run.leaders_group)
-        else:
-            nbytes = loop.kit.payload_nbytes
-            gathered = run.transport.all_gather_bytes(payload, nbytes, run.leaders_group, self.n)
-            payloads = dict(enumerate(split_gathered(gathered, nbytes)))
+        else:  # each slot signed for its sender and round: "no update" cannot be forged, nor a slot replayed
+            slots = run.transport.all_gather_payloads(payload, loop.kit.payload_nbytes, run.leaders_group, self.n,
+                                                      run.rounds + 1)  # fmt: skip
+            payloads = {k: (s if not isinstance(s, Rejected) else None) for k, s in enumerate(slots)}
         infos = run.transport.all_gather_json(info, run.leaders_group, self.n,
                                               what=f"the round infos of round {run.rounds + 1}")  # fmt: skip
         for k, i in enumerate(infos):  # a malformed info: its region takes no part in this round's update
@@ -178,6 +179,8 @@ class StaticExchange:
                 infos[k] = {"region": k, "active": True, "sent": False,
                             "rejected": "its round info is not a JSON object"}  # fmt: skip
             infos[k]["region"] = k
+            if payloads is not None and isinstance(slots[k], Rejected):
+                infos[k]["slot_rejected"] = slots[k].reason
         WanShaper(loop.faults.wan(members), run.options.wan).hold(self.shaper_s(members), since)
         return Exchanged(infos=infos, payloads=payloads, summed=summed, comm_s=time.perf_counter() - t0,
                          wan_bytes=run.transport.wan_bytes - before)  # fmt: skip
@@ -191,7 +194,7 @@ class StaticExchange:
                   wire_after: int | None = None) -> None:  # fmt: skip
         """Every region reports the round to rank 0 (θ's checksum, spans, bytes), which records it."""
         run, loop = self.run, self.loop
-        checksum = params_checksum(loop.params)
+        checksum = params_checksum(loop.params) if not loop.outvoted else None  # (a region standing aside)
         run._mark("other")
         parts = payload if split is not None else (payload,)
         info = run._round_info(checksum, compute_s, comm_s, sent_before, wire_before, wire_after,
@@ -212,28 +215,3 @@ class StaticExchange:
                 "overlap": loop.overlap is not None, "faults": loop.faults.records, **loop.summary_fields(),
                 "rejected_payloads": int(run.telemetry.counters.get("rejected_payloads", 0)),
                 "tokens_lost": int(run.tokens_lost)}  # fmt: skip
-
-
-class LocalExchange:
-    """Regions of one process (tests): ``peers`` give the other members' payloads and infos for each round;
-    this region's are put in its slot. It exercises the loop's screening and combine without processes."""
-
-    elastic = False
-
-    def __init__(self, region: int, n: int, peers):
-        self.region, self.n, self.peers = region, n, peers
-
-    def open_round(self, first: bool) -> RoundView:
-        return RoundView(members=list(range(self.n)))
-
-    def straggler_barrier(self, round_number: int) -> None:
-        pass
-
-    def shaper_s(self, members: list[int]) -> float:
-        return 0.0
-
-    def exchange(self, payload, summed, info, members) -> Exchanged:
-        theirs = self.peers(info)  # region -> (payload, info)
-        payloads = {i: (payload if i == self.region else theirs[i][0]) for i in members}
-        infos = [{**(info if i == self.region else theirs[i][1]), "region": i} for i in members]
-        return Exchanged(infos=infos, payloads=payloads, summed=None, comm_s=0.0, wan_bytes=len(payload or b""))

@@ -38,11 +38,12 @@ from ...methods.base import OuterLoopMethod, RoundKit, payload_key, round_steps
 from ...methods.overlap import round_compute_s
 from ...hardware import WorkerProfile
 from ...planner import OnlinePlanner, Plan
-from ..faults import ONE_ROUND_FAULTS, RoundFaults, corrupt_payload, optimizer_finite, poisoned
+from ..faults import RoundFaults, corrupt_payload, optimizer_finite, poisoned
 from ..payloads import screen_payload
 from .checkpoints import RunCheckpointer
-from .core import RankRun, params_checksum
-from .exchange import Exchanged, RoundView, StaticExchange
+from .core import RankRun
+from .exchange import Exchanged, StaticExchange
+from .plan_loop import PlanLoop
 from .region import lay_out_like
 from .transport import WanShaper, split_gathered, tx_bytes
 
@@ -52,7 +53,7 @@ STATIC_MEMBERSHIP_FAULTS = ("the scenario's leave/join faults need elastic regio
                             "(or --min-regions N) to at least 1; a static run keeps every region in every round")
 
 
-class RoundLoop:
+class RoundLoop(PlanLoop):
     """The rounds of a round-based method on this rank of ``run`` (set up), over the run's exchange."""
 
     def __init__(self, run: RankRun):
@@ -82,6 +83,7 @@ class RoundLoop:
         self.online: OnlinePlanner | None = None
         self.calibrated: dict[str, WorkerProfile] = {}  # region -> its profile measured in place
         self.calibration_s: dict[str, float] = {}
+        self.outvoted = False  # this static region holds another run key than the others (see _outvoted)
         self.lay_out = lambda whole: lay_out_like(whole, self.params)  # updates land as θ is held
         self.overlap = None  # the overlapped round (runtime/distributed/overlap.py, docs/overlap.md)
         region, _, at = os.environ.get(TEST_KILL_ENV, "").partition(":")
@@ -110,96 +112,6 @@ class RoundLoop:
     def wire_nbytes(self) -> int:
         """What one leader hands to the cross-region collective per round."""
         return 4 * (self.d + 1) if self.summed else self.kit.payload_nbytes
-
-    # ---- planning ---------------------------------------------------------------------------------------
-    def make_plan(self, members: list[int]) -> Plan:
-        """The members planned over the WAN that links them now, at their speeds now (every rank alike)."""
-        wan = self.faults.wan(members)
-        exchange_s, _ = self.method.exchange(wan, self.kit.modeled_payload_nbytes)
-        profiles = [self.run.profiles[i] for i in members]
-        for p, i in zip(profiles, members):
-            p.slowdown = self.sc.regions[i].slowdown * self.faults.speed(i)
-        if not (self.method.balanced and self.sc.geomesh.replan):
-            return self.method.plan(self.sc, profiles, exchange_bytes=self.kit.modeled_payload_nbytes,
-                                    exchange_s=exchange_s)  # fmt: skip
-        # re-planned from measurements: the speed factors learned so far carry over to the new members' planner
-        known = self.online
-        self.online = self._new_online(profiles)
-        if known is not None:
-            self.online.factors.update({k: v for k, v in known.factors.items() if k in self.online.factors})
-            self.online.measured |= known.measured & set(self.online.factors)
-        return self.online.plan(self.kit.modeled_payload_nbytes, exchange_s)
-
-    def _new_online(self, profiles: list[WorkerProfile]) -> OnlinePlanner:
-        g = self.sc.geomesh
-        # uncalibrated profiles describe the timing model, not what trains: a first measurement is the factor
-        return OnlinePlanner(profiles, self.method.constraints(self.sc, len(profiles)), smoothing=g.replan_smoothing,
-                             threshold=g.replan_threshold, first_measurement_sets_factor=not self.calibrated)  # fmt: skip
-
-    def calibrate(self) -> dict[str, Any] | None:
-        """Every rank of this region: measure the region's step time in place (the model it really trains, a
-        few steps at candidate micro-batches, its state restored bit for bit), unless ``--profile`` names it.
-        Returns what the leader shares with the others (JSON)."""
-        from ...profiler import calibrate_worker, default_micro_batches
-
-        given = {pair.partition("=")[0] for pair in self.run.options.profiles}
-        if not self.calibrating or self.names[self.me] in given:
-            return None
-        # measure the micro-batches the plan may use: up to the largest the datasheet plan gives any region
-        datasheet = self.method.plan(self.sc, self.run.profiles, exchange_bytes=self.kit.modeled_payload_nbytes)
-        top = max([self.tr.batch, *(w.micro_batch for w in datasheet.workers)])
-        worker = self.run.worker
-        cap = getattr(worker, "max_proxy_micro_batch", None)
-        cal = calibrate_worker(worker, default_micro_batches(top, cap * worker.size if cap else None))
-        return {"profile": cal.profile.to_json(), "seconds": cal.seconds}
-
-    def use_calibration(self, shared: dict[int, dict[str, Any] | None]) -> None:
-        """Every rank: plan from the regions' measured profiles (region -> what :meth:`calibrate` returned)."""
-        measured = {self.names[i]: WorkerProfile.from_json(c["profile"]) for i, c in shared.items() if c}
-        if not measured or {n: p.to_json() for n, p in measured.items()} == {
-                n: p.to_json() for n, p in self.calibrated.items()}:  # fmt: skip
-            return
-        self.calibrated = measured
-        self.calibration_s.update({self.names[i]: float(c["seconds"]) for i, c in shared.items() if c})
-        self.run.use_measured_profiles(measured)
-        self.planned_for = None  # plan (again) from the measured profiles
-        self.emit({"type": "calibration", "time": self.run._now(), "seconds": dict(self.calibration_s),
-                   "profiles": {n: p.to_json() for n, p in measured.items()}})  # fmt: skip
-        if self.run.keeps_records and self.run.options.progress:
-            costs = ", ".join(f"{n} {s:.2f} s" for n, s in self.calibration_s.items())
-            print(f"[{self.method.name}] calibrated in place: {costs}", flush=True)
-
-    def summary_fields(self) -> dict[str, Any]:
-        """What the summary says about the plan's loop."""
-        return {"replans": int(self.run.telemetry.counters.get("replans", 0)),
-                "calibration_s": dict(self.calibration_s) or None}  # fmt: skip
-
-    def observe(self, result: Exchanged, outcome: dict[str, Any], steps: dict[int, int], entries: dict) -> None:
-        """Fold the round's measured compute times (every member's leader reports its own) into the online
-        planner, and re-plan at this round on every rank when a region's speed drifted past the threshold."""
-        run, plan = self.run, self.plan
-        if self.online is None or not result.infos:
-            return
-        measured = {}
-        for info in result.infos:
-            i, c = info.get("region"), info.get("compute_s")
-            full = i in steps and steps[i] == entries[i].inner_steps  # a shortened last round says nothing new
-            if i in outcome["took_part"] and full and isinstance(c, (int, float)) and c > 0:
-                measured[self.names[i]] = float(c)
-        for name, c in measured.items():
-            self.online.observe(name, c, plan)
-        replanned = self.online.maybe_replan(self.kit.modeled_payload_nbytes, plan.exchange_s)
-        if replanned is None:
-            return
-        planned_s = {w.name: w.compute_s for w in plan.workers}
-        self.plan = replanned
-        run.plans.append(replanned)
-        run.telemetry.count("replans")
-        self.emit({"type": "plan", "round": run.rounds, "time": run._now(), "plan": replanned.to_json(),
-                   "replan": True, "measured_s": measured, "planned_s": planned_s})  # fmt: skip
-        if run.keeps_records and run.region == min(outcome["took_part"] or [self.me]):
-            drift = ", ".join(f"{n} measured {m:.3g} s vs planned {planned_s[n]:.3g} s" for n, m in measured.items())
-            print(f"[{self.method.name}] re-planned after round {run.rounds}: {drift}", flush=True)
 
     def emit(self, record: dict[str, Any]) -> None:
         """A record of the run, on the rank that keeps the records (static: rank 0; elastic: every leader)."""
@@ -446,6 +358,8 @@ class RoundLoop:
         run = self.run
         if run.region_group is None:
             return result
+        if self.elastic:  # the leader's exchange may re-form the quorum and retry: wait for it outside Gloo
+            run.wait_for_leader("the round's exchange", self.exchange.leader_wait_s())
         head = run.transport.broadcast_json(result.to_json() if run.is_leader else None, run.leader,
                                             run.region_group, what="the round's exchange")  # fmt: skip
         if head["healed_state"] is not None or (run.is_leader and result.healed_state is not None):
@@ -490,6 +404,11 @@ class RoundLoop:
                     rejected.append((i["region"], f"payload rejected: {i['rejected']}"))
             combined = self.combiner.reduced_update(result.summed)
         else:
+            for i in infos:  # a slot that failed its signature (another key, forged, replayed): its sender is out
+                if i.get("slot_rejected") and i["region"] in took_part:
+                    rejected.append((i["region"], f"payload rejected: {i['slot_rejected']}"))
+            if self._outvoted(rejected, took_part):  # counted as the others count it: only its own update is lost
+                return {"took_part": took_part, "rejected": [], "dropped": [], "lost": {self.me}, "update": None}
             arrived, arrived_from = [], []
             for i in sorted(result.payloads):  # scenario order: the emulated runtime's combine order
                 payload = result.payloads[i]
@@ -523,6 +442,23 @@ class RoundLoop:
         lost = set(dropped) | {i for i, _ in rejected}
         return {"took_part": took_part, "rejected": rejected, "dropped": dropped, "lost": lost, "update": update}
 
+    def _outvoted(self, rejected: list[tuple[int, str]], took_part: list[int]) -> bool:
+        """A static region that cannot authenticate most of the others' payloads holds another run key than
+        they do: it cannot follow θ (it would have to trust unverified bytes), so it stands aside: it goes on
+        taking part in the collectives (so the others finish; they reject its payloads), applies nothing,
+        leaves the agreement on θ, and ends with one error. (Elastic regions sort this at the quorum.)"""
+        if self.elastic:
+            return False
+        others = [i for i in took_part if i != self.me]
+        bad = {i for i, why in rejected if i != self.me and "HMAC" in why}
+        if not self.outvoted and others and len(bad) * 2 > len(others):
+            self.outvoted = True
+            self.run.outvoted = (f"region {self.names[self.me]} cannot authenticate the payloads of regions "
+                                 f"{', '.join(self.names[i] for i in sorted(bad))}: it holds another run key "
+                                 "(reliability.hmac_key_env / hmac_key_file) than they do; it stood aside "
+                                 "from round {}".format(self.run.rounds + 1))  # fmt: skip
+        return self.outvoted
+
     def _overlap_outcome(self, members: list[int]) -> dict[str, Any]:
         """Overlapped rounds: the payloads that the updates applied during this round rejected or missed.
         Their tokens were counted when trained (the round they came from), so none are counted as lost here."""
@@ -547,28 +483,6 @@ class RoundLoop:
                        "message": "non-finite loss, parameters or pseudo-gradient; its update is dropped"})  # fmt: skip
 
     # ---- checkpoint state of this loop (plain JSON; the same on every rank) --------------------------------
-    def plan_state(self) -> dict[str, Any]:
-        """The plan's loop state (JSON): the profiles measured in place and the online planner's speed factors,
-        so a resumed or healed region plans what the uninterrupted run does."""
-        return {"calibrated": {n: p.to_json() for n, p in self.calibrated.items()},
-                "calibration_s": dict(self.calibration_s),
-                "online": self.online.state_dict() if self.online is not None else None,
-                "online_for": [f for f in (self.online.factors if self.online is not None else {})]}  # fmt: skip
-
-    def load_plan_state(self, state: dict[str, Any]) -> None:
-        self.calibrated = {n: WorkerProfile.from_json(p) for n, p in state["calibrated"].items()}
-        self.calibration_s = {n: float(s) for n, s in state["calibration_s"].items()}
-        self.run.use_measured_profiles(self.calibrated)
-        self.online = None
-        if state["online"] is not None:
-            names = state["online_for"]
-            profiles = [self.run.profiles[self.names.index(n)] for n in names]
-            for p in profiles:
-                i = self.names.index(p.name)
-                p.slowdown = self.sc.regions[i].slowdown * self.faults.speed(i)
-            self.online = self._new_online(profiles)
-            self.online.load_state_dict(state["online"])
-
     def _checkpoint_state(self) -> dict[str, Any]:
         common = {"faults": self.faults.state_dict(), "plan_loop": self.plan_state(),
                   **self.exchange.checkpoint_state()}  # fmt: skip

@@ -53,6 +53,8 @@ WanMode = Literal["none", "shaper", "latency"]
 ABSENT = b"\0\0\0\0"  # a payload slot of a worker whose update was dropped (real payloads start with b"GMSH")
 
 
+SLOT_HEAD = "<BQ"  # a payload slot's head: a payload (1) or "no update" (0), and the round
+SLOT_HEADER_NBYTES = struct.calcsize(SLOT_HEAD)  # what a signed slot adds to its payload (the tag aside)
 MAX_CONTROL_BYTES = 16 * 2**20  # a control message (round info, plan, state header) is far smaller
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -133,6 +135,10 @@ class Transport:
     max_broadcast_bytes: int = 8 << 30  # ... or broadcast (it may carry θ and the outer momentum)
     frames: dict = field(default_factory=dict)  # object collectives so far, per group: what their tags bind
     rejected: list = field(default_factory=list)  # frames all_gather_json left out: {"rank", "reason", "during"}
+    # control frames carry the run key's tag (elastic regions); a static world signs only its payload slots (see
+    # RankRun: its store and Gloo traffic are unauthenticated anyway, and a region with another key must be
+    # rejected round by round, not stop the world at its first control message)
+    sign_control: bool = True
 
     @property
     def timeout(self) -> datetime.timedelta:
@@ -179,7 +185,7 @@ class Transport:
             raise ValueError(f"{what}: a group of {len(ranks)} ranks, expected {size}")
         if payload is not None and len(payload) != nbytes:
             raise ValueError(f"payload of {len(payload)} bytes, expected {nbytes} (all payloads are one size)")
-        head = struct.pack("<BQ", 0 if payload is None else 1, int(round_number))
+        head = struct.pack(SLOT_HEAD, 0 if payload is None else 1, int(round_number))
         body = head + (payload if payload is not None else bytes(nbytes))
         tag = _slot_tag(key, run_id, dist.get_rank(), body) if key else b""
         width = len(body) + len(tag)
@@ -193,7 +199,7 @@ class Transport:
         for k, rank in enumerate(ranks):
             slot = raw[k * width : (k + 1) * width]
             body_k, tag_k = slot[: width - len(tag)], slot[width - len(tag) :]
-            flag, claimed_round = struct.unpack_from("<BQ", body_k, 0)
+            flag, claimed_round = struct.unpack_from(SLOT_HEAD, body_k, 0)
             if key and not hmac.compare_digest(tag_k, _slot_tag(key, run_id, rank, body_k)):
                 got: bytes | None | Rejected = Rejected("HMAC tag mismatch (forged, replayed from another sender, "
                                                         "or signed with another key)")  # fmt: skip
@@ -234,7 +240,8 @@ class Transport:
         group's own count is the same on all of them (and differs from every earlier collective's)."""
         key, run_id = self._trust()
         self.frames[ranks] = self.frames.get(ranks, 0) + 1
-        return Context(run_id=run_id, kind="control", round=self.frames[ranks], scope=hash(ranks) & 0xFFFF), key
+        return (Context(run_id=run_id, kind="control", round=self.frames[ranks], scope=hash(ranks) & 0xFFFF),
+                key if self.sign_control else None)  # fmt: skip
 
     @staticmethod
     def _ranks(group: Any) -> tuple[int, ...]:
