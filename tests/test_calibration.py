@@ -89,3 +89,19 @@ def test_default_candidates_and_bad_arguments(tiny_scenario):
         calibrate_worker(worker, [1, 2, 4, 8, 16], repeats=4)
     with pytest.raises(ValueError, match="repeats=0"):
         calibrate_worker(worker, [1], repeats=0)
+
+
+def test_the_planner_sees_the_measured_times_as_a_line():
+    """A noisy dip (32 sequences measured as fast as 16) must not make a micro-batch look free: the profile
+    keeps the least-squares line through every point, growing with the batch; the raw times are kept too."""
+    from geomesh.profiler import linear_fit
+
+    noisy = {1: 0.010, 16: 0.035, 32: 0.035, 47: 0.060}
+    fit = linear_fit(noisy)
+    assert sorted(fit) == sorted(noisy)
+    assert fit[1] < fit[16] < fit[32] < fit[47]
+    slope = (fit[47] - fit[1]) / 46
+    assert abs(fit[16] - (fit[1] + 15 * slope)) < 1e-12  # a line
+    flat = linear_fit({1: 0.02, 8: 0.02})  # no growth measured at all: still a positive cost per sequence
+    assert flat[8] > flat[1] > 0
+    assert linear_fit({4: 0.5}) == {4: 0.5}

@@ -232,10 +232,28 @@ def calibrate_worker(worker: Worker, micro_batches: Sequence[int] | None = None,
     }  # fmt: skip
     if on_cuda:
         extra["peak_memory_bytes"] = {str(m): b for m, b in peaks.items()}
+    extra["measured_table"] = {str(m): s for m, s in table.items()}
     profile = WorkerProfile(name=worker.name, gpu=torch.cuda.get_device_name(device) if on_cuda else "cpu",
-                            gpu_count=size, max_micro_batch=cap, table=table,
+                            gpu_count=size, max_micro_batch=cap, table=linear_fit(table),
                             step_overhead_s=statistics.median(step_times), source="measured", extra=extra)  # fmt: skip
     return Calibration(profile=profile, seconds=seconds, steps=steps)
+
+
+def linear_fit(table: dict[int, float]) -> dict[int, float]:
+    """The measured micro-batch times as a line, t(m) = a + b·m (least squares; a >= 0, b > 0), at the same
+    micro-batches. A few timed steps per point are noisy where steps are short (a busy host, a small model),
+    and the planner picks the micro-batch whose time looks cheapest: a raw table with a dip makes it chase the
+    noise, round after round. The line keeps the shape the planner may rely on (a fixed cost per pass plus a
+    cost per sequence), fitted on every point."""
+    if len(table) < 2:
+        return dict(table)
+    xs, ys = list(table), [table[m] for m in table]
+    n, mx, my = len(xs), sum(xs) / len(xs), sum(ys) / len(ys)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx > 0 else 0.0
+    b = max(b, 1e-3 * my / max(xs))  # a time that does not grow with the batch is noise, not a free batch
+    a = max(my - b * mx, 0.0)
+    return {m: a + b * m for m in xs}
 
 
 def _candidates(given: Sequence[int] | None, batch: int, cap: int | None) -> list[int]:

@@ -130,6 +130,7 @@ class RankRun:
         self.telemetry = Telemetry(None)
         self.tokens_done = 0  # tokens whose updates reached θ
         self.tokens_lost = 0  # tokens trained whose updates did not (rejected, dropped, lost regions)
+        self.round_idle: list[float | None] = []  # each round's straggler idle (the records' keeper)
         self.rounds = 0
         self.plans: list[Plan] = []
         self.global_model = None
@@ -288,13 +289,11 @@ class RankRun:
             self._profiles_cache = self._profiles()
         return [copy.copy(p) for p in self._profiles_cache]
 
-    def use_measured_profiles(self, measured: dict[str, WorkerProfile]) -> None:
-        """Plan from profiles measured in place (calibration) where no ``--profile`` file names the region."""
+    def use_measured_profiles(self, measured: dict[str, WorkerProfile]) -> None:  # (calibrated in place)
         self._profiles_cache = self._profiles(measured)
 
     def _profiles(self, calibrated: dict[str, WorkerProfile] | None = None) -> list[WorkerProfile]:
-        """Cost-model profiles as the emulated runtime builds them, or measured ones (``REGION=FILE``, else
-        ``calibrated`` in place)."""
+        """The cost model's profiles, or measured ones (``--profile REGION=FILE``, else ``calibrated``)."""
         sc = self.scenario
         names = [r.name for r in sc.regions]
         measured: dict[str, WorkerProfile] = {}
@@ -338,7 +337,7 @@ class RankRun:
                 if self.out_dir is not None:
                     write_json_atomic(self.out_dir / "summary.json", summary)
                     if state is not None:
-                        torch.save(state, self.out_dir / "final_params.pt")
+                        ckpt.torch_save_atomic(self.out_dir / "final_params.pt", state)
             self.transport.barrier(None, what="the final barrier")
             return summary
         finally:
@@ -528,6 +527,7 @@ class RankRun:
 
     def _record_round(self, leaders: list[dict], names: list[str], **more: Any) -> None:
         """Rank 0: the round's record from every region's report (region order), and their spans."""
+        self.round_idle.append(more.get("straggler_idle_frac"))
         for k, i in enumerate(leaders):
             if i["spans"]:
                 self._write_spans(names[k], i["spans"])

@@ -389,6 +389,7 @@ class QuorumExchange(ElasticState):
             t["bytes_sent"] += result.wan_bytes * len(infos)
             t["proxy_bytes_sent"] += self.loop.kit.payload_nbytes * (len(took_part) - len(outcome["dropped"]))
             t["comm_s"] += result.comm_s
+            run.round_idle.append(compute_idle([i["compute_s"] for i in infos]))
             self._emit({"type": "round", "round": number, "time": run._now(), "tokens": run.tokens_done,
                         "members": [names[i] for i in took_part], "compute_s": [i["compute_s"] for i in infos],
                         "straggler_idle_frac": compute_idle([i["compute_s"] for i in infos]),
@@ -437,6 +438,10 @@ class QuorumExchange(ElasticState):
             "faults": self.faults.records,
             "param_checksums": checksums,
             "rejected_payloads": int(run.telemetry.counters.get("rejected_payloads", 0)),
+            # frames refused from quorum members (forged, replayed, another run's) and recoveries refused to
+            # whoever could not prove the key, as this region saw them
+            "rejected_frames": self.membership.rejected_frames if self.membership is not None else 0,
+            "heals_refused": getattr(getattr(self.membership, "heal", None), "refused", 0),
             "overlap": loop.overlap is not None,
             **loop.summary_fields(),
         }

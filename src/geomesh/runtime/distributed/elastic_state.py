@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from ... import checkpoint as ckpt
 from ...planner import Plan
 from ...telemetry import _jsonable
 from .core import params_checksum
@@ -138,11 +138,11 @@ class ElasticState:
             return
         path = Path(self.run.out_dir) / "events.jsonl"
         lines = [json.dumps(r, allow_nan=False) + "\n" for r in self.records]
-        if self.written < 0:
-            tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-            tmp.write_text("".join(lines))
-            os.replace(tmp, path)
+        if self.written < 0:  # a new writer: the whole file, replaced atomically and flushed to disk
+            ckpt.write_atomic(path, "".join(lines).encode())
         else:
             with open(path, "a") as f:
                 f.write("".join(lines[self.written :]))
+                f.flush()
+                os.fsync(f.fileno())
         self.written = len(lines)

@@ -78,7 +78,8 @@ class PlanLoop:
     def summary_fields(self) -> dict[str, Any]:
         """What the summary says about the plan's loop."""
         return {"replans": int(self.run.telemetry.counters.get("replans", 0)),
-                "calibration_s": dict(self.calibration_s) or None}  # fmt: skip
+                "calibration_s": dict(self.calibration_s) or None,
+                "straggler_idle_per_round": list(self.run.round_idle)}  # fmt: skip
 
     def observe(self, result: Exchanged, outcome: dict[str, Any], steps: dict[int, int], entries: dict) -> None:
         """Fold the round's measured compute times (every member's leader reports its own) into the online
