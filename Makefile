@@ -19,9 +19,10 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q -e ".[dev]"
 	touch $(STAMP)
 
-# two workers, one test file each at a time (module fixtures stay shared): the suite on 2 cores
+# two workers, one test file each at a time (module fixtures stay shared), then the tests marked serial alone
 test: $(STAMP)
-	$(PY) -m pytest -q -n 2 --dist loadfile
+	$(PY) -m pytest -q -n 2 --dist loadfile -m "not serial"
+	$(PY) -m pytest -q -m serial
 
 demo: $(STAMP)
 	$(VENV)/bin/geomesh demo --out runs/demo

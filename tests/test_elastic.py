@@ -199,6 +199,10 @@ def test_a_hung_region_misses_the_deadline_and_is_left_out(tmp_path, small_corpu
     assert result.summary["elastic"]["regions_at_end"] == ["r0-h100", "r1-a100"]
 
 
+# alone on the machine (make test runs these after the parallel part): a restarted region re-imports torch,
+# rebuilds its data and model and heals while the others train; on 2 loaded cores that start-up is what the
+# test measures, not the rejoin
+@pytest.mark.serial
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_a_restarted_region_rejoins_with_the_live_state(tmp_path, small_corpus, strategy):
     """The killed region is r0-h100, of 2 ranks, the one that writes events.jsonl: r1-a100 takes the file over
