@@ -50,6 +50,9 @@ def pin(tag: str, region: str, cpus: set[int]) -> None:
         os.sched_setaffinity(pid, cpus)
 
 
+# alone on the machine (make test runs these after the parallel part): the cores the test pins processes to
+# must not be shared with another test's processes, or the speeds it makes are not the ones it asserts on
+@pytest.mark.serial
 @pytest.mark.parametrize("elastic", [False, True], ids=["static", "elastic"])
 def test_regions_slowed_by_a_busy_neighbour_are_replanned(tmp_path, small_corpus, elastic):
     """Regions declared alike; after round 3, r1 and r2 are moved onto one core together (half the speed of r0,
