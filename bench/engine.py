@@ -43,9 +43,9 @@ from geomesh.worker import inner_lr, make_inner_optimizer
 
 def bare_loop(scenario, tokens: int) -> float:
     """Plain AdamW on one model: the fastest this machine trains the proxy. Returns tokens per second."""
-    d, tr, seq = scenario.data, scenario.training, scenario.proxy.seq_len
+    d, tr, seq = scenario.data, scenario.training, scenario.model.seq_len
     corpus = Corpus.load(CorpusSpec(paths=d.paths, vocab_size=d.vocab_size, val_fraction=d.val_fraction))
-    model = build_model(model_config(scenario.proxy.preset, vocab_size=corpus.vocab_size, seq_len=seq), tr.seed)
+    model = build_model(model_config(scenario.model.preset, vocab_size=corpus.vocab_size, seq_len=seq), tr.seed)
     opt = make_inner_optimizer(model, tr)
     stream = BatchStream(corpus.train_tokens, seq, seed=tr.seed)
     steps = tokens // (tr.batch * seq)

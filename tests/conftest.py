@@ -42,7 +42,7 @@ def tiny_scenario_dict(paths: list[str], gpus=("H100", "A100", "T4"), **training
         "regions": regions,
         "wan": {"rtt": [[0 if i == j else 80 for j in range(n)] for i in range(n)], "bandwidth_gbps": 10.0},
         "timing_model": {"n_layers": 12, "hidden": 768, "seq_len": 1024, "vocab": 32000},
-        "proxy": {"preset": "nano", "seq_len": 32},
+        "model": {"preset": "nano", "seq_len": 32},
         "data": {"paths": paths, "vocab_size": 512, "val_fraction": 0.05},
         "training": {"tokens": 24000, "batch": 4, "inner_steps": 5, "inner_lr": 0.003, "eval_sequences": 16,
                      "zero_shot_items": 40,

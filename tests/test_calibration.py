@@ -65,7 +65,7 @@ def test_the_measured_profile_plans_the_region(tiny_scenario):
     assert sorted(profile.table) == [1, 2, 4]
     assert all(math.isfinite(t) and t > 0 for t in profile.table.values()) and profile.step_overhead_s > 0
     assert profile.max_micro_batch == worker.max_proxy_micro_batch  # on CPU the worker's own bound
-    assert profile.extra["seq_len"] == sc.proxy.seq_len and profile.extra["calibration_s"] == result.seconds
+    assert profile.extra["seq_len"] == sc.model.seq_len and profile.extra["calibration_s"] == result.seconds
     assert "peak_memory_bytes" not in profile.extra  # CUDA only
     # as a `geomesh profile` file would be: it round-trips and plans the region in place of the cost model
     assert WorkerProfile.from_json(profile.to_json()).table == profile.table

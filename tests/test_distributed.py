@@ -18,10 +18,12 @@ import yaml
 from conftest import FIXED_PLAN, tiny_scenario_dict
 
 from geomesh.cli import launch as cli_launch
+from geomesh.checkpoint import fingerprint_hash
 from geomesh.config import ConfigError, load_scenario
 from geomesh.methods import get_method
 from geomesh.network import WanModel
 from geomesh.runtime.distributed import params_checksum, parse_ranks_per_region, rank_layout
+from geomesh.runtime.checkpoint_state import run_fingerprint
 from geomesh.runtime.emulated import EmulatedRun, RunOptions
 from geomesh.runtime.distributed.transport import ABSENT, SLOT_HEADER_NBYTES, WanShaper, netns_unavailable_reason, split_gathered
 from geomesh.telemetry import read_events
@@ -297,8 +299,7 @@ def test_a_transformers_llama_on_token_shards_trains_as_in_the_emulated_runtime(
         write_token_file(tmp_path / "shards" / f"part{k}.bin", np.tile(rng.integers(0, 500, 499), 30))
     scenario = write_scenario(tmp_path, small_corpus, ("H100", "A100", "T4"))
     data = yaml.safe_load(scenario.read_text())
-    del data["proxy"]
-    data["model"] = {"seq_len": 32, "hf_config": LLAMA}  # the section's name in a real run
+    data["model"] = {"seq_len": 32, "hf_config": LLAMA}
     data["data"] = {"tokens_file": str(tmp_path / "shards"), "vocab_size": 512}
     data["logging"] = {"tensorboard": True}
     scenario.write_text(yaml.safe_dump(data))
@@ -465,15 +466,18 @@ def test_a_rank_whose_region_env_disagrees_with_the_layout_is_refused(monkeypatc
 def test_model_section_is_the_preferred_name_of_proxy(tmp_path, small_corpus):
     scenario = write_scenario(tmp_path, small_corpus, ("H100", "A100"))
     data = yaml.safe_load(scenario.read_text())
-    as_proxy = load_scenario(scenario)
-    data["model"] = data.pop("proxy")
+    as_model = load_scenario(scenario)
+    data["proxy"] = data.pop("model")  # a scenario file written before the rename
     scenario.write_text(yaml.safe_dump(data))
-    assert load_scenario(scenario).proxy == as_proxy.proxy
-    assert load_scenario(scenario, {"model.seq_len": 64}).proxy.seq_len == 64
-    assert load_scenario(scenario, {"proxy.seq_len": 48}).proxy.seq_len == 48  # old override names still work
-    with pytest.raises(ConfigError, match=r"model\.preset: 'huge' is not allowed"):  # named as the file names it
+    old = load_scenario(scenario)
+    assert old.model == as_model.model and old.to_dict() == as_model.to_dict()
+    assert fingerprint_hash(run_fingerprint(old, "geomesh", 0, 10)) == fingerprint_hash(
+        run_fingerprint(as_model, "geomesh", 0, 10))  # fmt: skip
+    assert load_scenario(scenario, {"model.seq_len": 64}).model.seq_len == 64
+    assert load_scenario(scenario, {"proxy.seq_len": 48}).model.seq_len == 48  # old override names still work
+    with pytest.raises(ConfigError, match=r"model\.preset: 'huge' is not allowed"):
         load_scenario(scenario, {"model.preset": "huge"})
-    data["proxy"] = dict(data["model"])
+    data["model"] = dict(data["proxy"])
     scenario.write_text(yaml.safe_dump(data))
     with pytest.raises(ConfigError, match="both `model:` and `proxy:`"):
         load_scenario(scenario)

@@ -43,7 +43,7 @@ regions:
         ("wan: {bandwidth_gbps: 0}", "wan.bandwidth_gbps", "Gbit/s"),
         ("wan: {rtt: [[0, 1], [1]]}", "wan.rtt", "2x2"),
         ("wan: {rtt: [[0, -1], [1, 0]]}", "wan.rtt[0][1]", "positive"),
-        ("proxy: {preset: gigantic}", "proxy.preset", "expected one of"),
+        ("model: {preset: gigantic}", "model.preset", "expected one of"),
         ("timing_model: {mfu: 1.5}", "timing_model.mfu", "(0, 1]"),
         ("geomesh: {scale: l3}", "geomesh.scale", "'l1' or 'l2'"),
         ("data: {vocab_size: 10}", "data.vocab_size", "256..65536"),

@@ -22,7 +22,7 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 from conftest import tiny_scenario_dict  # noqa: E402
-from geomesh.config import ConfigError, DataConfig, ProxyConfig, load_scenario  # noqa: E402
+from geomesh.config import ConfigError, DataConfig, ModelConfig, load_scenario  # noqa: E402
 from geomesh.data import BatchStream, Corpus, CorpusSpec, DataError, load_corpus  # noqa: E402
 from geomesh.integrations import MissingDependencyError, require  # noqa: E402
 from geomesh.methods import get_method  # noqa: E402
@@ -91,7 +91,7 @@ def test_missing_extras_for_each_feature(monkeypatch, tmp_path):
     from geomesh.models import build_proxy_model
 
     with pytest.raises(MissingDependencyError, match=r"geomesh\[hf\]"):
-        build_proxy_model(ProxyConfig(seq_len=16, hf_config=dict(LLAMA)), 300, 0)
+        build_proxy_model(ModelConfig(seq_len=16, hf_config=dict(LLAMA)), 300, 0)
     with pytest.raises(MissingDependencyError, match=r"geomesh\[hf\]"):
         load_corpus(DataConfig(format="hf", hf_dataset="json", paths=[__file__]), cache_dir=tmp_path)
 
@@ -109,9 +109,9 @@ def test_missing_extra_in_the_cli_is_one_error_line(monkeypatch, tmp_path, capsy
 
 
 @pytest.mark.parametrize("extra, field", [
-    ({"proxy": {"hf_config": {"hidden_size": 8}}}, "proxy.hf_config.model_type"),
-    ({"proxy": {"hf_config": [1, 2]}}, "proxy.hf_config"),
-    ({"proxy": {"hf_config": {"model_type": "llama"}, "hf_pretrained": "x"}}, "proxy.hf_pretrained"),
+    ({"model": {"hf_config": {"hidden_size": 8}}}, "model.hf_config.model_type"),
+    ({"model": {"hf_config": [1, 2]}}, "model.hf_config"),
+    ({"model": {"hf_config": {"model_type": "llama"}, "hf_pretrained": "x"}}, "model.hf_pretrained"),
     ({"data": {"format": "parquet"}}, "data.format"),
     ({"data": {"format": "tokens"}}, "data.tokens_file"),
     ({"data": {"tokens_file": "x.bin", "token_dtype": "int8"}}, "data.token_dtype"),
@@ -134,7 +134,7 @@ def test_integration_fields_are_validated(tmp_path, extra, field):
 
 def test_defaults_keep_the_builtin_behaviour():
     s = load_scenario("default")
-    assert s.data.source() == "text" and not s.proxy.is_hf
+    assert s.data.source() == "text" and not s.model.is_hf
     assert s.logging.tensorboard is None and s.logging.wandb is None
     ok = DataConfig(tokens_file="t.bin", token_dtype="uint32", vocab_size=100_000)
     assert ok.source() == "tokens"
@@ -149,7 +149,7 @@ def test_hf_model_has_the_builtin_interface(config):
     from geomesh.models import HFCausalLM
     from geomesh.models import build_proxy_model
 
-    proxy = ProxyConfig(seq_len=16, hf_config=dict(config))
+    proxy = ModelConfig(seq_len=16, hf_config=dict(config))
     model = build_proxy_model(proxy, 300, seed=3)
     assert isinstance(model, HFCausalLM) and model.vocab_size == 300
     x = torch.randint(0, 300, (2, 16))
@@ -173,11 +173,11 @@ def test_hf_config_checks_vocabulary_and_length():
     from geomesh.models import build_hf_model
 
     with pytest.raises(ConfigError, match="vocab_size"):
-        build_hf_model(ProxyConfig(seq_len=16, hf_config={**LLAMA, "vocab_size": 100}), 300, 0)
-    with pytest.raises(ConfigError, match="proxy.seq_len"):
-        build_hf_model(ProxyConfig(seq_len=128, hf_config=dict(GPT2)), 300, 0)
+        build_hf_model(ModelConfig(seq_len=16, hf_config={**LLAMA, "vocab_size": 100}), 300, 0)
+    with pytest.raises(ConfigError, match="model.seq_len"):
+        build_hf_model(ModelConfig(seq_len=128, hf_config=dict(GPT2)), 300, 0)
     with pytest.raises(ConfigError, match="model_type"):
-        build_hf_model(ProxyConfig(seq_len=16, hf_config={"model_type": "no-such-model"}), 300, 0)
+        build_hf_model(ModelConfig(seq_len=16, hf_config={"model_type": "no-such-model"}), 300, 0)
 
 
 @needs_hf
@@ -190,18 +190,18 @@ def test_hf_pretrained_from_a_local_folder(tmp_path):
     torch.manual_seed(0)
     saved = transformers.AutoModelForCausalLM.from_config(config)
     saved.save_pretrained(tmp_path / "tiny")
-    model = build_proxy_model(ProxyConfig(seq_len=16, hf_pretrained=str(tmp_path / "tiny")), 300, seed=99)
+    model = build_proxy_model(ModelConfig(seq_len=16, hf_pretrained=str(tmp_path / "tiny")), 300, seed=99)
     for (name, p), (_, q) in zip(model.hf.named_parameters(), saved.named_parameters()):
         assert torch.equal(p, q), name
     with pytest.raises(ConfigError, match="vocabulary"):
-        build_proxy_model(ProxyConfig(seq_len=16, hf_pretrained=str(tmp_path / "tiny")), 500, seed=0)
+        build_proxy_model(ModelConfig(seq_len=16, hf_pretrained=str(tmp_path / "tiny")), 500, seed=0)
     with pytest.raises(ConfigError, match="config.json"):
-        build_proxy_model(ProxyConfig(seq_len=16, hf_pretrained=str(tmp_path)), 300, seed=0)
+        build_proxy_model(ModelConfig(seq_len=16, hf_pretrained=str(tmp_path)), 300, seed=0)
 
 
 @needs_hf
 def test_emulated_runtime_trains_a_transformers_model(tmp_path, small_corpus):
-    s = scenario_from(tmp_path, small_corpus, proxy={"seq_len": 32, "hf_config": dict(LLAMA)},
+    s = scenario_from(tmp_path, small_corpus, model={"seq_len": 32, "hf_config": dict(LLAMA)},
                       training={"tokens": 12000})  # fmt: skip
     em, summary = run(s, "geomesh")
     curve = [c[2] for c in summary["curve"]]
@@ -217,9 +217,9 @@ def test_emulated_runtime_trains_a_transformers_model(tmp_path, small_corpus):
 def test_emulated_runtime_trains_a_pretrained_folder(tmp_path, small_corpus):
     from geomesh.models import build_proxy_model
 
-    model = build_proxy_model(ProxyConfig(seq_len=32, hf_config=dict(GPT2)), 512, seed=0)
+    model = build_proxy_model(ModelConfig(seq_len=32, hf_config=dict(GPT2)), 512, seed=0)
     model.save_pretrained(tmp_path / "gpt2-tiny")
-    s = scenario_from(tmp_path, small_corpus, proxy={"seq_len": 32, "hf_pretrained": str(tmp_path / "gpt2-tiny")},
+    s = scenario_from(tmp_path, small_corpus, model={"seq_len": 32, "hf_pretrained": str(tmp_path / "gpt2-tiny")},
                       training={"tokens": 6000, "zero_shot_items": 0})  # fmt: skip
     em, summary = run(s, "diloco")
     assert summary["final_val_loss"] < summary["curve"][0][2]
@@ -575,7 +575,7 @@ def test_geomesh_eval_command_on_a_transformers_folder(tmp_path, text_corpus, ca
     from geomesh.integrations.lm_eval_adapter import main
     from geomesh.models import build_proxy_model
 
-    model = build_proxy_model(ProxyConfig(seq_len=32, hf_config=dict(GPT2)), text_corpus.vocab_size, seed=0)
+    model = build_proxy_model(ModelConfig(seq_len=32, hf_config=dict(GPT2)), text_corpus.vocab_size, seed=0)
     model.save_pretrained(tmp_path / "m")
     fast = transformers.PreTrainedTokenizerFast(tokenizer_object=text_corpus.tokenizer, eos_token="<|endoftext|>")
     fast.save_pretrained(tmp_path / "m")
@@ -606,7 +606,7 @@ def test_geomesh_eval_command_on_a_scenario_checkpoint(tmp_path, small_corpus, t
     s_path.write_text(yaml.safe_dump(d))
     s = load_scenario(s_path)
     corpus = load_corpus(s.data)
-    model = build_proxy_model(s.proxy, corpus.vocab_size, 5)
+    model = build_proxy_model(s.model, corpus.vocab_size, 5)
     torch.save({"model": model.state_dict()}, tmp_path / "ckpt.pt")
     (tmp_path / "tasks").mkdir()
     (tmp_path / "items.jsonl").write_text(json.dumps({"q": "Lord", "c": ["Hamlet", "x"], "a": 0}) + "\n")

@@ -26,7 +26,7 @@ def load_script():
 
 
 def proxy_params(scenario) -> int:
-    cfg = model_config(scenario.proxy.preset, vocab_size=scenario.data.vocab_size, seq_len=scenario.proxy.seq_len)
+    cfg = model_config(scenario.model.preset, vocab_size=scenario.data.vocab_size, seq_len=scenario.model.seq_len)
     with torch.device("meta"):
         return GPT(cfg).num_params()
 
@@ -38,9 +38,9 @@ def test_presets_run_on_the_default_cluster(preset):
     assert s.wan == default.wan and s.timing_model == default.timing_model
     micro = proxy_params(default)
     if preset == "paper_scale":
-        assert 115e6 <= proxy_params(s) <= 135e6 and s.proxy.seq_len >= 512
+        assert 115e6 <= proxy_params(s) <= 135e6 and s.model.seq_len >= 512
     else:
-        assert 6 <= proxy_params(s) / micro <= 10 and s.proxy.seq_len >= 128
+        assert 6 <= proxy_params(s) / micro <= 10 and s.model.seq_len >= 128
 
 
 def test_smoke_run_writes_results_table_and_plots(tmp_path, small_corpus, capsys):
@@ -58,7 +58,7 @@ def test_smoke_run_writes_results_table_and_plots(tmp_path, small_corpus, capsys
         assert (out / name).stat().st_size > 0, name
     meta = json.loads((out / "paper_scale.json").read_text())
     assert meta["smoke"] and meta["environment"]["device"] == "cpu" and set(meta["per_method"]) == set(script.METHODS)
-    assert meta["scenario"]["proxy"]["preset"] == "nano" and meta["scenario"]["regions"][0]["gpu"] == "H100"
+    assert meta["scenario"]["model"]["preset"] == "nano" and meta["scenario"]["regions"][0]["gpu"] == "H100"
     for s in results["summaries"]:
         assert s["device"] == "cpu" and s["tokens"] >= 16_000
     assert "| geomesh" in printed and "wall time" in printed

@@ -383,7 +383,7 @@ def _load_or_config_error(path: Path, data) -> None:
     assert isinstance(cfg, ScenarioConfig)  # anything else raised fails the test
 
 
-SECTIONS = ["name", "regions", "wan", "timing_model", "proxy", "data", "training", "geomesh", "faults", "logging",
+SECTIONS = ["name", "regions", "wan", "timing_model", "model", "data", "training", "geomesh", "faults", "logging",
             "reliability", "description"]  # fmt: skip
 
 

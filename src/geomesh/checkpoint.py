@@ -324,6 +324,8 @@ def fingerprint(scenario: dict[str, Any], method: str, seed: int, tokens: int) -
     method, the seed and the token budget. Plain JSON values; :func:`fingerprint_hash` digests it."""
     canon = json.loads(json.dumps({k: v for k, v in scenario.items() if k not in NEUTRAL_SECTIONS},
                                   sort_keys=True, default=str))  # fmt: skip
+    if "model" in canon:  # hashed under the section's old name, so run ids and older checkpoints stay valid
+        canon["proxy"] = canon.pop("model")
     return {"scenario": canon, "method": method, "seed": seed, "tokens": tokens}
 
 

@@ -72,7 +72,7 @@ class TimingConfig:
 
 
 @dataclass
-class ProxyConfig:
+class ModelConfig:
     """The model that really trains: scenario section ``model:`` (``proxy:`` is its older name, still read)."""
 
     preset: str = "micro"
@@ -84,6 +84,9 @@ class ProxyConfig:
     @property
     def is_hf(self) -> bool:
         return self.hf_config is not None or self.hf_pretrained is not None
+
+
+ProxyConfig = ModelConfig  # the class's name before the section was renamed `model:`; old code still imports it
 
 
 @dataclass
@@ -249,7 +252,7 @@ class ScenarioConfig:
     regions: list[RegionConfig]
     wan: WanConfig = field(default_factory=WanConfig)
     timing_model: TimingConfig = field(default_factory=TimingConfig)
-    proxy: ProxyConfig = field(default_factory=ProxyConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
     geomesh: GeoMeshConfig = field(default_factory=GeoMeshConfig)
@@ -464,10 +467,10 @@ def validate(cfg: ScenarioConfig) -> ScenarioConfig:
         _require(getattr(t, name) > 0, f"timing_model.{name}", getattr(t, name), "expected a positive integer")
     _require(t.mfu is None or 0 < t.mfu <= 1, "timing_model.mfu", t.mfu, "expected null or a fraction in (0, 1]")
     _require(t.step_overhead_s >= 0, "timing_model.step_overhead_s", t.step_overhead_s, "expected >= 0")
-    _require(cfg.proxy.seq_len >= 8, "proxy.seq_len", cfg.proxy.seq_len, "expected >= 8")
-    _require(cfg.proxy.preset in MODEL_PRESETS, "proxy.preset", cfg.proxy.preset,
+    _require(cfg.model.seq_len >= 8, "model.seq_len", cfg.model.seq_len, "expected >= 8")
+    _require(cfg.model.preset in MODEL_PRESETS, "model.preset", cfg.model.preset,
              f"expected one of {', '.join(MODEL_PRESETS)}")  # fmt: skip
-    _validate_hf_proxy(cfg.proxy)
+    _validate_hf_model(cfg.model)
     d = cfg.data
     _validate_data_source(d)
     if d.source() == "text":
@@ -573,18 +576,18 @@ DATA_FORMATS = ("auto", "text", "tokens", "hf")
 TOKEN_DTYPES = ("uint16", "uint32")
 
 
-def _validate_hf_proxy(p: ProxyConfig) -> None:
+def _validate_hf_model(p: ModelConfig) -> None:
     """The optional transformers model: a config mapping with a model_type, or a pretrained folder/id."""
-    _require(p.hf_config is None or p.hf_pretrained is None, "proxy.hf_pretrained", p.hf_pretrained,
-             "give proxy.hf_config or proxy.hf_pretrained, not both")  # fmt: skip
+    _require(p.hf_config is None or p.hf_pretrained is None, "model.hf_pretrained", p.hf_pretrained,
+             "give model.hf_config or model.hf_pretrained, not both")  # fmt: skip
     if p.hf_config is not None:
         c = p.hf_config
-        _require(isinstance(c, dict) and all(isinstance(k, str) for k in c), "proxy.hf_config", c,
+        _require(isinstance(c, dict) and all(isinstance(k, str) for k in c), "model.hf_config", c,
                  "expected a mapping of transformers config fields, e.g. {model_type: llama, hidden_size: 64}")  # fmt: skip
-        _require(isinstance(c.get("model_type"), str) and bool(c.get("model_type")), "proxy.hf_config.model_type",
+        _require(isinstance(c.get("model_type"), str) and bool(c.get("model_type")), "model.hf_config.model_type",
                  c.get("model_type"), "expected a transformers model type such as llama, gpt2, mistral, qwen2")  # fmt: skip
     if p.hf_pretrained is not None:
-        _require(bool(p.hf_pretrained.strip()), "proxy.hf_pretrained", p.hf_pretrained,
+        _require(bool(p.hf_pretrained.strip()), "model.hf_pretrained", p.hf_pretrained,
                  "expected a folder written by save_pretrained (or a hub id)")  # fmt: skip
 
 
@@ -644,20 +647,14 @@ def load_scenario(name_or_path: str | Path, overrides: dict[str, Any] | None = N
     if "model" in data and "proxy" in data:
         raise ConfigError(f"{origin}: both `model:` and `proxy:` are given; they are one section (the model that "
                           "trains): keep `model:` and remove `proxy:`")  # fmt: skip
-    # `model:` is the section's name; `proxy:` (its name before real runs existed) still loads.
-    section = "proxy" if "proxy" in data else "model"
+    # `model:` is the section's name; `proxy:` (its name before real runs existed) still loads, as do
+    # `proxy.*` overrides.
+    if "proxy" in data:
+        data["model"] = data.pop("proxy")
     for key, value in (overrides or {}).items():
         head, dot, rest = key.partition(".")
-        _set_dotted(data, f"{section}.{rest}" if dot and head in ("model", "proxy") else key, value)
-    if section == "model":
-        if "model" in data:
-            data["proxy"] = data.pop("model")
-        try:
-            return validate(_build(ScenarioConfig, data, "scenario"))
-        except ConfigError as exc:  # name the section as the file does
-            raise ConfigError(str(exc).replace("scenario.proxy", "scenario.model").replace("proxy.", "model.")) from None
+        _set_dotted(data, f"model.{rest}" if dot and head == "proxy" else key, value)
     return validate(_build(ScenarioConfig, data, "scenario"))
-
 
 
 def parse_overrides(pairs: list[str] | None) -> dict[str, Any]:

@@ -54,8 +54,8 @@ def profile_device(scenario: ScenarioConfig, device: str, batches: list[int], *,
     if device == "cuda" and not torch.cuda.is_available():
         raise RunError("--device cuda: no CUDA device is available on this machine")
     vocab = scenario.data.vocab_size
-    seq = scenario.proxy.seq_len
-    model = build_proxy_model(scenario.proxy, vocab, seed=0)
+    seq = scenario.model.seq_len
+    model = build_proxy_model(scenario.model, vocab, seed=0)
     if activation_checkpointing:
         enable_activation_checkpointing(model)
     model = model.to(device)
@@ -95,7 +95,7 @@ def profile_device(scenario: ScenarioConfig, device: str, batches: list[int], *,
     return WorkerProfile(
         name=name, gpu=_device_name(device), gpu_count=1, max_micro_batch=cap, table=table,
         step_overhead_s=statistics.median(opt_times), source="measured",
-        extra={"device": device, "model": model_name(scenario.proxy, model), "seq_len": seq,
+        extra={"device": device, "model": model_name(scenario.model, model), "seq_len": seq,
                "params": sum(p.numel() for p in model.parameters()), "precision": str(dtype or torch.float32),
                "activation_checkpointing": activation_checkpointing, "repeats": repeats, "warmup": WARMUP_STEPS},
     )  # fmt: skip

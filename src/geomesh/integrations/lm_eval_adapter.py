@@ -306,7 +306,7 @@ def _model_from_args(args: argparse.Namespace) -> tuple[torch.nn.Module, Any, di
     scenario = load_scenario(args.scenario, parse_overrides(args.set))
     if args.checkpoint:
         corpus = load_corpus(scenario.data)
-        model = build_proxy_model(scenario.proxy, corpus.vocab_size, scenario.training.seed)
+        model = build_proxy_model(scenario.model, corpus.vocab_size, scenario.training.seed)
         _load_checkpoint(model, args.checkpoint)
         facts = {"scenario": scenario.name, "checkpoint": args.checkpoint}
     else:

@@ -312,7 +312,7 @@ def proxy_manifest(scenario: ScenarioConfig) -> Manifest:
     """Names, shapes and dtypes of the proxy model's parameters (what a payload carries)."""
     from ..models import GPT, model_config
 
-    cfg = model_config(scenario.proxy.preset, vocab_size=scenario.data.vocab_size, seq_len=scenario.proxy.seq_len)
+    cfg = model_config(scenario.model.preset, vocab_size=scenario.data.vocab_size, seq_len=scenario.model.seq_len)
     with torch.device("meta"):
         model = GPT(cfg)
     return Manifest.from_tensors(dict(model.named_parameters()))

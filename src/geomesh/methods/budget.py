@@ -34,7 +34,7 @@ def budget_rule(scenario: ScenarioConfig) -> str:
 def tokens_in_time(method: Method, scenario: ScenarioConfig, seconds: float) -> int:
     """The proxy tokens ``method`` trains in ``seconds`` of modeled time on ``scenario`` (at least one round's
     worth of one step, so every method trains something)."""
-    tr, seq = scenario.training, scenario.proxy.seq_len
+    tr, seq = scenario.training, scenario.model.seq_len
     profiles = scenario.worker_profiles()
     wan = scenario.wan_model()
     n = len(profiles)
@@ -65,7 +65,7 @@ def few_outer_steps(scenario: ScenarioConfig, method: OuterLoopMethod, tokens: i
     steps the reference plan (training.batch × inner_steps on every region) takes, else None."""
     if not method.balanced or scenario.geomesh.round_sequences_factor is not None:
         return None
-    tr, seq = scenario.training, scenario.proxy.seq_len
+    tr, seq = scenario.training, scenario.model.seq_len
     profiles = scenario.worker_profiles()
     plan = method.plan(scenario, profiles)
     ref_rounds = tokens / (len(profiles) * tr.batch * tr.inner_steps * seq)

@@ -6,7 +6,7 @@
   :class:`GPT` from a seed, the caller's RNG untouched);
 - :mod:`.hf`: the ``transformers`` adapter (extra ``hf``): :class:`HFCausalLM` wraps any
   ``AutoModelForCausalLM`` to the built-in interface; :func:`build_hf_model` builds one from
-  ``proxy.hf_config`` or loads ``proxy.hf_pretrained``;
+  ``model.hf_config`` or loads ``model.hf_pretrained``;
 - :mod:`.build`: :func:`build_proxy_model`, the one entry point that builds a scenario's model of either
   kind, and the helpers that treat both alike (:func:`model_name`, :func:`transformer_blocks`,
   :func:`enable_activation_checkpointing`).

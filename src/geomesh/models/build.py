@@ -11,24 +11,24 @@ import torch.nn as nn
 from .gpt import GPT, build_model, model_config
 
 
-def build_proxy_model(proxy, vocab_size: int, seed: int) -> nn.Module:
-    """The scenario's proxy model (``proxy``: a :class:`~geomesh.config.ProxyConfig`): the built-in
-    :class:`GPT` of ``proxy.preset``, or a ``transformers`` causal LM when ``proxy.hf_config`` or
-    ``proxy.hf_pretrained`` is set (:mod:`geomesh.models.hf`; same interface, extra ``hf``)."""
-    if getattr(proxy, "hf_config", None) is not None or getattr(proxy, "hf_pretrained", None):
+def build_proxy_model(cfg, vocab_size: int, seed: int) -> nn.Module:
+    """The scenario's model (``cfg``: its :class:`~geomesh.config.ModelConfig`): the built-in
+    :class:`GPT` of ``cfg.preset``, or a ``transformers`` causal LM when ``cfg.hf_config`` or
+    ``cfg.hf_pretrained`` is set (:mod:`geomesh.models.hf`; same interface, extra ``hf``)."""
+    if getattr(cfg, "hf_config", None) is not None or getattr(cfg, "hf_pretrained", None):
         from .hf import build_hf_model
 
-        return build_hf_model(proxy, vocab_size, seed)
-    return build_model(model_config(proxy.preset, vocab_size=vocab_size, seq_len=proxy.seq_len), seed)
+        return build_hf_model(cfg, vocab_size, seed)
+    return build_model(model_config(cfg.preset, vocab_size=vocab_size, seq_len=cfg.seq_len), seed)
 
 
-def model_name(proxy, model: nn.Module) -> str:
+def model_name(cfg, model: nn.Module) -> str:
     """What trains, for summaries: ``"micro (built-in)"``, ``"llama (transformers)"`` or
     ``"llama (transformers, FOLDER)"`` for a pretrained folder."""
-    if getattr(proxy, "hf_config", None) is not None or getattr(proxy, "hf_pretrained", None):
+    if getattr(cfg, "hf_config", None) is not None or getattr(cfg, "hf_pretrained", None):
         kind = getattr(getattr(model, "config", None), "model_type", None) or "causal LM"
-        return f"{kind} (transformers)" if proxy.hf_config is not None else f"{kind} (transformers, {proxy.hf_pretrained})"
-    return f"{proxy.preset} (built-in)"
+        return f"{kind} (transformers)" if cfg.hf_config is not None else f"{kind} (transformers, {cfg.hf_pretrained})"
+    return f"{cfg.preset} (built-in)"
 
 
 def transformer_blocks(model: nn.Module) -> list[nn.Module]:

@@ -266,7 +266,7 @@ class RankRun:
             # FSDP's forward of θ needs every rank of the region (elastic: every leader evaluates, so every rank)
             self.evaluates = elastic or self.region == 0
         if self.evaluates:
-            vx, vy = corpus.val_batches(sc.proxy.seq_len, tr.eval_sequences)
+            vx, vy = corpus.val_batches(sc.model.seq_len, tr.eval_sequences)
             self.val_x, self.val_y = vx.to(self.device), vy.to(self.device)
             self.corpus = corpus  # for the zero-shot evaluation at the end
             if self.out_dir is not None and self.options.elastic_region is None:  # elastic: runtime/distributed/elastic.py
@@ -324,7 +324,7 @@ class RankRun:
             summary = None
             if self.evaluates and self.writes_summary:  # (a sharded θ: the ranks of region 0 together)
                 sc = self.scenario
-                extra["zero_shot"] = heldout_zero_shot(self.global_model, self.corpus, sc.proxy.seq_len,
+                extra["zero_shot"] = heldout_zero_shot(self.global_model, self.corpus, sc.model.seq_len,
                                                        sc.training.zero_shot_items)  # fmt: skip
                 if self.sharded_global:
                     reshard(self.global_model)

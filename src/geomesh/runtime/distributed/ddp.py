@@ -54,7 +54,7 @@ def run_ddp(run: RankRun) -> dict[str, Any]:
     model = worker.model
     names = [r.name for r in sc.regions]
     n = len(names)
-    seq = sc.proxy.seq_len
+    seq = sc.model.seq_len
     d = sum(p.numel() for p in model.parameters())
     grad_nbytes = 4 * d  # what one leader hands to the cross-region all-reduce per step
     timing_nbytes = 4 * sc.timing().params  # the same gradient at the timing model's size (what the plan used)

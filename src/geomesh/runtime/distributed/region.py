@@ -62,11 +62,11 @@ def build_training(scenario: ScenarioConfig, region: int, seed: int, device: tor
                           "has no native bf16 (before Ampere); use auto (fp32 there) or fp32")  # fmt: skip
     load = lambda: load_corpus(sc.data, cache_dir=cache_dir)  # noqa: E731
     corpus = load_corpus_once(load) if load_corpus_once is not None else load()
-    global_model = build_proxy_model(sc.proxy, corpus.vocab_size, seed)
+    global_model = build_proxy_model(sc.model, corpus.vocab_size, seed)
     # a pretrained model is loaded once and copied; the others are built from the seed (bit-identical)
-    replica = copy.deepcopy(global_model) if sc.proxy.hf_pretrained else build_proxy_model(sc.proxy, corpus.vocab_size, seed)
-    name = model_name(sc.proxy, global_model)
-    stream = worker_stream(corpus, region, len(sc.regions), sc.proxy.seq_len, seed * 1009 + region)
+    replica = copy.deepcopy(global_model) if sc.model.hf_pretrained else build_proxy_model(sc.model, corpus.vocab_size, seed)
+    name = model_name(sc.model, global_model)
+    stream = worker_stream(corpus, region, len(sc.regions), sc.model.seq_len, seed * 1009 + region)
     if sc.regions[region].activation_checkpointing:
         try:
             enable_activation_checkpointing(replica)

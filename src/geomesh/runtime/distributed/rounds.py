@@ -64,7 +64,7 @@ class RoundLoop(PlanLoop):
         self.names = [r.name for r in sc.regions]
         self.n = len(self.names)
         self.me = run.region
-        self.seq = sc.proxy.seq_len
+        self.seq = sc.model.seq_len
         self.params = {k: p.detach() for k, p in run.global_model.named_parameters()}
         self.kit = RoundKit.build(method, sc, self.params, key=payload_key(sc))
         self.codec, self.combiner, self.outer = self.kit.codec, self.kit.combiner, self.kit.outer

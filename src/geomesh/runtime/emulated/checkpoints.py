@@ -53,7 +53,7 @@ class EmulatedCheckpoints:
         from ...methods.base import proxy_manifest
 
         try:
-            numel = 0 if self.scenario.proxy.is_hf else proxy_manifest(self.scenario).numel
+            numel = 0 if self.scenario.model.is_hf else proxy_manifest(self.scenario).numel
         except Exception:  # an estimate only: never the reason a run cannot start
             numel = 0
         m = self.method

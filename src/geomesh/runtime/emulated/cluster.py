@@ -58,17 +58,17 @@ def build_cluster(scenario: ScenarioConfig, seed: int, budget: int, cache_dir: P
     from ...models import build_proxy_model
 
     corpus = load_corpus(scenario.data, cache_dir=cache_dir)
-    global_model = build_proxy_model(scenario.proxy, corpus.vocab_size, seed).to(device)
+    global_model = build_proxy_model(scenario.model, corpus.vocab_size, seed).to(device)
     n = len(scenario.regions)
     workers = []
     for i, region in enumerate(scenario.regions):
         # a pretrained model is loaded once and copied; the others are built from the seed (bit-identical)
-        replica = (copy.deepcopy(global_model) if scenario.proxy.hf_pretrained
-                   else build_proxy_model(scenario.proxy, corpus.vocab_size, seed)).to(device)  # fmt: skip
-        stream = worker_stream(corpus, i, n, scenario.proxy.seq_len, seed * 1009 + i)
+        replica = (copy.deepcopy(global_model) if scenario.model.hf_pretrained
+                   else build_proxy_model(scenario.model, corpus.vocab_size, seed)).to(device)  # fmt: skip
+        stream = worker_stream(corpus, i, n, scenario.model.seq_len, seed * 1009 + i)
         workers.append(Worker(region.name, replica, stream, scenario.training))
     profiles = scenario.worker_profiles()
-    val_x, val_y = corpus.val_batches(scenario.proxy.seq_len, scenario.training.eval_sequences)
+    val_x, val_y = corpus.val_batches(scenario.model.seq_len, scenario.training.eval_sequences)
     val_x, val_y = val_x.to(device), val_y.to(device)
     return Cluster(scenario, corpus, global_model, workers, profiles, val_x, val_y, seed, budget)
 

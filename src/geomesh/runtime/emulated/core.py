@@ -219,7 +219,7 @@ class EmulatedCore(EmulatedCheckpoints):
 
     def _zero_shot(self, cluster: Cluster) -> dict[str, float] | None:
         sc = self.scenario
-        return heldout_zero_shot(cluster.global_model, cluster.corpus, sc.proxy.seq_len, sc.training.zero_shot_items)
+        return heldout_zero_shot(cluster.global_model, cluster.corpus, sc.model.seq_len, sc.training.zero_shot_items)
 
 
     def _run_loop(self, cluster: Cluster) -> dict[str, Any]:
@@ -299,7 +299,7 @@ class EmulatedCore(EmulatedCheckpoints):
             telemetry=self.telemetry, bytes_sent=self.bytes_sent, proxy_bytes_sent=self.proxy_bytes_sent,
             reliability={"rejected_payloads": int(self.telemetry.counters.get("rejected_payloads", 0)),
                          "faults": self.faults},
-            model={"model": model_name(self.scenario.proxy, cluster.global_model),  # as the distributed runtime names it
+            model={"model": model_name(self.scenario.model, cluster.global_model),  # as the distributed runtime names it
                    "model_params": cluster.global_model.num_params(),
                    "proxy_params": cluster.global_model.num_params()},
             plans=self.plans,

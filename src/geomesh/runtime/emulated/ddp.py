@@ -131,7 +131,7 @@ class DdpLoop(EmulatedCore):
         tr = self.scenario.training
         shared = cluster.workers[0]
         names = self._names()
-        seq = self.scenario.proxy.seq_len
+        seq = self.scenario.model.seq_len
 
         def checkpoint_state() -> dict[str, Any]:
             if pool is not None:

@@ -48,7 +48,7 @@ class EventsLoop(EmulatedCore):
         # one transfer of the fp32 buffer between a worker and the server (zero for the server's own region)
         transfer = [0.0 if i == method.server else wan.rtt_s[i][method.server] / 2
                     + fp32_bytes / wan.bandwidth_Bps[i][method.server] for i in range(n)]  # fmt: skip
-        seq = self.scenario.proxy.seq_len
+        seq = self.scenario.model.seq_len
         names = self._names()
         spans: list[tuple[str, str, float, float, int]] = []
         deltas: list[dict[str, torch.Tensor] | None] = [None] * n

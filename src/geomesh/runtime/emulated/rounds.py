@@ -152,7 +152,7 @@ class RoundsLoop(EmulatedCore):
         method: OuterLoopMethod = self.method  # type: ignore[assignment]
         tr = self.scenario.training
         names = self._names()
-        seq = self.scenario.proxy.seq_len
+        seq = self.scenario.model.seq_len
 
         def run_calls(name: str, jobs: list[tuple[int, Any]]) -> list[Any]:
             if pool is not None:
