@@ -10,13 +10,14 @@ from .async_local_sgd import ASYNC_LOCAL_SGD
 from .base import Method
 from .compressed import DILOCO_FP4, DILOCO_INT8, GEOMESH_SPARSE, SPARSELOCO
 from .ddp import DDP
+from .streaming import STREAMING_DILOCO
 from .diloco import DILOCO
 from .geomesh import GEOMESH, GEOMESH_BALANCE_ONLY, GEOMESH_OVERLAP, GEOMESH_SIGN_ONLY
 
 METHODS: dict[str, Method] = {
     m.name: m
     for m in (DDP, DILOCO, ASYNC_LOCAL_SGD, GEOMESH, GEOMESH_BALANCE_ONLY, GEOMESH_SIGN_ONLY, GEOMESH_OVERLAP,
-              GEOMESH_SPARSE, SPARSELOCO, DILOCO_INT8, DILOCO_FP4)
+              GEOMESH_SPARSE, SPARSELOCO, STREAMING_DILOCO, DILOCO_INT8, DILOCO_FP4)
 }
 
 
