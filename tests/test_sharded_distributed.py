@@ -1,10 +1,13 @@
 """The sharded exchange over torch.distributed (runtime/distributed/sharded.py), 4 Gloo processes on CPU:
 kept exact it gives the all-gather path's update; a malformed slice drops its sender for the round on every
-leader, like a malformed payload; an absent update is left out; quantised, every leader applies the same."""
+leader, like a malformed payload; an absent update is left out; a slot of another round is refused; a leader
+with another run key stands aside without vetoing the others; quantised, every leader applies the same."""
 
 from __future__ import annotations
 
 import warnings
+
+import pytest
 
 import torch
 import torch.distributed as dist
@@ -57,7 +60,9 @@ def _checks(rank: int, sd) -> None:
     r = sd.sharded_round(p[rank], exact)  # 1. exact == the all-gather path
     assert r.accepted == [0, 1, 2, 3] and _same(r.update, codec.combine(p)), rank
     assert r.tokens == sum(codec.tokens_of(x) for x in p)
-    assert r.sent_bytes == sum(exact.slice_nbytes(k) for k in range(4) if k != rank) + 3 * exact.combined_nbytes(rank) + 2 * 3 * 4
+    w = 9  # a slot's flag and round (unsigned here)
+    assert r.sent_bytes == (sum(w + exact.slice_nbytes(k) for k in range(4) if k != rank)
+                            + 3 * (w + exact.combined_nbytes(rank)) + 2 * 3 * 4)
 
     mine = p[rank]  # 2. rank 2's slice for shard 1 is damaged on the wire
     if rank == 2:
@@ -80,7 +85,8 @@ def _checks(rank: int, sd) -> None:
         assert "HMAC" in r.rejected[2] and any("dropped this round" in str(w.message) for w in caught)
 
     r = sd.sharded_round(None if rank == 3 else p[rank], exact)  # 3. rank 3 has no update
-    assert r.accepted == [0, 1, 2] and _same(r.update, codec.combine(p[:3]))
+    assert r.accepted == [0, 1, 2] and r.absent == [3] and 3 not in r.rejected
+    assert _same(r.update, codec.combine(p[:3]))
 
     if rank == 0:  # 4. owner 0's combined frame is damaged: shard 0 is left out on every leader
         real_enc = exact.encode_combined
@@ -92,8 +98,26 @@ def _checks(rank: int, sd) -> None:
         exact.encode_combined = real_enc
     a, b = exact.bounds[0]
     whole, flat = codec.combine(p), torch.cat([v.reshape(-1) for v in r.update.values()])
-    assert r.lost_shards == [0] and not flat[a:b].any()
+    assert list(r.lost_shards) == [0] and not flat[a:b].any()
     assert torch.equal(flat[b:], torch.cat([v.reshape(-1) for v in whole.values()])[b:])
+
+    # 6. signed slots: a slot of another round is refused; a leader with another run key stands aside (its
+    # refusals of everyone are not counted), the others drop its update and lose its shard this round
+    signed = dict(key=b"run-key", run_id="run-1", round_number=7)
+    r = sd.sharded_round(p[rank], exact, **{**signed, "round_number": 8 if rank == 1 else 7})
+    if rank != 1:
+        assert r.accepted == [0, 2, 3] and ("round 8 in round 7" in r.rejected[1] or rank != 0)
+        assert 1 in r.rejected and list(r.lost_shards) == [1] and r.suspect == [1] and r.update is not None
+    else:
+        assert r.update is None and r.suspect == [1]
+    r = sd.sharded_round(p[rank], exact, **{**signed, "key": b"another key" if rank == 3 else b"run-key"})
+    assert r.suspect == [3] and (r.update is None) == (rank == 3)
+    if rank != 3:
+        assert r.accepted == [0, 1, 2] and list(r.lost_shards) == [3]
+        a, b = exact.bounds[3]
+        flat = torch.cat([v.reshape(-1) for v in r.update.values()])
+        ref = torch.cat([v.reshape(-1) for v in codec.combine(p[:3]).values()])
+        assert torch.equal(flat[:a], ref[:a]) and not flat[a:b].any()
 
     q = sd.sharded_round(p[rank], ShardedExchange(codec, 4, bits=8))  # 5. quantised: the same everywhere
     flat = torch.cat([v.reshape(-1) for v in q.update.values()])
@@ -107,3 +131,123 @@ def _checks(rank: int, sd) -> None:
 def test_sharded_exchange_over_gloo(tmp_path):
     """all_to_all_single, then the send/recv fallback, in the same 4 processes."""
     mp.spawn(_worker, args=(str(tmp_path / "store"),), nprocs=4, join=True)
+
+
+# ---- the sharded exchange in the one round loop: real `geomesh launch` runs ---------------------------------
+
+TOKENS = 6000
+GPUS = ("H100", "A100", "T4", "V100")
+
+
+def _scenario(folder, corpus, geomesh, faults=None):
+    import yaml
+    from conftest import FIXED_PLAN, tiny_scenario_dict
+
+    data = tiny_scenario_dict(corpus, GPUS)
+    data["geomesh"].update({**FIXED_PLAN, "max_batch": 16, **geomesh})
+    if faults:
+        data["faults"] = faults
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "scenario.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def _launch(path, out, *extra):
+    from geomesh.cli import launch as cli_launch
+
+    args = cli_launch.build_parser().parse_args(["launch", str(path), "--nproc", "4", "--method", "geomesh", "--out",
+                                                 str(out), "--tokens", str(TOKENS), "--save-params", "--quiet",
+                                                 "--timeout", "90", *extra])  # fmt: skip
+    result = cli_launch.launch(args, extra_env={"OMP_NUM_THREADS": "1"})
+    assert result.code == 0, result.message
+    return result.summary
+
+
+CORRUPT = [{"at_round": 2, "region": "r2-t4", "kind": "corrupt"}]  # r2-t4's payload damaged on the wire
+
+
+@pytest.fixture(scope="module")
+def exact_runs(tmp_path_factory, small_corpus):
+    """4 leaders, the same scenario twice: the all-gather, and the sharded exchange kept exact (32 bits); in
+    both, region r2-t4's payload is damaged on the wire in its third round."""
+    folder = tmp_path_factory.mktemp("sharded-exact")
+    runs = {}
+    for name, geomesh in (("all_gather", {"exchange": "all_gather"}), ("sharded", {"exchange": "sharded",
+                                                                                    "shard_bits": 32})):  # fmt: skip
+        out = folder / name
+        runs[name] = (_launch(_scenario(folder / f"{name}-scenario", small_corpus, geomesh, CORRUPT), out), out)
+    return runs
+
+
+def test_exact_sharded_launch_equals_the_all_gather_bit_for_bit(exact_runs):
+    """The owners' token-weighted combine of their shards is SignCodec.combine's arithmetic on the same
+    elements in the same order, and 32 bits carry the float32 values as they are: the same update every
+    round, so the same θ to the last bit (not a tolerance)."""
+    (ag, ag_out), (sh, sh_out) = exact_runs["all_gather"], exact_runs["sharded"]
+    assert ag["exchange"] == "all_gather" and sh["exchange"] == "sharded" and sh["shard_bits"] == 32
+    assert sh["rounds"] == ag["rounds"] >= 3 and sh["tokens"] == ag["tokens"]
+    a, b = torch.load(ag_out / "final_params.pt"), torch.load(sh_out / "final_params.pt")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert sh["final_val_loss"] == ag["final_val_loss"]
+    assert len(set(sh["param_checksums"])) == 1 and sh["param_checksums"] == ag["param_checksums"]
+    # the same records: bytes sent per round (what leaves each leader), the payload's size, what was lost
+    assert sh["payload_bytes_per_worker"] == ag["payload_bytes_per_worker"]
+    assert sh["bytes_sent"] > 0 and sh["bytes_per_round"] == sh["bytes_sent"] / sh["rounds"]
+    assert sh["tokens_lost"] == ag["tokens_lost"] > 0
+
+
+def test_a_malformed_shard_slice_is_rejected_like_a_payload(exact_runs):
+    """r2-t4's damaged payload goes out as damaged slices: their owners refuse them, every region drops its
+    update that round, one warning names it, rejected_payloads counts it, and the run goes on."""
+    from geomesh.telemetry import read_events
+
+    (ag, ag_out), (sh, sh_out) = exact_runs["all_gather"], exact_runs["sharded"]
+    assert sh["rejected_payloads"] == ag["rejected_payloads"] == 1
+    for out in (ag_out, sh_out):
+        warned = [e for e in read_events(out / "events.jsonl") if e["type"] == "warning"]
+        assert [(w["worker"], w["round"]) for w in warned] == [("r2-t4", 3)]
+        assert "payload rejected" in warned[0]["message"]
+    assert "slice of shard" in warned[0]["message"]
+
+
+def test_sharded_launch_equals_emulated(tmp_path, small_corpus):
+    """8-bit combined shards (the default): the emulated runtime models the same exchange (the same slices,
+    owners' combine and quantised frames, in one process), so the run's θ is the emulated runtime's, to the
+    float tolerance of tests/test_distributed.py (the ranks' inner steps run in their own processes)."""
+    from geomesh.config import load_scenario
+    from geomesh.methods import get_method
+    from geomesh.runtime.emulated import EmulatedRun, RunOptions
+
+    path = _scenario(tmp_path / "s", small_corpus, {"exchange": "sharded", "shard_bits": 8})
+    s = _launch(path, tmp_path / "run")
+    assert s["exchange"] == "sharded" and s["shard_bits"] == 8
+    emulated = EmulatedRun(load_scenario(path), get_method("geomesh"), RunOptions(tokens=TOKENS, progress=False))
+    e = emulated.run()
+    assert e["exchange"] == "sharded" and e["rounds"] == s["rounds"] and e["tokens"] == s["tokens"]
+    assert s["final_val_loss"] == pytest.approx(e["final_val_loss"], rel=1e-5)
+    expected, got = emulated.cluster.global_model.state_dict(), torch.load(tmp_path / "run" / "final_params.pt")
+    for name in expected:
+        torch.testing.assert_close(got[name], expected[name], rtol=1e-5, atol=1e-6)
+
+
+def test_elastic_regions_refuse_a_forced_sharded_exchange():
+    from types import SimpleNamespace
+
+    import pytest as _pytest
+
+    from geomesh.config import load_scenario
+    from geomesh.errors import RunError
+    from geomesh.methods import get_method
+    from geomesh.methods.base import RoundKit, proxy_manifest
+    from geomesh.runtime.distributed.sharded import ELASTIC_SHARDED, loop_exchange
+
+    sc = load_scenario("default", {"geomesh.exchange": "sharded"})
+    m = get_method("geomesh")
+    params = {s.name: torch.zeros(s.shape) for s in proxy_manifest(sc)}
+    kit = RoundKit.build(m, sc, params)
+    loop = SimpleNamespace(sc=sc, method=m, kit=kit, combiner=kit.combiner, n=len(sc.regions), elastic=True)
+    with _pytest.raises(RunError, match="elastic regions") as err:
+        loop_exchange(loop)
+    assert str(err.value) == ELASTIC_SHARDED and "\n" not in ELASTIC_SHARDED
+    assert loop_exchange(SimpleNamespace(**{**vars(loop), "elastic": False})).n == len(sc.regions)

@@ -54,11 +54,15 @@ class Exchanged:
     comm_s: float  # seconds the collective took on this leader (the shaper's hold included)
     wan_bytes: int  # bytes this leader handed to the collective
     healed_state: dict[str, Any] | None = None  # elastic: this region fell behind during the exchange
+    # the sharded exchange (runtime/distributed/sharded.py): the leaders' combined update (flat float32) and
+    # what the exchange decided (accepted senders, lost shards, suspects); None: payloads were gathered
+    update: torch.Tensor | None = None
+    sharded: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
         """The non-tensor part, as the leader shares it inside its region."""
         return {"infos": self.infos, "comm_s": self.comm_s, "wan_bytes": self.wan_bytes,
-                "healed_state": self.healed_state}  # fmt: skip
+                "healed_state": self.healed_state, "sharded": self.sharded}  # fmt: skip
 
 
 def compute_idle(compute_s: list[float]) -> float | None:
@@ -157,12 +161,20 @@ class StaticExchange:
         if len(members) < 2:
             return 0.0
         loop = self.loop
+        if loop.sharded is not None:  # the sharded exchange (runtime/distributed/sharded.py)
+            from .sharded import shaper_s
+
+            return shaper_s(loop, members)
         shaper = WanShaper(loop.faults.wan(members), self.run.options.wan)
         return shaper.allreduce_s(loop.wire_nbytes) if loop.summed else shaper.allgather_s(loop.wire_nbytes)
 
     def exchange(self, payload: bytes | None, summed: torch.Tensor | None, info: dict[str, Any],
                  members: list[int]) -> Exchanged:  # fmt: skip
         run, loop = self.run, self.loop
+        if loop.sharded is not None and summed is None:  # the plan picked the sharded exchange
+            from .sharded import static_sharded_exchange
+
+            return static_sharded_exchange(self, payload, info, members)
         t0 = since = time.perf_counter()
         before = run.transport.wan_bytes
         payloads = None
@@ -212,6 +224,8 @@ class StaticExchange:
         every = list(range(self.n))
         return {**run._exchange_fields(loop.wire_nbytes, loop.kit.payload_nbytes, loop.kit.modeled_payload_nbytes,
                                        self.shaper_s(every), loop.method.collective),
+                "exchange": "sharded" if loop.sharded is not None else loop.method.collective,
+                "shard_bits": loop.sharded.bits if loop.sharded is not None else None,
                 "overlap": loop.overlap is not None, "faults": loop.faults.records, **loop.summary_fields(),
                 "rejected_payloads": int(run.telemetry.counters.get("rejected_payloads", 0)),
                 "tokens_lost": int(run.tokens_lost)}  # fmt: skip

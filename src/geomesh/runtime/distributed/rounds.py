@@ -97,6 +97,9 @@ class RoundLoop(PlanLoop):
             if any(f.kind in ("leave", "join") for f in sc.faults):
                 raise RunError(STATIC_MEMBERSHIP_FAULTS)
             self.exchange = StaticExchange(self)
+        from .sharded import loop_exchange  # the plan's exchange: the sharded one, or None (all-gather)
+
+        self.sharded = loop_exchange(self)
         if method.overlapped(sc):
             from .overlap import RankOverlap
 
@@ -366,6 +369,10 @@ class RoundLoop(PlanLoop):
             state = self.exchange.share_state(result.healed_state if run.is_leader else None)
             return Exchanged(infos=head["infos"], payloads=None, summed=None, comm_s=head["comm_s"],
                              wan_bytes=head["wan_bytes"], healed_state=state)  # fmt: skip
+        if head.get("sharded") is not None:  # the sharded exchange's update (runtime/distributed/sharded.py)
+            from .sharded import share_sharded
+
+            return share_sharded(self, result, head)
         if self.summed:
             summed = result.summed if run.is_leader else torch.empty(self.d + 1, dtype=torch.float32,
                                                                       device=run.device)  # fmt: skip
@@ -391,7 +398,8 @@ class RoundLoop(PlanLoop):
         took_part = [i["region"] for i in infos if i.get("active", True)] if infos else list(members)
         rejected: list[tuple[int, str]] = []
         dropped: list[int] = []
-        for i in infos:  # a member that reported a plan other than this rank's: its update is not used
+        for i in infos if result.sharded is None else ():  # a member that reported a plan other than this
+            # rank's: its update is not used (sharded: the exchange kept it out of the combine, on every leader)
             if i.get("plan") is not None and self.plan is not None and i["plan"] != self.plan.digest() \
                     and i["region"] in took_part:  # fmt: skip
                 rejected.append((i["region"], "its plan differs from this region's (the regions disagree)"))
@@ -403,6 +411,12 @@ class RoundLoop(PlanLoop):
                 if i.get("rejected"):
                     rejected.append((i["region"], f"payload rejected: {i['rejected']}"))
             combined = self.combiner.reduced_update(result.summed)
+        elif result.sharded is not None:  # combined by the shards' owners (runtime/distributed/sharded.py)
+            from .sharded import apply_sharded
+
+            combined = apply_sharded(self, result, took_part, rejected, dropped)
+            if self.outvoted:
+                return {"took_part": took_part, "rejected": [], "dropped": [], "lost": {self.me}, "update": None}
         else:
             for i in infos:  # a slot that failed its signature (another key, forged, replayed): its sender is out
                 if i.get("slot_rejected") and i["region"] in took_part:

@@ -1,28 +1,44 @@
-"""The sharded exchange over ``torch.distributed``: the transport half of :mod:`geomesh.codec.sharded`.
+"""The sharded exchange over ``torch.distributed``: the transport half of :mod:`geomesh.codec.sharded`, and
+its place in the one round loop of a static run (:func:`static_sharded_exchange`, :func:`apply_sharded`).
 
 Run by every region's leader in the leaders' group (Gloo or NCCL), group rank k owning shard k:
 
-1. the leader cuts its payload into N slices and an ``all_to_all_single`` sends slice k to shard k's owner
-   (an absent update sends slots of zeros);
-2. each owner screens the N slices of its shard; the leaders agree on who is out (a direct exchange of N
-   flags: sender j is out of the round on every region if any owner refused its slice or it had no update),
-   and each owner combines its shard from the senders that are in, token-weighted;
+1. the leader cuts its payload into N slices and an ``all_to_all_single`` sends slice k to shard k's owner,
+   each in a signed slot (below; an absent update is a signed "no update" slot);
+2. each owner opens and screens the N slots of its shard; the leaders agree on who is out (a direct
+   exchange of N code bytes: sender j is out of the round on every region if any owner refused its slice,
+   it had no update, or it was excluded before the exchange), and each owner combines its shard from the
+   senders that are in, token-weighted;
 3. each owner quantises its combined shard to the exchange's bits and a second ``all_to_all_single`` sends
-   the frame to every leader;
-4. every leader decodes the N frames; the leaders agree on the shards that arrived intact everywhere (a bad
-   frame on any leader leaves its shard out of this round's update on every leader, so all apply the same
-   update), and reassemble the update.
+   the frame, in a signed slot, to every leader;
+4. every leader opens and decodes the N frames; the leaders agree on the shards that arrived intact
+   everywhere (a bad frame on any leader leaves its shard out of this round's update on every leader, so
+   all apply the same update), and reassemble the update.
+
+A leader whose refusals cover most of the others (it holds another run key, say) cannot veto them: with
+three or more leaders, the refusals of a leader that refused more than half of the others' slices (or
+frames) are not counted, and that leader applies nothing (:attr:`ShardedResult.suspect`).
+
+Slots (the payload slots of :meth:`Transport.all_gather_payloads`, in their own domain): a flag (u8: 1 the
+piece, 0 "no update"), the round (u64), the piece (zeros for no update) and, with the run's key, an
+HMAC-SHA256 tag (:func:`~geomesh.runtime.distributed.transport._slot_tag`) over the run id, the sender's
+global rank, the domain (``slice`` + the shard, or ``combined``) and all of the above: a slot replayed from
+another round, another sender or another shard, or a forged "no update", is refused.
 
 Where ``all_to_all_single`` is not supported by the backend, the same bytes move in pairs of ``isend`` /
 ``irecv``. Every slot has the size the layout implies, so a receiver never allocates what a peer asks for;
 nothing received is unpickled: slices are sign payloads, combined shards are the frames of
-:mod:`geomesh.codec.sharded`, flags are raw bytes. Direct exchanges (one latency step each) keep the round
+:mod:`geomesh.codec.sharded`, codes are raw bytes. Direct exchanges (one latency step each) keep the round
 at four latency steps whatever N; the WAN model (``WanModel.sharded_s``) times the two large ones.
 """
 
 from __future__ import annotations
 
+import hmac
+import struct
+import time
 import warnings
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,83 +46,207 @@ import torch
 import torch.distributed as dist
 
 from ...codec.sharded import ShardedExchange
-from ...errors import PayloadError
+from ...errors import PayloadError, RunError
+from .frames import Rejected
+from .transport import SLOT_HEAD, SLOT_HEADER_NBYTES, _slot_tag
 
-ABSENT = b"\0\0\0\0"  # a slot of zeros: the sender has no update this round
+_TAG = 32
+# why a sender is out of the round, as one owner tells the others (a code byte per sender in the agreement)
+IN, NO_UPDATE, SLOT_REFUSED, SLICE_REFUSED, EXCLUDED = range(5)
+_CODE_WHY = {SLOT_REFUSED: "its slot failed its signature or round", SLICE_REFUSED: "its slice is malformed",
+             EXCLUDED: "it was excluded before the exchange"}  # fmt: skip
+_REFUSALS = (SLOT_REFUSED, SLICE_REFUSED)
+
+
+@dataclass(frozen=True)
+class SlotTrust:
+    """What signs and binds the slots: the run's key (None: unsigned), its id, the round, the leaders'
+    global ranks in group order."""
+
+    key: bytes | None
+    run_id: str
+    round: int
+    ranks: tuple[int, ...]
+
+    def width(self, nbytes: int) -> int:
+        return SLOT_HEADER_NBYTES + nbytes + (_TAG if self.key else 0)
+
+    def _domain(self, kind: str, shard: int) -> bytes:
+        return f"GMSX-{kind}\0{shard}\0".encode()
+
+    def seal(self, piece: bytes | None, nbytes: int, sender: int, kind: str, shard: int) -> bytes:
+        """One slot of ``piece`` (None: "no update") from group rank ``sender``."""
+        if piece is not None and len(piece) != nbytes:
+            raise ValueError(f"a {kind} piece of {len(piece)} bytes, the layout implies {nbytes}")
+        body = struct.pack(SLOT_HEAD, 0 if piece is None else 1, self.round) + (piece if piece is not None
+                                                                               else bytes(nbytes))  # fmt: skip
+        tag = _slot_tag(self.key, self.run_id, self.ranks[sender], self._domain(kind, shard) + body) if self.key else b""
+        return body + tag
+
+    def open(self, slot: bytes, nbytes: int, sender: int, kind: str, shard: int) -> bytes | None | Rejected:
+        """The piece of a slot from group rank ``sender`` (None: a signed "no update"), or why not."""
+        if len(slot) != self.width(nbytes):
+            return Rejected(f"a slot of {len(slot)} bytes, expected {self.width(nbytes)}")
+        body, tag = slot[: SLOT_HEADER_NBYTES + nbytes], slot[SLOT_HEADER_NBYTES + nbytes :]
+        if self.key and not hmac.compare_digest(
+                tag, _slot_tag(self.key, self.run_id, self.ranks[sender], self._domain(kind, shard) + body)):
+            return Rejected("HMAC tag mismatch (forged, replayed from another sender or shard, or signed with "
+                            "another key)")  # fmt: skip
+        flag, claimed = struct.unpack_from(SLOT_HEAD, body, 0)
+        if flag not in (0, 1) or (flag == 0 and any(body[SLOT_HEADER_NBYTES:])):
+            return Rejected(f"malformed {kind} slot")
+        if claimed != self.round:
+            return Rejected(f"a {kind} slot of round {claimed} in round {self.round}: replayed or stale")
+        return body[SLOT_HEADER_NBYTES:] if flag == 1 else None
 
 
 @dataclass
 class ShardedResult:
     """One round of the sharded exchange as a leader ends it."""
 
-    update: dict[str, torch.Tensor] | None  # None: no sender's update counted
+    update: dict[str, torch.Tensor] | None  # None: no sender's update counted (or this leader is suspect)
     accepted: list[int]  # group ranks whose updates are in it
-    rejected: dict[int, str] = field(default_factory=dict)  # group rank -> why its update is out (this leader's view)
-    lost_shards: list[int] = field(default_factory=list)  # shards left out (a combined frame that did not arrive intact)
+    rejected: dict[int, str] = field(default_factory=dict)  # group rank -> why its update is out (refused, not absent)
+    absent: list[int] = field(default_factory=list)  # group ranks that sent no update
+    lost_shards: dict[int, str] = field(default_factory=dict)  # shard -> why it is left out (zeros this round)
     tokens: int = 0  # Σ n_i of the accepted senders
     sent_bytes: int = 0
     received_bytes: int = 0
+    suspect: list[int] = field(default_factory=list)  # leaders whose refusals were not counted (they refused most)
+    flat: torch.Tensor | None = None  # the update as one flat float32 buffer (``update`` holds views of it)
 
 
 def sharded_round(payload: bytes | None, ex: ShardedExchange, group: Any = None, *,
-                  device: torch.device | str = "cpu", names: list[str] | None = None) -> ShardedResult:  # fmt: skip
+                  device: torch.device | str = "cpu", names: list[str] | None = None, round_number: int = 0,
+                  key: bytes | None = None, run_id: str = "", exclude: dict[int, str] | None = None,
+                  ) -> ShardedResult:  # fmt: skip
     """This leader's side of one round of the sharded exchange (see the module docstring).
 
     ``payload``: this region's sign payload, or None (no update this round); ``ex``: the exchange for the
     ``group``'s size (``ex.n`` must equal it; shard k belongs to group rank k); ``device``: where the update
-    lands; ``names``: the members' names for warnings (default: their group ranks)."""
+    lands; ``names``: the members' names for warnings (default: their group ranks); ``round_number``,
+    ``key``, ``run_id``: what the slots bind (``key`` None: unsigned slots); ``exclude``: group ranks kept
+    out of this round's combine whatever they send (why), the same on every leader."""
     n, me = dist.get_world_size(group), dist.get_rank(group)
     if ex.n != n:
         raise ValueError(f"the sharded exchange has {ex.n} shards, the group {n} members")
     names = names or [str(r) for r in range(n)]
+    ranks = tuple(dist.get_process_group_ranks(group)) if group is not None else tuple(range(n))
+    trust = SlotTrust(key, run_id, int(round_number), ranks)
+    exclude = exclude or {}
     moved = [0, 0]
 
-    # 1. the slices to their owners
-    slices = ex.slices(payload) if payload is not None else [bytes(ex.slice_nbytes(k)) for k in range(n)]
-    got = _all_to_all(slices, [ex.slice_nbytes(me)] * n, group, moved)
+    # 1. the slices to their owners, each in its signed slot
+    slices = _slices(ex, payload) if payload is not None else [None] * n
+    slots = [trust.seal(slices[k], ex.slice_nbytes(k), me, "slice", k) for k in range(n)]
+    got = _all_to_all(slots, [trust.width(ex.slice_nbytes(me))] * n, group, moved)
 
-    # 2. screen, agree on who is out, combine my shard
-    out = [payload is None if j == me else False for j in range(n)]
-    reasons: dict[int, str] = {}
-    for j, piece in enumerate(got):
-        if j == me and payload is None:
+    # 2. open and screen, agree on who is out, combine my shard
+    codes, reasons, pieces = bytearray(n), {}, [None] * n
+    for j, slot in enumerate(got):
+        opened = trust.open(slot, ex.slice_nbytes(me), j, "slice", me)
+        if isinstance(opened, Rejected):
+            codes[j], reasons[j] = SLOT_REFUSED, opened.reason
+        elif opened is None:
+            codes[j] = NO_UPDATE
+        elif (why := ex.screen_slice(me, opened)) is not None:
+            codes[j], reasons[j] = SLICE_REFUSED, why
+        else:
+            pieces[j] = opened
+        if j in exclude and codes[j] != NO_UPDATE:
+            codes[j], reasons[j] = EXCLUDED, exclude[j]
+    rows = _agree(bytes(codes), n, group, moved)
+    suspect = _suspects([[row[j] in _REFUSALS for j in range(n)] for row in rows], n)
+    out: dict[int, tuple[int, int]] = {}  # sender -> (code, the owner that gave it)
+    for k, row in enumerate(rows):
+        if k in suspect:
             continue
-        if ex.slice_nbytes(me) and piece[:4] == ABSENT:
-            out[j], reasons[j] = True, "no update this round"
+        for j in range(n):
+            if row[j] != IN and j not in out:
+                out[j] = (row[j], k)
+    for j in range(n):  # a sender's own "no update" is known everywhere; a suspect's slice counts for its own use
+        if j not in out and rows[j][j] == NO_UPDATE:
+            out[j] = (NO_UPDATE, j)
+    accepted = [j for j in range(n) if j not in out]
+    rejected: dict[int, str] = {}
+    for j, (code, k) in sorted(out.items()):
+        if code == NO_UPDATE:
             continue
-        why = ex.screen_slice(me, piece)
-        if why is not None:
-            out[j], reasons[j] = True, f"shard {me} slice rejected: {why}"
-    flags = _agree(bytes(out), n, group, moved)
-    dropped = {j for row in flags for j in range(n) if row[j]}
-    accepted = [j for j in range(n) if j not in dropped]
-    for j in sorted(dropped):
-        if j in reasons and j != me and reasons[j] != "no update this round":
-            warnings.warn(f"region {names[j]}: {reasons[j]}; its update is dropped this round")
-        reasons.setdefault(j, "no update, or its slice was refused by another shard's owner")
+        if code == EXCLUDED:
+            rejected[j] = exclude.get(j, _CODE_WHY[EXCLUDED])
+            continue
+        detail = reasons.get(j) if k == me else _CODE_WHY[code]
+        rejected[j] = f"its slice of shard {k} was refused by region {names[k]}: {detail}"
+        if k == me:
+            warnings.warn(f"region {names[j]}: {rejected[j]}; its update is dropped this round")
+    absent = [j for j, (code, _) in sorted(out.items()) if code == NO_UPDATE]
     if not accepted:
-        return ShardedResult(None, [], reasons, [], 0, *moved)
-    values, tokens = ex.combine_shard(me, [got[j] for j in accepted])
-    frame = ex.encode_combined(me, values, tokens) if values.numel() else b""
-
-    # 3. my combined shard to everyone; 4. decode, agree on the shards intact everywhere, reassemble
-    frames = _all_to_all([frame] * n, [ex.combined_nbytes(k) for k in range(n)], group, moved)
-    shards, bad, total = [], [], 0
-    for k, f in enumerate(frames):
+        return ShardedResult(None, [], rejected, absent, {}, 0, *moved, suspect=sorted(suspect))
+    frame: bytes | None = None  # a suspect owner lacks slices it refused: it sends no shard (lost this round)
+    if me not in suspect:
         try:
-            values, t = ex.decode_combined(k, f)
+            values, tokens = ex.combine_shard(me, [pieces[j] for j in accepted])
+            frame = ex.encode_combined(me, values, tokens) if values.numel() else b""
+        except (PayloadError, ValueError) as exc:  # (a non-finite combine)
+            warnings.warn(f"region {names[me]}: its shard {me} cannot be combined this round: {exc}")
+
+    # 3. my combined shard to everyone; 4. open and decode, agree on the shards intact everywhere, reassemble
+    sent = trust.seal(frame, ex.combined_nbytes(me), me, "combined", me)
+    frames = _all_to_all([sent] * n, [trust.width(ex.combined_nbytes(k)) for k in range(n)], group, moved)
+    shards: list[torch.Tensor | None] = []
+    bad, why_bad, total = bytearray(n), {}, 0
+    for k, slot in enumerate(frames):
+        opened = trust.open(slot, ex.combined_nbytes(k), k, "combined", k)
+        try:
+            if isinstance(opened, Rejected):
+                raise PayloadError(opened.reason)
+            if opened is None:
+                raise PayloadError("its owner sent no combined shard")
+            values, t = ex.decode_combined(k, opened)
             shards.append(values)
             total = max(total, t)
         except PayloadError as exc:
-            warnings.warn(f"region {names[k]}: its combined shard {k} was rejected: {exc}; the shard is left out "
-                          f"of this round's update")  # fmt: skip
             shards.append(None)
-            bad.append(k)
-    lost = sorted({k for row in _agree(bytes(k in bad for k in range(n)), n, group, moved) for k in range(n) if row[k]})
+            bad[k], why_bad[k] = 1, str(exc)
+    rows = _agree(bytes(bad), n, group, moved)
+    suspect |= _suspects([[bool(row[k]) for k in range(n)] for row in rows], n)
+    lost: dict[int, str] = {}
+    for k in range(n):
+        refused_by = [r for r, row in enumerate(rows) if row[k] and r not in suspect]
+        if refused_by:
+            lost[k] = (why_bad[k] if k in why_bad else f"region {names[refused_by[0]]} refused it")
+            if k in why_bad:
+                warnings.warn(f"region {names[k]}: its combined shard {k} was rejected: {why_bad[k]}; the shard "
+                              f"is left out of this round's update")  # fmt: skip
+    if me in suspect:  # this leader refused most of the others: it cannot follow their update
+        return ShardedResult(None, accepted, rejected, absent, lost, total, *moved, suspect=sorted(suspect))
     for k in lost:
         shards[k] = torch.zeros(ex.numel(k), dtype=torch.float32)
-    update = ex.assemble(shards, device=device)
-    return ShardedResult(update, accepted, {j: reasons[j] for j in dropped}, lost, total, *moved)
+    flat = torch.empty(ex.codec.manifest.numel, dtype=torch.float32, device=device)
+    update = ex.assemble(shards, device=device, out=flat)
+    return ShardedResult(update, accepted, rejected, absent, lost, total, *moved, suspect=sorted(suspect), flat=flat)
+
+
+def _slices(ex: ShardedExchange, payload: bytes) -> list[bytes]:
+    """The slices of this region's payload; a payload damaged before it left (the ``corrupt`` fault: damage on
+    the wire) goes out as its own bytes cut to the slices' sizes, which their owners refuse as malformed."""
+    try:
+        return ex.slices(payload)
+    except PayloadError:
+        raw = bytes(payload) or b"\0"
+        out = []
+        for k in range(ex.n):
+            size = ex.slice_nbytes(k)
+            out.append((raw * (size // len(raw) + 1))[:size])
+        return out
+
+
+def _suspects(refused: list[list[bool]], n: int) -> set[int]:
+    """Leaders whose refusals (``refused[k][j]``: leader k refused j's piece) cover more than half of the
+    others, with three or more leaders (two cannot tell which of them is wrong)."""
+    if n < 3:
+        return set()
+    return {k for k in range(n) if 2 * sum(refused[k][j] for j in range(n) if j != k) > n - 1}
 
 
 def _agree(mine: bytes, n: int, group: Any, moved: list[int]) -> list[bytes]:
@@ -159,3 +299,133 @@ def _offsets(sizes: list[int]) -> list[int]:
         out.append(pos)
         pos += s
     return out
+
+
+# ---- the sharded exchange in the one round loop (static regions) --------------------------------------------
+
+ELASTIC_SHARDED = ("geomesh.exchange sharded: elastic regions (reliability.min_regions >= 1) all-gather; the sharded "
+                   "exchange does not re-own a lost region's shard yet: set geomesh.exchange to auto or all_gather")
+
+
+def loop_exchange(loop: Any) -> ShardedExchange | None:
+    """The sharded exchange a run's rounds use when the plan picks it (planner/exchange.py: the scenario's
+    ``geomesh.exchange``, else the cheaper by the WAN model), or None: the all-gather (or the dense sum).
+    Elastic regions all-gather (forced sharded: one error; picked by the plan: said once)."""
+    from ...planner.exchange import scenario_exchange
+
+    sc, method, kit = loop.sc, loop.method, loop.kit
+    if kit.dense or loop.n < 2:
+        return None
+    choice = scenario_exchange(sc, sc.wan_model(), method.collective, kit.modeled_payload_nbytes, loop.combiner,
+                               overlap=method.overlapped(sc))  # fmt: skip
+    if choice.name != "sharded":
+        return None
+    if loop.elastic:
+        if sc.geomesh.exchange == "sharded":
+            raise RunError(ELASTIC_SHARDED)
+        if loop.run.rank == 0 or loop.run.is_leader and loop.me == 0:
+            print("note: the plan picks the sharded exchange, but elastic regions all-gather (a lost region's shard "
+                  "is not re-owned yet)", flush=True)  # fmt: skip
+        return None
+    return ShardedExchange(loop.combiner, loop.n, sc.geomesh.shard_bits)
+
+
+def shaper_s(loop: Any, members: list[int]) -> float:
+    """What the WAN shaper holds a sharded exchange to: the WAN model's time for the slices and combined
+    shards this run really moves (``latency``: its four latency steps only)."""
+    from .transport import WanShaper
+
+    ex = loop.sharded
+    shaper = WanShaper(loop.faults.wan(members), loop.run.options.wan)
+    if shaper.mode == "none" or len(members) < 2:
+        return 0.0
+    if shaper.mode == "latency":
+        return shaper._latency_only(4)
+    trust = SlotTrust(loop.kit.key, "", 0, ())
+    slices = sum(trust.width(ex.slice_nbytes(k)) for k in range(ex.n))
+    combined = sum(trust.width(ex.combined_nbytes(k)) for k in range(ex.n))
+    return shaper.wan.sharded_s(slices, combined)
+
+
+def static_sharded_exchange(xc: Any, payload: bytes | None, info: dict[str, Any], members: list[int]) -> Any:
+    """:meth:`StaticExchange.exchange` when the plan picks the sharded exchange: the round infos first (so a
+    region whose info is malformed or whose plan differs from the others' is kept out of the combine on every
+    leader), then :func:`sharded_round` over the leaders' group; every refused slice, absent update and lost
+    shard is in the infos for the loop's screening step (:func:`apply_sharded`)."""
+    from .exchange import Exchanged
+    from .transport import WanShaper
+
+    run, loop = xc.run, xc.loop
+    n, number = xc.n, run.rounds + 1
+    t0 = since = time.perf_counter()
+    before = run.transport.wan_bytes
+    infos = run.transport.all_gather_json(info, run.leaders_group, n, what=f"the round infos of round {number}")
+    exclude: dict[int, str] = {}
+    for k, i in enumerate(infos):
+        if not isinstance(i, dict):
+            infos[k] = {"region": k, "active": True, "sent": False, "rejected": "its round info is not a JSON object"}
+            exclude[k] = "its round info is not a JSON object"
+        infos[k]["region"] = k
+    plans = Counter(str(i.get("plan")) for i in infos if i.get("plan") is not None)
+    if plans:  # the digest most regions hold (the same rule on every leader: the same infos)
+        common = min(plans, key=lambda d: (-plans[d], d))
+        for k, i in enumerate(infos):
+            if i.get("plan") is not None and str(i["plan"]) != common and k not in exclude:
+                exclude[k] = "its plan differs from the other regions' (the regions disagree)"
+    key, run_id = run.transport._trust()
+    with warnings.catch_warnings():  # (the loop warns once per bad sender, naming its region)
+        warnings.simplefilter("ignore")
+        r = sharded_round(payload, loop.sharded, run.leaders_group, device=run.device, names=loop.names,
+                          round_number=number, key=key, run_id=run_id, exclude=exclude)  # fmt: skip
+    run.transport.wan_bytes += r.sent_bytes
+    for j, why in r.rejected.items():
+        infos[j]["slot_rejected"] = why
+    for k, why in r.lost_shards.items():
+        infos[k]["shard_lost"] = why
+    WanShaper(loop.faults.wan(members), run.options.wan).hold(shaper_s(loop, members), since)
+    sharded = {"accepted": r.accepted, "lost_shards": {str(k): v for k, v in r.lost_shards.items()},
+               "suspect": r.suspect, "tokens": r.tokens, "has_update": r.flat is not None,
+               "received_bytes": r.received_bytes}  # fmt: skip
+    return Exchanged(infos=infos, payloads=None, summed=None, comm_s=time.perf_counter() - t0,
+                     wan_bytes=run.transport.wan_bytes - before, update=r.flat, sharded=sharded)  # fmt: skip
+
+
+def share_sharded(loop: Any, result: Any, head: dict[str, Any]) -> Any:
+    """The leader's sharded update on every rank of its region (a flat float32 broadcast)."""
+    from .exchange import Exchanged
+
+    run = loop.run
+    flat = None
+    if head["sharded"]["has_update"]:
+        flat = result.update if run.is_leader else torch.empty(loop.d, dtype=torch.float32, device=run.device)
+        flat = run.transport.broadcast(flat, run.leader, run.region_group)
+    return Exchanged(head["infos"], None, None, head["comm_s"], head["wan_bytes"], update=flat,
+                     sharded=head["sharded"])  # fmt: skip
+
+
+def apply_sharded(loop: Any, result: Any, took_part: list[int], rejected: list, dropped: list[int]):
+    """The screening step of a sharded round (every rank alike): the senders whose slices were refused, the
+    regions with no update, the owners whose combined shard was lost, and the update the leaders combined
+    (None: nothing to apply)."""
+    for i in result.infos:
+        k = i["region"]
+        if k not in took_part:
+            continue
+        if i.get("slot_rejected"):
+            rejected.append((k, f"payload rejected: {i['slot_rejected']}"))
+        elif not i.get("sent"):
+            dropped.append(k)
+        if i.get("shard_lost") and not i.get("slot_rejected"):
+            rejected.append((k, f"its combined shard was rejected ({i['shard_lost']}); the shard is left out of "
+                                "this round's update"))  # fmt: skip
+    sh = result.sharded
+    if loop.me in sh["suspect"]:
+        if not loop.outvoted:
+            loop.outvoted = True
+            loop.run.outvoted = (f"region {loop.names[loop.me]} refused the slices or combined shards of most other "
+                                 "regions: it holds another run key (reliability.hmac_key_env / hmac_key_file) than "
+                                 f"they do, or its link corrupts them; it stood aside from round {loop.run.rounds + 1}")  # fmt: skip
+        return None
+    if result.update is None:
+        return None
+    return loop.combiner._split(result.update)
