@@ -207,3 +207,129 @@ def test_a_second_copy_of_a_live_region_exits_with_one_line_and_the_run_goes_on(
     summary = json.loads((out / "summary.json").read_text())
     assert summary["elastic"]["regions_at_end"] == ["r0-h100", "r1-a100"]
     assert "a second live instance of region 1" in rank_logs(out)
+
+
+def test_an_elastic_region_with_another_key_is_rejected_named_and_stops_alone(tmp_path, small_corpus):
+    """Three regions started by hand, r2-t4 with another key. The live two reject its frames, naming it by the
+    region its frame claims, do not wait for it, and finish with exit 0; it authenticates neither of them and
+    stops with one error. No live leader meets a torn-down group when it leaves."""
+    from test_elastic import TAG_ENV
+
+    from geomesh.runtime.distributed.membership import start_lighthouse
+    from geomesh.telemetry import read_events
+
+    # one CPU-bound round a region (no sleep padding): the live regions' 3 rounds are short
+    path = scenario(tmp_path, small_corpus, round_deadline_s=60, hmac_key_env=KEY_ENV)
+    lighthouse = start_lighthouse(2, 20.0)
+    port = lighthouse.address().rsplit(":", 1)[-1].strip("/")
+    tag = uuid.uuid4().hex
+    procs = {}
+    try:
+        for region, key in (("r0-h100", "the run's secret, 32 bytes long!"), ("r1-a100", "the run's secret, 32 bytes long!"),
+                            ("r2-t4", "another secret, also 32 bytes lo")):  # fmt: skip
+            env = {**os.environ, "PYTHONPATH": SRC, "RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+                   "MASTER_PORT": str(_port()), "GEOMESH_REGION": region, "OMP_NUM_THREADS": "1", KEY_ENV: key,
+                   "TORCHFT_LIGHTHOUSE": f"http://127.0.0.1:{port}", "GEOMESH_ADVERTISE_HOST": "127.0.0.1",
+                   TAG_ENV: tag}  # fmt: skip
+            procs[region] = subprocess.Popen([sys.executable, "-m", "geomesh.run", str(path), "--method",
+                                              "geomesh-sign-only", "--out", str(tmp_path / region), "--tokens", "3840",
+                                              "--timeout", "60", "--quiet"], env=env, stdout=subprocess.PIPE,
+                                             stderr=subprocess.PIPE, text=True)  # fmt: skip
+        errs = {region: p.communicate(timeout=300)[1] for region, p in procs.items()}
+    finally:
+        for p in procs.values():
+            p.kill()
+        _kill_all(tag)
+        lighthouse.shutdown()
+    codes = {region: p.returncode for region, p in procs.items()}
+    assert codes["r0-h100"] == 0 and codes["r1-a100"] == 0, errs
+    assert not any("Traceback" in e or "process group not initialized" in e for e in errs.values()), errs
+    odd = [ln for ln in errs["r2-t4"].splitlines() if ln.startswith("error:")]
+    assert codes["r2-t4"] != 0 and len(odd) == 1, errs["r2-t4"][-3000:]
+    assert "region r2-t4 cannot authenticate the frames of regions r0-h100, r1-a100" in odd[0]
+    for live in ("r0-h100", "r1-a100"):
+        assert f"warning: region {live}: rejected a frame from region r2-t4 (claimed, unauthenticated" in errs[live]
+    events = read_events(tmp_path / "r0-h100" / "events.jsonl")
+    rounds = [e for e in events if e["type"] == "round"]
+    assert rounds and all("r2-t4" not in r["members"] for r in rounds)
+    named = [f for f in rounds[0]["frames_rejected"] if f["region"] == "r2-t4"]
+    assert named and named[0]["claimed"] and "HMAC tag mismatch" in named[0]["reason"]
+    summary = json.loads((tmp_path / "r0-h100" / "summary.json").read_text())
+    assert summary["elastic"]["regions_at_end"] == ["r0-h100", "r1-a100"]
+    assert len(set(summary["param_checksums"].values())) == 1
+
+
+class _ScriptedGroup:
+    """The quorum's group as leader 0 sees it, without a network: member k > 0 sends ``frames[k - 1]``."""
+
+    def __init__(self, frames: list[bytes]):
+        self.frames = frames
+
+    def size(self) -> int:
+        return 1 + len(self.frames)
+
+    def allgather(self, outs, ins, opts):
+        import torch
+
+        outs, mine = outs[0], ins[0]
+        if mine.dtype == torch.int64:  # the sizes
+            for o, n in zip(outs, [int(mine[0])] + [len(f) for f in self.frames]):
+                o.fill_(n)
+        else:
+            outs[0].copy_(mine)
+            for o, f in zip(outs[1:], self.frames):
+                o.zero_()
+                o[: len(f)] = torch.frombuffer(bytearray(f), dtype=torch.uint8)
+
+        class Done:
+            def wait(self):
+                return True
+
+        return Done()
+
+
+def test_an_envelope_replayed_in_a_later_round_or_another_slot_is_rejected_and_named(capsys):
+    from types import SimpleNamespace
+
+    from geomesh.runtime.distributed.frames import Context, seal
+    from geomesh.runtime.distributed.membership import Membership
+
+    key, run_id = b"the run's secret, 32 bytes long!", "run-1"
+    m = Membership.__new__(Membership)  # a leader's membership, its torchft parts replaced by the script
+    step = {"now": 2}
+    m.manager = SimpleNamespace(current_step=lambda: step["now"])
+    m.key, m.run_id, m.frame_limit, m.region, m.name = key, run_id, 1 << 20, 0, "r0-h100"
+    m.names = ["r0-h100", "r1-a100", "r2-t4"]
+    m.rejected, m.rejected_frames, m.instance, m.first_step, m.control_bytes = [], 0, "me", 0, 0
+    m._quorum_id, m._seq = 7, 0
+
+    def envelope(round_: int, seq: int, region: int = 1) -> bytes:
+        ctx = Context(run_id, "quorum", round_, 7 * 65536 + seq)
+        return seal({"region": region, "payload": b"GMSH" + bytes(12)}, ctx=ctx, sender=region, key=key,
+                    meta={"instance": f"i{region}", "first_step": 0}).to_bytes()  # fmt: skip
+
+    round2 = envelope(2, 1)
+    m.pg = _ScriptedGroup([round2])
+    got = m.all_gather_object({"region": 0, "payload": b"mine"})
+    assert [g["region"] for g in got] == [0, 1] and not m.rejected  # genuine: accepted
+    # the next round: member 1's envelope of round 2 sent again
+    step["now"], m._seq = 3, 0
+    m.pg = _ScriptedGroup([round2])
+    got = m.all_gather_object({"region": 0, "payload": b"mine"})
+    assert [g["region"] for g in got] == [0]
+    assert m.rejected[0]["name"] == "r1-a100" and not m.rejected[0]["claimed"]
+    assert "replayed or stale" in m.rejected[0]["reason"]
+    # this round's genuine envelope of region 1, also put in member 2's place
+    m._seq = 0
+    now = envelope(3, 1)
+    m.pg = _ScriptedGroup([now, now])
+    got = m.all_gather_object({"region": 0, "payload": b"mine"})
+    assert [g["region"] for g in got] == [0, 1] and [r["slot"] for r in m.rejected] == [2]
+    # a frame signed for region 1 whose message says it is region 2
+    m._seq = 0
+    lying = seal({"region": 2, "payload": b""}, ctx=Context(run_id, "quorum", 3, 7 * 65536 + 1), sender=1, key=key)
+    m.pg = _ScriptedGroup([lying.to_bytes()])
+    got = m.all_gather_object({"region": 0, "payload": b"mine"})
+    assert [g["region"] for g in got] == [0] and "signed for region 1" in m.rejected[0]["reason"]
+    err = capsys.readouterr().err
+    assert "rejected a frame from region r1-a100 (quorum member 1): frame of round 2" in err

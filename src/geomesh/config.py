@@ -227,6 +227,14 @@ class ReliabilityConfig:
     # regions join a quorum every round (torchft Lighthouse) and the run goes on while at least N remain
     min_regions: int = 0
     round_deadline_s: float = 60.0  # elastic: a region not in the round's quorum or exchange by then is left out
+    # elastic: "fixed" (every round waits up to round_deadline_s) or "adaptive" (docs/reliability.md: the
+    # exchange waits the median of the recent rounds' slowest compute plus round_deadline_multiple median absolute
+    # deviations, never below round_deadline_floor_s nor above round_deadline_s, over the last
+    # round_deadline_window rounds; round_deadline_s until 3 rounds are measured)
+    round_deadline_mode: str = "fixed"
+    round_deadline_multiple: float = 4.0
+    round_deadline_floor_s: float = 5.0
+    round_deadline_window: int = 8
 
 
 @dataclass
@@ -569,6 +577,23 @@ def _validate_reliability(r: ReliabilityConfig) -> None:
     _require(r.min_regions >= 0, f"{w}.min_regions", r.min_regions, "expected >= 0 (0: not elastic)")
     _require(math.isfinite(r.round_deadline_s) and r.round_deadline_s > 0, f"{w}.round_deadline_s",
              r.round_deadline_s, "expected a positive number of seconds")  # fmt: skip
+    _require(r.round_deadline_mode in DEADLINE_MODES, f"{w}.round_deadline_mode", r.round_deadline_mode,
+             f"expected one of {', '.join(DEADLINE_MODES)}")  # fmt: skip
+    _require(_number(r.round_deadline_multiple) and r.round_deadline_multiple >= 0, f"{w}.round_deadline_multiple",
+             r.round_deadline_multiple, "expected a number >= 0 (median absolute deviations above the median)")  # fmt: skip
+    _require(_number(r.round_deadline_floor_s) and 0 < r.round_deadline_floor_s <= r.round_deadline_s,
+             f"{w}.round_deadline_floor_s", r.round_deadline_floor_s,
+             f"expected seconds > 0 and at most reliability.round_deadline_s ({r.round_deadline_s:g}), the cap")  # fmt: skip
+    _require(isinstance(r.round_deadline_window, int) and not isinstance(r.round_deadline_window, bool)
+             and r.round_deadline_window >= 3, f"{w}.round_deadline_window", r.round_deadline_window,
+             "expected a whole number of rounds >= 3")  # fmt: skip
+
+
+DEADLINE_MODES = ("fixed", "adaptive")
+
+
+def _number(v: object) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
 PRECISIONS = ("auto", "bf16", "fp32")

@@ -49,7 +49,48 @@ from .layout import RegionLayout, min_regions_of, region_layout
 from .membership import LIGHTHOUSE_ENV, ExchangeFailed, Membership, MembershipError
 from .transport import WanShaper
 
-__all__ = ["QuorumExchange", "RegionLayout", "min_regions_of", "region_layout"]
+__all__ = ["QuorumExchange", "RegionLayout", "adaptive_deadline_s", "deadline_history", "min_regions_of",
+           "region_layout"]
+
+MEASURED_ROUNDS = 3  # rounds measured before an adaptive deadline replaces the fixed one (the first may warm up)
+MIN_SPREAD = 0.1  # the least spread assumed, as a fraction of the median (see adaptive_deadline_s)
+
+
+def _median(xs: list[float]) -> float:
+    s = sorted(xs)
+    m = len(s) // 2
+    return s[m] if len(s) % 2 else (s[m - 1] + s[m]) / 2
+
+
+def adaptive_deadline_s(history: list[float], *, multiple: float, floor_s: float, cap_s: float,
+                        window: int) -> float:  # fmt: skip
+    """The exchange's deadline from the recent rounds' measured times (``history``: per round, the slowest
+    member's compute seconds, oldest first): over the last ``window`` rounds, the median plus ``multiple``
+    median absolute deviations, never below ``floor_s``, never above ``cap_s`` (``reliability.round_deadline_s``).
+    ``cap_s`` until :data:`MEASURED_ROUNDS` rounds are measured.
+
+    Median and MAD rather than mean and deviation: one stalled or healing round must not move the deadline.
+    A history of identical rounds has no spread at all; the deviation is taken as at least
+    :data:`MIN_SPREAD` of the median, so such a deadline is not the median itself (which would drop a region
+    for a 1% jitter). Pure: every leader computes it from the same round records, so they agree."""
+    xs = [float(x) for x in history if isinstance(x, (int, float)) and x >= 0][-window:]
+    if len(xs) < MEASURED_ROUNDS:
+        return float(cap_s)
+    med = _median(xs)
+    mad = _median([abs(x - med) for x in xs])
+    return float(min(cap_s, max(floor_s, med + multiple * max(mad, MIN_SPREAD * med))))
+
+
+def deadline_history(records: list[dict[str, Any]]) -> list[float]:
+    """Per round record (oldest first), the slowest member's measured compute seconds: numbers every leader
+    gathered alike with the round's exchange, and that a healed region receives with the records."""
+    out = []
+    for r in records:
+        if r.get("type") == "round":
+            times = [c for c in r.get("compute_s") or [] if isinstance(c, (int, float))]
+            if times:
+                out.append(max(times))
+    return out
 
 
 class QuorumExchange(ElasticState):
@@ -64,7 +105,12 @@ class QuorumExchange(ElasticState):
         self.run, self.sc, self.method = run, loop.sc, loop.method
         self.names, self.n, self.me = loop.names, loop.n, loop.me
         self.min_regions = min_regions_of(self.sc, run.options.min_regions)
-        self.deadline_s = self.sc.reliability.round_deadline_s
+        rel = self.sc.reliability
+        self.deadline_s = rel.round_deadline_s  # the fixed deadline; with adaptive deadlines their cap
+        self.deadline_mode = rel.round_deadline_mode
+        self.last_deadline_s = self.deadline_s  # what the last exchange was held to (its round record says it)
+        self.refused: set[int] = set()  # regions (as their frames claim) whose frames did not authenticate
+        self.round_rejections: list[dict[str, Any]] = []  # frames refused since the last round record
         self.job_hash = ckpt.fingerprint_hash(run_fingerprint(self.sc, self.method.name, run.seed, run.budget))
         self.records: list[dict[str, Any]] = []
         self.stats = {"rounds_without": dict.fromkeys(self.names, 0), "tokens_lost": dict.fromkeys(self.names, 0),
@@ -114,7 +160,8 @@ class QuorumExchange(ElasticState):
                         "seed": run.seed, "tokens_budget": run.budget, "model": run.model_name,
                         "model_params": run.global_model.num_params(), "workers": self.names,
                         "backend": run.backend, "wan": run.options.wan, "elastic": True,
-                        "min_regions": self.min_regions, "round_deadline_s": self.deadline_s})  # fmt: skip
+                        "min_regions": self.min_regions, "round_deadline_s": self.deadline_s,
+                        "round_deadline_mode": self.deadline_mode})  # fmt: skip
         run.transport.barrier(None, what="the start barrier")
         run.clock.start()
         self._snapshot()  # θ as a region behind may ask for it at the first quorum
@@ -142,7 +189,7 @@ class QuorumExchange(ElasticState):
                 region=self.me, name=self.names[self.me], lighthouse=lighthouse, min_regions=self.min_regions,
                 deadline_s=self.deadline_s, quorum_timeout_s=run.options.timeout_s, state_dict=self.state_dict,
                 load_state_dict=self.load_state_dict, store_addr=os.environ.get("MASTER_ADDR", "127.0.0.1"),
-                store_port=int(os.environ.get("MASTER_PORT", "29500")),
+                store_port=int(os.environ.get("MASTER_PORT", "29500")), names=self.names,
             )  # fmt: skip
         except MembershipError as exc:
             raise RunError(str(exc)) from None
@@ -204,11 +251,14 @@ class QuorumExchange(ElasticState):
             except ExchangeFailed as exc:
                 m.report(exc)
                 continue
+            self._note_rejections()
+            self._outvoted(headers)
             self._check_hashes(headers)
             members = sorted(h["region"] for h in headers)
             if healed:
                 first = False
-            if len(members) < self.n and all(h["wait"] for h in headers):
+            # (a region whose frames do not authenticate is not waited for: it cannot take part)
+            if len(set(members) | self.refused) < self.n and all(h["wait"] for h in headers):
                 time.sleep(0.3)  # the first round: wait for every region to come up
                 continue
             # regions that were behind and received a live region's state at this quorum
@@ -216,6 +266,34 @@ class QuorumExchange(ElasticState):
                     "rejoined": sorted(h["region"] for h in headers if h["healed"]),
                     "calibration": {h["region"]: h.get("calibration") for h in headers
                                     if isinstance(h.get("calibration"), dict)}}  # fmt: skip
+
+    def _note_rejections(self) -> None:
+        """The members the last collective refused, for the round's record, by region name (``claimed``: what
+        an unauthenticated frame says it is)."""
+        for r in self.membership.rejected:
+            if r["claimed"] and r["region"] is not None and ("HMAC" in r["reason"] or "unsigned" in r["reason"]):
+                self.refused.add(r["region"])
+            entry = {"region": r["name"], "claimed": r["claimed"], "reason": r["reason"]}
+            if entry not in self.round_rejections:  # (the first round's startup wait repeats its header)
+                self.round_rejections.append(entry)
+
+    def _outvoted(self, headers: list[dict[str, Any]]) -> None:
+        """Stop when this region authenticates no other member's header and cannot authenticate those of most
+        of the scenario's other regions: it holds another run key than they do. It cannot follow θ (that would
+        mean trusting unverified bytes), and while it stays in the quorum it holds the others' collectives; so
+        it leaves, with one error. The scenario's count, not the quorum's: at start-up a live region may meet
+        the odd one before the others and must not take itself for the odd one; and a forged frame beside a
+        genuine one of the same region (an outsider) proves nothing against this region. (With two regions
+        neither can tell: both stop.)"""
+        if any(h["region"] != self.me for h in headers):
+            return
+        bad = sorted({r["region"] for r in self.membership.rejected if "HMAC" in r["reason"]
+                      and isinstance(r["region"], int) and 0 <= r["region"] < self.n and r["region"] != self.me})  # fmt: skip
+        if bad and 2 * len(bad) > self.n - 1:
+            who = ", ".join(self.membership.region_name(i) for i in bad)
+            raise RunError(f"region {self.names[self.me]} cannot authenticate the frames of regions {who} (HMAC tag "
+                           f"mismatch): it holds another run key (reliability.hmac_key_env / hmac_key_file) than "
+                           f"they do; it stops (start it with the run's key to rejoin)")  # fmt: skip
 
     def _check_hashes(self, headers: list[dict[str, Any]]) -> None:
         counts: dict[str, int] = {}
@@ -289,16 +367,19 @@ class QuorumExchange(ElasticState):
         m, run = self.membership, self.run
         t0 = time.perf_counter()
         sent = 0
+        deadline = self.last_deadline_s = self.round_deadline_s(members)
         while True:
             try:
                 since = time.perf_counter()
                 if summed is not None:
-                    infos = m.all_gather_object(info)
-                    m.all_reduce_sum(summed)
+                    infos = m.all_gather_object(info, timeout_s=deadline)
+                    self._note_rejections()
+                    m.all_reduce_sum(summed, timeout_s=deadline)
                     sent += 4 * (self.loop.d + 1)
                     gathered = None
                 else:
-                    envelopes = m.all_gather_object({**info, "payload": payload})
+                    envelopes = m.all_gather_object({**info, "payload": payload}, timeout_s=deadline)
+                    self._note_rejections()
                     infos = [{k: v for k, v in e.items() if k != "payload"} for e in envelopes]
                     gathered = {e["region"]: e["payload"] for e in envelopes}
                     sent += self.loop.kit.payload_nbytes
@@ -329,6 +410,21 @@ class QuorumExchange(ElasticState):
 
     def theta_changed(self) -> None:
         self._snapshot()
+
+    def round_deadline_s(self, members: list[int]) -> float:
+        """(leader) How long this round's exchange waits for its slowest member: ``round_deadline_s``, or with
+        ``round_deadline_mode: adaptive`` :func:`adaptive_deadline_s` of the recent round records' measured
+        compute (every leader keeps the same records, so every leader holds the exchange to the same deadline)
+        plus the WAN shaper's modeled hold, within the cap."""
+        if self.deadline_mode != "adaptive":
+            return float(self.deadline_s)
+        rel = self.sc.reliability
+        history = deadline_history(self.records)
+        base = adaptive_deadline_s(history, multiple=rel.round_deadline_multiple, floor_s=rel.round_deadline_floor_s,
+                                   cap_s=self.deadline_s, window=rel.round_deadline_window)  # fmt: skip
+        if len(history) < MEASURED_ROUNDS:
+            return float(self.deadline_s)
+        return float(min(self.deadline_s, base + self.shaper_s(members)))
 
     # ---- 3. records ---------------------------------------------------------------------------------------
     def _restarted_in_place(self, rejoined: list[int]) -> None:
@@ -394,7 +490,10 @@ class QuorumExchange(ElasticState):
                         "members": [names[i] for i in took_part], "compute_s": [i["compute_s"] for i in infos],
                         "straggler_idle_frac": compute_idle([i["compute_s"] for i in infos]),
                         "exchange_s": result.comm_s, "bytes_sent": result.wan_bytes * len(infos),
-                        "tokens_lost": {names[i]: t for i, t in lost.items()}})  # fmt: skip
+                        "tokens_lost": {names[i]: t for i, t in lost.items()},
+                        "deadline_s": self.last_deadline_s,
+                        "frames_rejected": self.round_rejections})  # fmt: skip
+            self.round_rejections = []
             self._write_events(took_part)
 
     # ---- the end ----------------------------------------------------------------------------------------
@@ -430,6 +529,8 @@ class QuorumExchange(ElasticState):
             "world_size": None,
             "ranks_per_region": None,
             "elastic": {"min_regions": self.min_regions, "round_deadline_s": self.deadline_s,
+                        "round_deadline_mode": self.deadline_mode,
+                        "deadlines_s": [r.get("deadline_s") for r in self.records if r.get("type") == "round"],
                         "regions_at_end": [self.names[i] for i in final], "leaves": st["leaves"],
                         "joins": st["joins"], "rounds_without": st["rounds_without"],
                         "tokens_lost": st["tokens_lost"]},  # fmt: skip

@@ -46,8 +46,10 @@ membership, recovery and the reconfigured process group, and the exchange is an 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import socket
+import struct
 import sys
 import time
 import uuid
@@ -59,7 +61,7 @@ from typing import Any, Callable
 
 import torch
 
-from .frames import Context, Rejected, open_frame, run_trust, seal
+from .frames import HEAD_NBYTES, Context, Rejected, frame_nbytes, open_frame, run_trust, seal
 
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"  # the Lighthouse's address, http://HOST:PORT (torchft's own variable)
 ADVERTISE_ENV = "GEOMESH_ADVERTISE_HOST"  # how other regions reach this leader (default: its host name)
@@ -134,10 +136,11 @@ class Membership:
     def __init__(self, *, region: int, name: str, lighthouse: str, min_regions: int, deadline_s: float,
                  quorum_timeout_s: float, state_dict: Callable[[], Any], load_state_dict: Callable[[Any], None],
                  store_addr: str, store_port: int, key: bytes | None = None, run_id: str | None = None,
-                 frame_limit: int = DEFAULT_FRAME_LIMIT):  # fmt: skip
+                 frame_limit: int = DEFAULT_FRAME_LIMIT, names: list[str] | None = None):  # fmt: skip
         """``key``/``run_id``: what frames and healing are signed with (default: this process's
         :func:`~geomesh.runtime.distributed.frames.run_trust`); ``frame_limit``: the largest frame accepted
-        from a member (a round's envelope with its payload must fit)."""
+        from a member (a round's envelope with its payload must fit); ``names``: the scenario's region names,
+        so that a rejected member is named by the region it is (or claims to be)."""
         os.environ.setdefault("RUST_LOG", "error")
         import logging
 
@@ -170,6 +173,7 @@ class Membership:
         except HealError as exc:
             raise MembershipError(str(exc)) from None
         self.region, self.name = region, name
+        self.names = list(names) if names is not None else None
         self.deadline = timedelta(seconds=deadline_s)
         self.quorum_timeout = timedelta(seconds=quorum_timeout_s)
         self.lighthouse = lighthouse
@@ -233,8 +237,16 @@ class Membership:
         """A collective failed: the round is void for torchft, and this leader's group is torn down at once.
         Its peers may still be blocked in the same collective on a link that never touched the lost region
         (a ring's other half); closing our connections fails them now instead of at the round deadline, so
-        every survivor asks for the next quorum together."""
+        every survivor asks for the next quorum together.
+
+        torchft reconfigures the group only for a quorum of a new id, and the Lighthouse keeps the id while the
+        participants stay the same (every member still alive: one timed out, or one left a collective to ask for
+        a quorum again). Its ``commit_failures``, which ``should_commit`` counts and the quorum request carries,
+        makes the Lighthouse form a new quorum; this round never reaches ``should_commit``, so the failure is
+        counted here. Without it the next collective finds the group torn down ("process group not
+        initialized") and the leader dies."""
         self.manager.report_error(exc)
+        self.manager._commit_failures = getattr(self.manager, "_commit_failures", 0) + 1
         self.pg.abort()
 
     def commit(self) -> bool:
@@ -252,15 +264,31 @@ class Membership:
         del work
         raise ExchangeFailed(why)
 
-    def _gather_raw(self, data: bytes) -> list[bytes | Rejected]:
+    def _configured(self) -> None:
+        """The quorum's group is there (a torn-down one is re-formed only at the next quorum)."""
+        if getattr(self.pg, "_pg", True) is None:
+            raise ExchangeFailed("this leader's group over the quorum was torn down (it is re-formed at the next "
+                                 "quorum)")  # fmt: skip
+
+    @staticmethod
+    def _options(kind: str, timeout_s: float | None):
+        """Collective options; ``timeout_s``: this collective's own deadline (Gloo honours it per operation),
+        else the group's (``round_deadline_s``)."""
+        from torch.distributed import distributed_c10d as c10d
+
+        opts = getattr(c10d, kind)()
+        if timeout_s is not None:
+            opts.timeout = timedelta(seconds=float(timeout_s))
+        return opts
+
+    def _gather_raw(self, data: bytes, timeout_s: float | None = None) -> list[bytes | Rejected]:
         """Every member's bytes in quorum order; a member that claims more than :attr:`frame_limit` (or a
         negative size) gets a :class:`Rejected` and costs the others no memory."""
-        from torch.distributed.distributed_c10d import AllgatherOptions
-
+        self._configured()
         n = self.pg.size()
         size = torch.tensor([len(data)], dtype=torch.int64)
         sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(n)]
-        self._wait(self.pg.allgather([sizes], [size], AllgatherOptions()))
+        self._wait(self.pg.allgather([sizes], [size], self._options("AllgatherOptions", timeout_s)))
         claims = [int(s) for s in sizes]
         ok = [0 <= c <= self.frame_limit for c in claims]
         width = max([1] + [c for c, good in zip(claims, ok) if good])  # every member computes the same width
@@ -268,7 +296,7 @@ class Membership:
         if data and len(data) <= width:
             mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         outs = [torch.empty(width, dtype=torch.uint8) for _ in range(n)]
-        self._wait(self.pg.allgather([outs], [mine], AllgatherOptions()))
+        self._wait(self.pg.allgather([outs], [mine], self._options("AllgatherOptions", timeout_s)))
         return [bytearray(o[:c].numpy().tobytes()) if good
                 else Rejected(f"oversize frame: it claims {c} bytes, the limit is {self.frame_limit}")
                 for o, c, good in zip(outs, claims, ok)]  # fmt: skip
@@ -280,24 +308,40 @@ class Membership:
         return Context(run_id=self.run_id, kind="quorum", round=self.step,
                        scope=max(self._quorum_id, 0) * 65536 + self._seq)  # fmt: skip
 
-    def _reject(self, slot: int, claimed: int | None, reason: str) -> None:
-        self.rejected.append({"slot": slot, "region": claimed, "reason": reason})
+    def region_name(self, region: int | None) -> str:
+        """A region index as the scenario names it (an index outside the scenario as ``#index``)."""
+        if region is None:
+            return "an unknown sender"
+        if self.names is not None and 0 <= region < len(self.names):
+            return self.names[region]
+        return f"#{region}"
+
+    def _reject(self, slot: int, claimed: int | None, reason: str, authenticated: bool = True) -> None:
+        """A member left out of this collective: recorded (``region`` the index its frame is signed for, or the
+        one it claims when its frame does not authenticate: ``claimed`` then), counted and warned about."""
+        self.rejected.append({"slot": slot, "region": claimed, "claimed": not authenticated, "reason": reason,
+                              "name": self.region_name(claimed) if claimed is not None else None})  # fmt: skip
         self.rejected_frames += 1
         if self.rejected_frames <= WARN_LIMIT:
-            who = f"quorum member {slot}" + (f" (signed as region {claimed})" if claimed is not None else "")
+            if claimed is None:
+                who = f"quorum member {slot} (its frame names no region)"
+            else:
+                who = (f"region {self.region_name(claimed)} (" + ("claimed, unauthenticated; " if not authenticated
+                                                                  else "") + f"quorum member {slot})")  # fmt: skip
             print(f"warning: region {self.name}: rejected a frame from {who}: {reason}; it is left out of this "
                   f"exchange", file=sys.stderr, flush=True)  # fmt: skip
 
-    def all_gather_object(self, obj: Any) -> list[Any]:
+    def all_gather_object(self, obj: Any, timeout_s: float | None = None) -> list[Any]:
         """Every accepted quorum member's ``obj`` (JSON values, bytes, tensors), in quorum order; rejected
-        members are left out and named in :attr:`rejected` (the module docstring has the whole contract)."""
+        members are left out and named in :attr:`rejected` (the module docstring has the whole contract).
+        ``timeout_s``: how long this collective waits for the slowest member (default: the round deadline)."""
         ctx = self._context()
         meta = {"instance": self.instance, "first_step": self.first_step if self.first_step is not None else -1}
         frame = seal(obj, ctx=ctx, sender=self.region, key=self.key, meta=meta).to_bytes()
         self.control_bytes += len(frame)
         self.rejected = []
         opened: list[tuple[int, Any]] = []
-        for slot, raw in enumerate(self._gather_raw(frame)):
+        for slot, raw in enumerate(self._gather_raw(frame, timeout_s)):
             got = raw if isinstance(raw, Rejected) else open_frame(raw, ctx=ctx, key=self.key,
                                                                     max_bytes=self.frame_limit)  # fmt: skip
             if isinstance(got, Rejected) and got.run is not None:
@@ -305,7 +349,10 @@ class Membership:
                 # is handed on, so the loop's job check names the odd region and stops it
                 got = open_frame(raw, ctx=replace(ctx, run_id=got.run), key=self.key, max_bytes=self.frame_limit)
             if isinstance(got, Rejected):
-                self._reject(slot, got.sender, got.reason)
+                if got.sender is not None:
+                    self._reject(slot, got.sender, got.reason)
+                else:  # its tag did not hold (or it has none): only what its header claims names it
+                    self._reject(slot, claimed_sender(raw), got.reason, authenticated=False)
                 continue
             claims = got.obj.get("region") if isinstance(got.obj, dict) else got.sender
             if got.sender < 0 or claims != got.sender:
@@ -344,10 +391,11 @@ class Membership:
         :meth:`all_gather_object` frames its messages (rejected members left out)."""
         return [m["data"] for m in self.all_gather_object({"region": self.region, "data": bytes(data)})]
 
-    def all_reduce_sum(self, flat: torch.Tensor) -> torch.Tensor:
-        from torch.distributed.distributed_c10d import AllreduceOptions, ReduceOp
+    def all_reduce_sum(self, flat: torch.Tensor, timeout_s: float | None = None) -> torch.Tensor:
+        from torch.distributed.distributed_c10d import ReduceOp
 
-        opts = AllreduceOptions()
+        self._configured()
+        opts = self._options("AllreduceOptions", timeout_s)
         opts.reduceOp = ReduceOp.SUM
         self._wait(self.pg.allreduce([flat], opts))
         return flat
@@ -376,6 +424,32 @@ def _manager_server_bound_to(ip: str):
         yield
     finally:
         tfm.ManagerServer = real
+
+
+def claimed_sender(raw: Any) -> int | None:
+    """The sender a frame's JSON header claims, read without trusting the frame (its tag failed, or it has
+    none): only to name who it says it is. JSON only, bounded by the frame the receiver already accepted in
+    size; ``None`` when it is not a frame or names no sender."""
+    if isinstance(raw, Rejected) or frame_nbytes(bytes(raw[:HEAD_NBYTES])) is None:
+        return None
+    jlen = struct.unpack_from("<I", raw, 8)[0]
+    try:
+        doc = json.loads(bytes(raw[HEAD_NBYTES : HEAD_NBYTES + jlen]))
+    except (ValueError, RecursionError):
+        return None
+    sender = doc.get("sender") if isinstance(doc, dict) else None
+    return sender if isinstance(sender, int) and not isinstance(sender, bool) else None
+
+
+def join_timeout_s(reliability: Any) -> float:
+    """How long the Lighthouse waits, once a region asks for a round's quorum, for the live regions that have
+    not asked yet (its ``join_timeout``). Fixed deadlines: ``round_deadline_s``. Adaptive ones: the floor,
+    ``round_deadline_floor_s``: the exchange is where rounds wait for a slow region (held to the adaptive
+    deadline); regions reach the next quorum together after it, so a long join wait would only make every
+    round after a hung region (alive, heartbeating, never asking) pay the fixed cap."""
+    if getattr(reliability, "round_deadline_mode", "fixed") == "adaptive":
+        return float(reliability.round_deadline_floor_s)
+    return float(reliability.round_deadline_s)
 
 
 def _short(exc: BaseException) -> str:
