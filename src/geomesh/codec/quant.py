@@ -27,6 +27,7 @@ import torch
 
 from ..errors import PayloadError
 from .base import DecodedPayload, _Codec
+from .combine import weighted_combine
 from .manifest import Manifest
 from .wire import FLAG_HMAC, KIND_QUANT, _check_tokens_arg, _frombuffer
 
@@ -159,19 +160,10 @@ class QuantCodec(_Codec):
         """Average of the dequantised payloads (equal or token weights); returns (update, Σ tokens)."""
         device = torch.device(device)
         acc = self._accumulator(out, device)
-        acc.zero_()
-        total, count, first = 0, 0, 0
-        for payload in payloads:
-            tokens, body = self._parse(payload)
-            vals = self._values(body)
-            if count == 0:
-                first = tokens
-            total += tokens
-            count += 1
-            acc.add_(vals.to(device), alpha=1.0 if self.weighting == "equal" else tokens / first)
+
+        def add(body: memoryview, w: float) -> None:
+            acc.add_(self._values(body).to(device), alpha=w)
             if acc.numel() and not bool(torch.isfinite(acc).all()):
                 raise PayloadError("scales too large: the combined update overflows float32")
-        if count == 0:
-            raise ValueError("combine needs at least one payload")
-        acc.mul_(1.0 / count if self.weighting == "equal" else first / total)
-        return self._split(acc), total
+
+        return weighted_combine(self, payloads, acc, self.weighting, add)

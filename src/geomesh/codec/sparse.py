@@ -59,6 +59,7 @@ import torch
 
 from ..errors import PayloadError
 from .base import DecodedPayload, _Codec
+from .combine import weighted_combine
 from .manifest import Manifest
 from .wire import FLAG_ERROR_FEEDBACK, FLAG_HMAC, FORMAT_VERSION, KIND_SPARSE, _check_tokens_arg, _frombuffer
 
@@ -357,22 +358,14 @@ class SparseSignCodec(_Codec):
         Streams over any iterable; memory is the accumulator plus one payload's entries."""
         device = torch.device(device)
         acc = self._accumulator(out, device)
-        acc.zero_()
-        total, count, first, bound = 0, 0, 0, 0.0
-        for payload in payloads:
-            tokens, body = self._parse(payload)
+        bound = [0.0]
+
+        def add(body: memoryview, w: float) -> None:
             pos, val = self._entries(body)
-            if count == 0:
-                first = tokens
-            total += tokens
-            count += 1
-            w = 1.0 if self.weighting == "equal" else tokens / first
             # |every partial sum| <= Σ w_i max|C_i|: one check on a few numbers rules out overflow
-            bound += w * (float(val.abs().max()) if val.numel() else 0.0)
-            if not math.isfinite(bound * 2) or bound * 2 > 3e38:
+            bound[0] += w * (float(val.abs().max()) if val.numel() else 0.0)
+            if not math.isfinite(bound[0] * 2) or bound[0] * 2 > 3e38:
                 raise PayloadError("magnitudes too large: the combined update would overflow float32")
             acc.index_add_(0, pos.to(device), val.to(device), alpha=w)
-        if count == 0:
-            raise ValueError("combine needs at least one payload")
-        acc.mul_(1.0 / count if self.weighting == "equal" else first / total)
-        return self._split(acc), total
+
+        return weighted_combine(self, payloads, acc, self.weighting, add)
