@@ -9,6 +9,9 @@
   count, token-weighted combination, outer Nesterov; ``geomesh-balance-only`` / ``geomesh-sign-only``, the
   two halves of GeoMesh as ablations; ``geomesh-overlap``, the exchange hidden under the next round's compute;
 - :mod:`.overlap`: the overlapped round's arithmetic (eager start, correction, remainder folding);
+- :mod:`.compressed`: ``geomesh-sparse`` (top-k sign payloads, error feedback) and the compressed baselines
+  ``sparseloco``, ``diloco-int8``, ``diloco-fp4``; :mod:`.streaming`: ``streaming-diloco`` (fragments on
+  staggered schedules, FP4 outer gradients); :mod:`.budget`: the token and time budgets;
 - :mod:`.async_local_sgd`: ``async-local-sgd``, asynchronous DiLoCo with delayed Nesterov and dynamic local
   updates;
 - :mod:`.registry`: the explicit table name -> method, :func:`get_method` and :func:`method_names`.

@@ -14,7 +14,7 @@ strongest compressed baselines built from their published rules (docs/benchmarks
   ``compression.ef_decay``, α = ``compression.decay_outer_lr``).
 - ``diloco-int8`` (torchft, INTELLECT-1): DiLoCo with its pseudo-gradients in int8 (a float32 scale per
   chunk of ``compression.quant_chunk_size``); ``diloco-fp4``: the same in FP4 E2M1, Streaming DiLoCo's
-  outer-gradient format (without its fragments).
+  outer-gradient format without its fragments (``streaming-diloco``, methods/streaming.py, has them).
 
 Every payload here is all-gathered (a sparse or quantised payload is not summed in place), in both runtimes,
 and combined by the codec. The quantised baselines would pay about half the bytes over a quantised
