@@ -3,7 +3,11 @@ payload screening everywhere, the ddp baseline's refusal of faults), on real ran
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
+import torch
 import yaml
 from conftest import FIXED_PLAN, tiny_scenario_dict
 
@@ -111,3 +115,77 @@ def test_a_region_with_another_key_is_rejected_each_round_and_the_others_finish(
     assert [w["round"] for w in warnings] == list(range(1, rounds + 1))
     assert all(w["worker"] == "r2-t4" and "HMAC" in w["message"] for w in warnings)
     assert summary["param_checksums"][0] == summary["param_checksums"][1] != summary["param_checksums"][2]
+
+
+def _checksum_rank(rank: int, store: str, out: str) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from geomesh.runtime.distributed import region
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=3)
+    try:
+        gen = torch.Generator().manual_seed(0)  # every rank builds the same whole θ
+        whole = {"emb": torch.randn(7, 5, generator=gen), "norm": torch.randn(4, generator=gen),
+                 "big": torch.randn(2000, 3, generator=gen), "one_row": torch.randn(1, 9, generator=gen)}  # fmt: skip
+        mesh = DeviceMesh.from_group(dist.group.WORLD, "cpu")
+        sharded = {k: distribute_tensor(v, mesh, [Shard(0)], src_data_rank=None) for k, v in whole.items()}
+        gathers = []
+        real = torch.distributed.tensor.DTensor.full_tensor
+        torch.distributed.tensor.DTensor.full_tensor = lambda self, *a, **k: gathers.append(1) or real(self, *a, **k)
+        try:
+            got = region.params_checksum(sharded, samples=64)
+        finally:
+            torch.distributed.tensor.DTensor.full_tensor = real
+        Path(out, f"crc{rank}.json").write_text(json.dumps(
+            {"sharded": got, "whole": region.params_checksum(whole, samples=64), "gathers": len(gathers)}))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_sharded_theta_checksums_like_the_whole_one_without_gathering_it(tmp_path):
+    """Only samples cross the region: uneven shards (7 rows on 3 ranks, a one-row tensor) included."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_checksum_rank, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=3, join=True)
+    results = [json.loads((tmp_path / f"crc{r}.json").read_text()) for r in range(3)]
+    assert all(r["sharded"] == r["whole"] == results[0]["whole"] for r in results)
+    assert all(r["gathers"] == 0 for r in results)
+
+
+def _gathered_dtype_rank(rank: int, store: str, out: str) -> None:
+    import torch.distributed as dist
+
+    from geomesh.models import build_model, model_config
+    from geomesh.runtime.distributed import region
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    try:
+        seen = {}
+        for name, dtype in (("bf16", torch.bfloat16), ("fp32", None)):
+            model = build_model(model_config("nano", vocab_size=64, seq_len=16), seed=0)
+            region.shard_region(model, region.region_mesh(dist.group.WORLD, torch.device("cpu")), dtype)
+            block = region.transformer_blocks(model)[0]
+            weights = []
+            block.register_forward_pre_hook(lambda m, i: weights.append(str(next(m.parameters()).dtype)))
+            loss = model(torch.randint(0, 64, (2, 16)), torch.randint(0, 64, (2, 16)))
+            loss = loss[1] if isinstance(loss, tuple) else loss
+            loss.backward()
+            seen[name] = {"gathered": weights[0], "grad": str(next(model.parameters()).grad.dtype),
+                          "shard": str(next(model.parameters()).dtype)}  # fmt: skip
+        Path(out, f"dtypes{rank}.json").write_text(json.dumps(seen))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_fsdp_regions_gather_what_the_memory_model_counts(tmp_path):
+    """bf16 training: FSDP2 gathers bf16 weights and keeps fp32 shards and gradients; fp32 stays fp32."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_gathered_dtype_rank, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2, join=True)
+    seen = json.loads((tmp_path / "dtypes0.json").read_text())
+    assert seen["bf16"] == {"gathered": "torch.bfloat16", "grad": "torch.float32", "shard": "torch.float32"}
+    assert seen["fp32"] == {"gathered": "torch.float32", "grad": "torch.float32", "shard": "torch.float32"}

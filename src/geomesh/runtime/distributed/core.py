@@ -15,7 +15,6 @@ import json
 import os
 import sys
 import time
-import zlib
 from pathlib import Path
 from typing import Any, Callable  # noqa: UP035
 
@@ -35,7 +34,7 @@ from .clock import WallClock
 from .checkpoints import DistCheckpointError, check_resume, fingerprint
 from .layout import rank_layout, region_layout
 from ..options import DistOptions, checkpoint_cadence, prepare_run_dir, resolve_run
-from .region import RegionWorker, build_training, is_sharded, local_bytes, reshard, shard_region
+from .region import RegionWorker, build_training, is_sharded, local_bytes, params_checksum, reshard, shard_region  # noqa: F401
 from ..summary import build_summary
 from .transport import Transport
 
@@ -75,18 +74,6 @@ def check_distributed_support(scenario: ScenarioConfig, method: Method, elastic:
     if not elastic and any(f.kind in MEMBERSHIP_FAULTS for f in scenario.faults):
         raise ConfigError("the scenario's leave/join faults need elastic regions: set reliability.min_regions (or "
                           "--min-regions N) to at least 1; a static run keeps every region in every round")  # fmt: skip
-
-
-def params_checksum(params: dict[str, torch.Tensor], samples: int = 4096) -> str:
-    """crc32 of about ``samples`` strided elements of every tensor (bit-exact agreement, cheap at any size).
-    A sharded θ is gathered one tensor at a time: every rank of its region must call this together."""
-    crc = 0
-    for name, p in params.items():
-        flat = (p.full_tensor() if is_sharded(p) else p).detach().reshape(-1)
-        step = max(1, flat.numel() // samples)
-        crc = zlib.crc32(name.encode(), crc)
-        crc = zlib.crc32(flat[::step].to("cpu", torch.float32).contiguous().numpy().tobytes(), crc)
-    return f"{crc:08x}"
 
 
 def _fingerprint(*parts: Any) -> str:
@@ -264,7 +251,7 @@ class RankRun:
         elastic = self.options.elastic_region is not None
         self.saves_global = elastic or (not sharded[self.region] if not all(sharded) else self.region == 0)
         if sharded[self.region]:
-            shard_region(self.global_model, self.worker.mesh)
+            shard_region(self.global_model, self.worker.mesh, self.worker.autocast_dtype)
             self.sharded_global = True
             # FSDP's forward of θ needs every rank of the region (elastic: every leader evaluates, so every rank)
             self.evaluates = elastic or self.region == 0

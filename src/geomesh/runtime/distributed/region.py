@@ -23,7 +23,9 @@ region's ranks share it.
 from __future__ import annotations
 
 import copy
+import math
 import time
+import zlib
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,7 +37,7 @@ import torch.distributed as dist
 from ...config import ConfigError, ScenarioConfig
 from ...data import BatchStream, load_corpus, worker_stream
 from ...models import build_proxy_model, enable_activation_checkpointing, model_name, transformer_blocks
-from ...worker import InnerResult, Worker, bf16_native
+from ...worker import InnerResult, Worker, autocast_dtype, bf16_native
 
 Tensors = dict[str, torch.Tensor]
 
@@ -83,14 +85,17 @@ def region_mesh(group: Any, device: torch.device) -> Any:
     return DeviceMesh.from_group(group, device.type)
 
 
-def shard_region(model: torch.nn.Module, mesh: Any) -> None:
+def shard_region(model: torch.nn.Module, mesh: Any, param_dtype: torch.dtype | None = None) -> None:
     """FSDP2 over the region's ranks: each transformer block is its own unit (all-gathered for its forward
-    and backward, resharded after), the rest (embeddings, final norm) the root unit."""
-    from torch.distributed.fsdp import fully_shard
+    and backward, resharded after), the rest (embeddings, final norm) the root unit. With ``param_dtype``
+    (bf16 training) the gathers move and hold that dtype and gradients are reduced in fp32, as the memory
+    and intra-region models count them; without it (fp32 training) everything stays fp32."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
     for block in transformer_blocks(model):
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
 
 
 def reshard(model: torch.nn.Module) -> None:
@@ -99,6 +104,81 @@ def reshard(model: torch.nn.Module) -> None:
     for module in model.modules():
         if hasattr(module, "reshard") and hasattr(module, "unshard"):
             module.reshard()
+
+
+def params_checksum(params: dict[str, torch.Tensor], samples: int = 4096) -> str:
+    """crc32 of about ``samples`` strided elements of every tensor (bit-exact agreement, cheap at any size).
+    A sharded θ gives the same checksum as the whole one without being gathered: each rank takes the samples
+    that fall in its own shard and the region's ranks all-gather only those (every rank of the region must
+    call this together)."""
+    picked = _sharded_samples(params, samples)
+    crc = 0
+    for name, p in params.items():
+        if name in picked:
+            values = picked[name]
+        else:
+            flat = p.detach().reshape(-1)
+            values = flat[:: max(1, flat.numel() // samples)]
+        crc = zlib.crc32(name.encode(), crc)
+        crc = zlib.crc32(values.to("cpu", torch.float32).contiguous().numpy().tobytes(), crc)
+    return f"{crc:08x}"
+
+
+def _row_ranges(rows: int, world: int) -> list[tuple[int, int]]:
+    """The rows of dim 0 each rank holds under ``Shard(0)`` (torch.chunk's split: ceil-sized pieces)."""
+    chunk = -(-rows // world) if rows else 0
+    return [(min(r * chunk, rows), min((r + 1) * chunk, rows)) for r in range(world)]
+
+
+def _sharded_samples(params: dict[str, torch.Tensor], samples: int) -> dict[str, torch.Tensor]:
+    """The checksum's strided samples of every sharded tensor, in global order, from one all-gather of each
+    rank's own samples (a few thousand values per tensor, not the tensors)."""
+    from torch.distributed.tensor import Shard
+
+    sharded = {n: p for n, p in params.items() if is_sharded(p)}
+    if not sharded:
+        return {}
+    mesh = next(iter(sharded.values())).device_mesh
+    group, world, me = mesh.get_group(), mesh.size(), mesh.get_local_rank()
+    plan: dict[str, list[tuple[int, int]]] = {}  # per tensor and rank: (first sample index, count)
+    mine = []
+    for name, p in sharded.items():
+        local = p.to_local()
+        row = math.prod(p.shape[1:])
+        step = max(1, p.numel() // samples)
+        ranges = _row_ranges(p.shape[0], world)
+        if (p.device_mesh != mesh or tuple(p.placements) != (Shard(0),)
+                or local.shape[0] != ranges[me][1] - ranges[me][0]):  # not the layout FSDP2 makes: gather it
+            plan[name] = []
+            continue
+        spans = []
+        for lo, hi in ranges:
+            first = -(-lo * row // step) * step
+            spans.append((first, max(0, -(-(hi * row - first) // step))))
+        plan[name] = spans
+        first, count = spans[me]
+        offset = ranges[me][0] * row
+        mine.append(local.detach().reshape(-1)[first - offset :: step][:count])
+    totals = [sum(spans[r][1] for spans in plan.values() if spans) for r in range(world)]
+    width = max(totals)
+    device = next(iter(sharded.values())).to_local().device
+    buf = torch.zeros(width, dtype=torch.float32, device=device)
+    if mine:
+        ours = torch.cat([m.to(torch.float32) for m in mine])
+        buf[: ours.numel()] = ours
+    gathered = [torch.empty_like(buf) for _ in range(world)]
+    dist.all_gather(gathered, buf, group=group)
+    out, cursor = {}, [0] * world
+    for name, spans in plan.items():
+        if not spans:
+            out[name] = sharded[name].full_tensor().detach().reshape(-1)[:: max(1, sharded[name].numel() // samples)]
+            continue
+        parts = []
+        for r, (_, count) in enumerate(spans):
+            parts.append(gathered[r][cursor[r] : cursor[r] + count])
+            cursor[r] += count
+        out[name] = torch.cat(parts)
+    return out
 
 
 def is_sharded(t: torch.Tensor) -> bool:
@@ -141,7 +221,8 @@ class RegionWorker(Worker):
         self.mesh = None
         if self.strategy == "fsdp":
             self.mesh = region_mesh(group, device)
-            shard_region(model, self.mesh)  # before the optimizer is made: it holds the shards' state
+            # before the optimizer is made: it holds the shards' state
+            shard_region(model, self.mesh, autocast_dtype(getattr(cfg, "precision", "fp32"), device))
         super().__init__(name, model, stream, cfg)
         self.device = device
         self.group = group
