@@ -2,6 +2,7 @@
 that quantising the sharded exchange's combined shard costs, measured with the emulated runtime.
 
 Usage:  PYTHONPATH=src python bench/scale.py modeled [--regions 4,8,16,32,64,128,256] [--out FILE]
+        PYTHONPATH=src python bench/scale.py real [--regions 8] [--bits 8,2,1] [--wan netns|shaper] [--out FILE]
         PYTHONPATH=src python bench/scale.py scenario --regions 128 --out FILE   (that cluster as a YAML)
         PYTHONPATH=src python bench/scale.py loss [--scenario default|regions16] [--bits 32,8,4,2]
                                                   [--tokens N] [--out FILE]
@@ -11,6 +12,15 @@ timing model, regions cycling H100/A100/V100/T4), as ``geomesh plan`` models it:
 all-gather, the sharded exchange (geomesh.shard_bits, ``--bits``), DiLoCo's fp32 ring all-reduce, their
 seconds and the bytes a region receives per round, the plan's choice and the sharded exchange's time as a
 fraction of DiLoCo's. One JSON object per N (stdout, and ``--out``).
+
+``real``: ``--regions`` (8) regions of one rank each on this machine, tiny training (``--tokens``), launched
+twice or more with ``geomesh launch``: the all-gather, then the sharded exchange at each ``--bits``. Per run
+the bytes per rank per round from the runtime's own counter (``bytes_sent``: what each leader hands to the
+cross-region collectives; the ring all-gather hands its payload once and forwards N−1 slots, so its bytes to
+peers are (N−1)× that, the sharded exchange hands each piece to its destination) and, with ``--wan netns``
+(root, the default where namespaces can be made), the bytes each rank's interface sent (``wire_bytes_sent``:
+everything the exchange put on the wire, TCP/IP headers, round infos and agreements included), and the
+ratio sharded / all-gather of both. One JSON object per run.
 
 ``loss``: GeoMesh trained with the exchange forced to ``sharded`` at each ``--bits`` (32: the exact combine,
 equal to the all-gather's), on ``default`` or ``regions16`` (16 regions cycling H100/A100/V100/T4 over 100 ms
@@ -80,6 +90,62 @@ def loss(args: argparse.Namespace) -> list[dict]:
     return rows
 
 
+def real(args: argparse.Namespace) -> list[dict]:
+    import tempfile
+
+    import yaml
+
+    from geomesh.cli import launch as cli_launch
+    from geomesh.runtime.distributed.transport import netns_unavailable_reason
+
+    wan = args.wan
+    if wan == "netns" and netns_unavailable_reason():
+        print(f"--wan netns: {netns_unavailable_reason()}; measuring with the runtime's counters only (shaper)",
+              file=sys.stderr)  # fmt: skip
+        wan = "shaper"
+    n = args.regions
+    work = Path(args.work or tempfile.mkdtemp(prefix="scale-real-"))
+    work.mkdir(parents=True, exist_ok=True)
+    data = yaml.safe_load((Path(__file__).resolve().parents[1] / "src/geomesh/scenarios/default.yaml").read_text())
+    o = uniform_overrides(n, args.rtt_ms, args.gbps)
+    data.update(regions=o["regions"], wan={"rtt": o["wan.rtt"], "bandwidth_gbps": args.gbps},
+                description=f"{n} regions of one rank, uniform WAN; the default's model and data, tiny rounds")  # fmt: skip
+    data["training"].update(inner_steps=2, eval_sequences=16, eval_every_rounds=1000, zero_shot_items=0)
+    data.setdefault("geomesh", {}).update(calibrate=False, replan=False)
+    runs = [("all_gather", None)] + [("sharded", int(b)) for b in args.bits.split(",")]
+    rows, base = [], None
+    for exchange, bits in runs:
+        name = exchange if bits is None else f"sharded{bits}"
+        data["geomesh"].update(exchange=exchange, shard_bits=bits if bits is not None else 8)
+        path = work / f"{name}.yaml"
+        path.write_text(yaml.safe_dump(data, sort_keys=False, width=200))
+        argv = ["launch", str(path), "--nproc", str(n), "--method", "geomesh", "--out", str(work / name),
+                "--tokens", str(args.tokens), "--wan", wan, "--quiet", "--timeout", "300"]  # fmt: skip
+        t0 = time.time()
+        result = cli_launch.launch(cli_launch.build_parser().parse_args(argv), extra_env={"OMP_NUM_THREADS": "1"})
+        if result.code != 0:
+            raise SystemExit(f"{name}: geomesh launch failed: {result.message}")
+        s = result.summary
+        per = s["rounds"] * n
+        counter = s["bytes_sent"] / per
+        to_peers = counter * (n - 1) if exchange == "all_gather" else counter
+        wire = s["wire_bytes_sent"] / per if s.get("wire_bytes_sent") else None
+        row = {"regions": n, "exchange": s["exchange"], "bits": s.get("shard_bits"), "rounds": s["rounds"],
+               "payload_bytes": s["proxy_payload_bytes"], "model_params": s["model_params"], "wan": wan,
+               "counter_bytes_per_rank_round": counter, "to_peers_bytes_per_rank_round": to_peers,
+               "wire_bytes_per_rank_round": wire, "final_val_loss": s["final_val_loss"],
+               "wall_s": round(time.time() - t0, 1)}  # fmt: skip
+        if base is None:
+            base = row
+        else:
+            row["to_peers_vs_all_gather"] = to_peers / base["to_peers_bytes_per_rank_round"]
+            if wire is not None and base["wire_bytes_per_rank_round"]:
+                row["wire_vs_all_gather"] = wire / base["wire_bytes_per_rank_round"]
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
 def write_scenario(args: argparse.Namespace) -> list[dict]:
     """The uniform cluster of ``modeled`` as a scenario file, for ``geomesh plan`` and ``geomesh train``."""
     import yaml
@@ -111,6 +177,15 @@ def main(argv: list[str] | None = None) -> int:
     l_.add_argument("--bits", dest="bits_list", default="32,8,4,2", help="32 first: the exact combine")
     l_.add_argument("--tokens", type=int, default=None, help="token budget (default: the scenario's)")
     l_.add_argument("--out", default=None)
+    r = sub.add_parser("real")
+    r.add_argument("--regions", type=int, default=8)
+    r.add_argument("--bits", default="8,2,1", help="the sharded runs' geomesh.shard_bits, after the all-gather")
+    r.add_argument("--tokens", type=int, default=16384)
+    r.add_argument("--rtt-ms", type=float, default=10.0)
+    r.add_argument("--gbps", type=float, default=1.0)
+    r.add_argument("--wan", default="netns", choices=["netns", "shaper", "none"])
+    r.add_argument("--work", default=None, help="folder of the runs (default: a new temporary one)")
+    r.add_argument("--out", default=None)
     w = sub.add_parser("scenario")
     w.add_argument("--regions", type=int, default=128)
     w.add_argument("--rtt-ms", type=float, default=100.0)
@@ -120,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.what == "scenario":
         write_scenario(args)
         return 0
-    rows = modeled(args) if args.what == "modeled" else loss(args)
+    rows = {"modeled": modeled, "loss": loss, "real": real}[args.what](args)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(rows, indent=1) + "\n")
