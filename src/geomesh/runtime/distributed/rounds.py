@@ -236,6 +236,9 @@ class RoundLoop(PlanLoop):
                                     split=split, sent_before=sent_before, wire_before=wire_before,
                                     wire_after=wire_after)  # fmt: skip
             self._end_of_round(tr, saver, every, keep, checkpoint_due)
+            # the round's buffers (the payloads, a dense sum, the update: several bytes per parameter on a
+            # leader) are not held through the next round's compute peak
+            del result, outcome, payload
         return self.exchange.finish()
 
     def _end_of_round(self, tr, saver, every: int, keep: int, checkpoint_due: bool) -> None:
