@@ -30,8 +30,11 @@ TAG_ENV = "GEOMESH_TEST_TAG"
 
 
 def scenario(folder: Path, paths: list[str], slowdown: float = 1.0, faults=None, strategy: str = "ddp",
-             gpus=("H100", "A100", "T4"), **reliability) -> Path:  # fmt: skip
+             gpus=("H100", "A100", "T4"), rtt_ms: float | None = None, **reliability) -> Path:  # fmt: skip
     data = tiny_scenario_dict(paths, gpus)
+    if rtt_ms is not None:  # with --wan shaper every exchange is held to it: rounds of a known length
+        n = len(gpus)
+        data["wan"]["rtt"] = [[0 if i == j else rtt_ms for j in range(n)] for i in range(n)]
     data["geomesh"].update(FIXED_PLAN)
     for region in data["regions"]:
         region["slowdown"] = slowdown  # inner steps padded with sleep: longer rounds that cost no CPU
@@ -209,18 +212,28 @@ def test_a_restarted_region_rejoins_with_the_live_state(tmp_path, small_corpus, 
     while it is away, and r0-h100's leader, healed, takes it back and writes the summary. With ``fsdp`` every
     region shards θ and the momentum: the live leader serves them whole from its host copy, the restarted
     region's ranks each take their shard, and they evaluate θ and write the summary together."""
-    # 20 rounds padded with sleep (no CPU): room for the restarted processes to import, load and rejoin
-    path = scenario(tmp_path, small_corpus, slowdown=5.0, strategy=strategy)
+    # 16 rounds, each exchange held by the WAN shaper to 4 s of latency (2 s while two regions are left): sleep,
+    # the same however busy the machine is (a pad in proportion to the measured steps made the run the longer
+    # the busier the machine), and room for the restarted processes to import, load and rejoin (about one
+    # round on an idle machine)
+    path = scenario(tmp_path, small_corpus, strategy=strategy, rtt_ms=4000)
     out, tag = tmp_path / "run", uuid.uuid4().hex
-    proc = start(argv(path, out, 7680 * 5, ranks="2,1,1"), tag, out)
+    proc = start([*argv(path, out, 7680 * 4, ranks="2,1,1"), "--wan", "shaper"], tag, out)
     restarted = []
     try:
         wait_for_round(out, proc, 2)
         for p in kill_region(tag, "r0-h100"):  # then start it again, exactly as it was started
             restarted.append(subprocess.Popen(p["cmd"], env=p["env"], cwd=p["cwd"], stdout=subprocess.PIPE,
                                               stderr=subprocess.STDOUT, text=True))  # fmt: skip
-        stdout, stderr = proc.communicate(timeout=300)
-        logs = [r.communicate(timeout=120)[0] for r in restarted]
+        try:
+            stdout, stderr = proc.communicate(timeout=600)
+            logs = [r.communicate(timeout=300)[0] for r in restarted]
+        except subprocess.TimeoutExpired:  # say where each process was
+            for r in [proc, *restarted]:
+                r.kill()
+            rounds = [e["round"] for e in read_events(out / "events.jsonl") if e["type"] == "round"]
+            pytest.fail(f"the run did not end (rounds recorded: {rounds}); launcher: {proc.communicate()[1][-2000:]}; "
+                        f"restarted: {[r.communicate()[0][-1500:] for r in restarted]}")
     finally:
         proc.kill()
         for r in restarted:

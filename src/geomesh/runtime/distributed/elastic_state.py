@@ -44,10 +44,11 @@ class ElasticState:
         recovery asks the leader for them from its own thread, where the region's ranks cannot gather."""
         if not self.run.sharded_global:
             return
+        keep = self.run.is_leader  # every rank takes part in the gathers; only the leader copies to host memory
         with torch.no_grad():
-            params = {k: v.full_tensor().cpu() for k, v in self.params.items()}
-            buf = {k: v.full_tensor().cpu() for k, v in self.outer.buf.items()}
-        if self.run.is_leader:
+            params = {k: _gathered(v, keep) for k, v in self.params.items()}
+            buf = {k: _gathered(v, keep) for k, v in self.outer.buf.items()}
+        if keep:
             self.whole = (params, buf)
 
     def _theta_crc(self) -> str | None:
@@ -146,3 +147,10 @@ class ElasticState:
                 f.flush()
                 os.fsync(f.fileno())
         self.written = len(lines)
+
+
+def _gathered(shard: torch.Tensor, keep: bool) -> torch.Tensor | None:
+    """A sharded tensor gathered whole (a collective of the region); in host memory where ``keep``, else
+    dropped at once."""
+    whole = shard.full_tensor()
+    return whole.cpu() if keep else None
