@@ -44,10 +44,13 @@ def test_published_rules_of_each_method():
     m = proxy_manifest(sc)
     sparse, loco = get_method("geomesh-sparse"), get_method("sparseloco")
     gs, sl = sparse.make_codec(m, sc), loco.make_codec(m, sc)
-    # geomesh-sparse: balanced plan, token weights, classic residual under the scenario's outer Nesterov
+    # geomesh-sparse: balanced plan, token weights, classic residual in place of outer momentum (plain SGD)
     assert sparse.balanced and gs.weighting == "tokens" and gs.value_bits == 1
     assert gs.error_feedback and gs.ef_decay == 1.0
-    assert sparse.outer_settings(sc) == (sc.training.outer_lr, sc.training.outer_momentum)
+    assert sparse.outer_settings(sc) == (sc.compression.decay_outer_lr, 0.0)
+    # without feedback, the scenario's outer Nesterov (as DiLoCo)
+    bare = load_scenario("default", {"compression.sparse_feedback": "none"})
+    assert sparse.outer_settings(bare) == (sc.training.outer_lr, sc.training.outer_momentum)
     # sparseloco: uniform plan, equal weights, 2-bit values, decayed feedback in place of outer momentum
     assert not loco.balanced and sl.weighting == "equal" and sl.value_bits == 2
     assert sl.error_feedback and sl.ef_decay == sc.compression.ef_decay == 0.95

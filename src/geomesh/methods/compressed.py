@@ -4,9 +4,9 @@ strongest compressed baselines built from their published rules (docs/benchmarks
 - ``geomesh-sparse``: GeoMesh's balanced plan and token-weighted combine; each worker sends the top-k of every
   chunk of (pseudo-gradient + error-feedback residual) as signs with Rice-coded positions and one magnitude
   per chunk (:class:`~geomesh.codec.SparseSignCodec`, ~0.14 bits per parameter at k = 64 of 4096). Its error
-  feedback is ``compression.sparse_feedback``: a residual per region under outer Nesterov (the default, the
-  variant that won the measurement in docs/benchmarks.md), SparseLoCo's decayed accumulator in place of outer
-  momentum, or none. Its rounds carry the reference's sequences (``geomesh.round_sequences_factor`` 1 unless the
+  feedback is ``compression.sparse_feedback``: a residual per region (the default) or SparseLoCo's decayed
+  accumulator, either under plain outer SGD at ``compression.decay_outer_lr`` (error feedback in place of outer
+  momentum: with outer Nesterov on top the loss climbs, docs/benchmarks.md), or none (outer Nesterov). Its rounds carry the reference's sequences (``geomesh.round_sequences_factor`` 1 unless the
   scenario sets the round): measured on ``default``, the planning rule's 4 rounds of 7.5× the sequences leave
   a 1.56%-dense payload at 7.18 where 29 shorter rounds reach 5.36 (docs/benchmarks.md).
 - ``sparseloco`` (Sarfi et al. 2025, arXiv 2508.15706): DiLoCo's uniform plan; e ← β·e + Δ; send the chunk-wise
@@ -77,9 +77,14 @@ class CompressedMethod(OuterLoopMethod):
                                weighting=self.weighting, key=key)  # fmt: skip
 
     def outer_settings(self, scenario: ScenarioConfig) -> tuple[float, float]:
-        """With the decayed accumulator in place of outer momentum (SparseLoCo's rule): plain outer SGD at
-        ``compression.decay_outer_lr``; otherwise the scenario's outer Nesterov."""
-        if self.feedback_rule(scenario) == "decay":
+        """With error feedback (either rule): plain outer SGD at ``compression.decay_outer_lr``, no momentum.
+        The feedback already holds back what a round did not send and delivers it later, in bursts computed
+        against an earlier θ; outer momentum on top re-applies each burst about 1/(1 − β) times after the
+        local models have moved on, and the loss climbs (measured on ``default``: docs/benchmarks.md). At lr 1
+        every value a region sends is applied exactly once, which is what error feedback is for; SparseLoCo's
+        decayed accumulator is the same rule with old values fading. Without feedback: the scenario's outer
+        Nesterov, as DiLoCo."""
+        if self.feedback_rule(scenario) != "none":
             return _compression(scenario).decay_outer_lr, 0.0
         return super().outer_settings(scenario)
 
