@@ -6,9 +6,11 @@ strongest compressed baselines built from their published rules (docs/benchmarks
   per chunk (:class:`~geomesh.codec.SparseSignCodec`, ~0.14 bits per parameter at k = 64 of 4096). Its error
   feedback is ``compression.sparse_feedback``: a residual per region (the default) or SparseLoCo's decayed
   accumulator, either under plain outer SGD at ``compression.decay_outer_lr`` (error feedback in place of outer
-  momentum: with outer Nesterov on top the loss climbs, docs/benchmarks.md), or none (outer Nesterov). Its rounds carry the reference's sequences (``geomesh.round_sequences_factor`` 1 unless the
-  scenario sets the round): measured on ``default``, the planning rule's 4 rounds of 7.5× the sequences leave
-  a 1.56%-dense payload at 7.18 where 29 shorter rounds reach 5.36 (docs/benchmarks.md).
+  momentum: with outer Nesterov on top the loss climbs, docs/benchmarks.md), or none (outer Nesterov).
+  Its rounds carry the reference's sequences (``geomesh.round_sequences_factor`` 1 unless the scenario sets
+  the round): measured on ``default``, the planning rule's 4 rounds of 7.5× the sequences leave
+  a 1.56%-dense payload at 7.18 where 29 shorter rounds reach 5.36, both under outer Nesterov (4.93 with
+  the outer step it has now; docs/benchmarks.md).
 - ``sparseloco`` (Sarfi et al. 2025, arXiv 2508.15706): DiLoCo's uniform plan; e ← β·e + Δ; send the chunk-wise
   top-k of e in 2-bit values; e ← e − C(e); θ ← θ − α·mean(C(e_i)) with no outer momentum (β =
   ``compression.ef_decay``, α = ``compression.decay_outer_lr``).
