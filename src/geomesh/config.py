@@ -185,8 +185,9 @@ class CompressionConfig:
 
     sparse_chunk_size: int = 4096  # elements per top-k chunk
     sparse_k: int = 64  # entries sent per chunk (64 of 4096: 1.56%, SparseLoCo's 1-3% density)
-    # geomesh-sparse's error feedback: "residual" (e <- p - C(p), outer Nesterov kept), "decay" (SparseLoCo's:
-    # e <- ef_decay·e + Δ in place of outer momentum, outer SGD at decay_outer_lr) or "none"
+    # geomesh-sparse's error feedback, in place of outer momentum either way (outer SGD at decay_outer_lr: with
+    # outer Nesterov on top of it the loss climbed, docs/benchmarks.md): "residual" (e <- p - C(p)), "decay"
+    # (SparseLoCo's: e <- ef_decay·e + Δ) or "none"
     sparse_feedback: str = "residual"
     ef_decay: float = 0.95  # SparseLoCo's β
     decay_outer_lr: float = 1.0  # SparseLoCo's outer lr α (no outer momentum)
