@@ -174,7 +174,7 @@ class StaticExchange:
         if loop.sharded is not None and summed is None:  # the plan picked the sharded exchange
             from .sharded import static_sharded_exchange
 
-            return static_sharded_exchange(self, payload, info, members)
+            return Exchanged(**static_sharded_exchange(self, payload, info, members))
         t0 = since = time.perf_counter()
         before = run.transport.wan_bytes
         payloads = None

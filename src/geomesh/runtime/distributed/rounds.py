@@ -375,7 +375,7 @@ class RoundLoop(PlanLoop):
         if head.get("sharded") is not None:  # the sharded exchange's update (runtime/distributed/sharded.py)
             from .sharded import share_sharded
 
-            return share_sharded(self, result, head)
+            return Exchanged(**share_sharded(self, result, head))
         if self.summed:
             summed = result.summed if run.is_leader else torch.empty(self.d + 1, dtype=torch.float32,
                                                                       device=run.device)  # fmt: skip

@@ -347,12 +347,13 @@ def shaper_s(loop: Any, members: list[int]) -> float:
     return shaper.wan.sharded_s(slices, combined)
 
 
-def static_sharded_exchange(xc: Any, payload: bytes | None, info: dict[str, Any], members: list[int]) -> Any:
+def static_sharded_exchange(xc: Any, payload: bytes | None, info: dict[str, Any],
+                            members: list[int]) -> dict[str, Any]:  # fmt: skip
     """:meth:`StaticExchange.exchange` when the plan picks the sharded exchange: the round infos first (so a
     region whose info is malformed or whose plan differs from the others' is kept out of the combine on every
     leader), then :func:`sharded_round` over the leaders' group; every refused slice, absent update and lost
-    shard is in the infos for the loop's screening step (:func:`apply_sharded`)."""
-    from .exchange import Exchanged
+    shard is in the infos for the loop's screening step (:func:`apply_sharded`). Returns the fields of the
+    round's :class:`~.exchange.Exchanged` (this module sits below the exchange seam)."""
     from .transport import WanShaper
 
     run, loop = xc.run, xc.loop
@@ -386,21 +387,20 @@ def static_sharded_exchange(xc: Any, payload: bytes | None, info: dict[str, Any]
     sharded = {"accepted": r.accepted, "lost_shards": {str(k): v for k, v in r.lost_shards.items()},
                "suspect": r.suspect, "tokens": r.tokens, "has_update": r.flat is not None,
                "received_bytes": r.received_bytes}  # fmt: skip
-    return Exchanged(infos=infos, payloads=None, summed=None, comm_s=time.perf_counter() - t0,
-                     wan_bytes=run.transport.wan_bytes - before, update=r.flat, sharded=sharded)  # fmt: skip
+    return {"infos": infos, "payloads": None, "summed": None, "comm_s": time.perf_counter() - t0,
+            "wan_bytes": run.transport.wan_bytes - before, "update": r.flat, "sharded": sharded}  # fmt: skip
 
 
-def share_sharded(loop: Any, result: Any, head: dict[str, Any]) -> Any:
-    """The leader's sharded update on every rank of its region (a flat float32 broadcast)."""
-    from .exchange import Exchanged
-
+def share_sharded(loop: Any, result: Any, head: dict[str, Any]) -> dict[str, Any]:
+    """The leader's sharded update on every rank of its region (a flat float32 broadcast): the fields of the
+    region's :class:`~.exchange.Exchanged`."""
     run = loop.run
     flat = None
     if head["sharded"]["has_update"]:
         flat = result.update if run.is_leader else torch.empty(loop.d, dtype=torch.float32, device=run.device)
         flat = run.transport.broadcast(flat, run.leader, run.region_group)
-    return Exchanged(head["infos"], None, None, head["comm_s"], head["wan_bytes"], update=flat,
-                     sharded=head["sharded"])  # fmt: skip
+    return {"infos": head["infos"], "payloads": None, "summed": None, "comm_s": head["comm_s"],
+            "wan_bytes": head["wan_bytes"], "update": flat, "sharded": head["sharded"]}  # fmt: skip
 
 
 def apply_sharded(loop: Any, result: Any, took_part: list[int], rejected: list, dropped: list[int]):
