@@ -20,6 +20,7 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 # two workers, one test file each at a time (module fixtures stay shared), then the tests marked serial alone
+# (those that pin CPUs to make a region slow: another test's processes must not share their cores)
 test: $(STAMP)
 	$(PY) -m pytest -q -n 2 --dist loadfile -m "not serial"
 	$(PY) -m pytest -q -m serial

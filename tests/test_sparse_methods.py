@@ -115,10 +115,10 @@ def test_time_budget_gives_every_method_the_same_modeled_seconds(tiny_scenario):
 def test_cli_time_budget_and_stopping_rule_in_the_table(tiny_scenario, tmp_path, capsys):
     s = tiny_scenario()
     path = tmp_path / "tiny.yaml"
-    assert main(["bench", str(path), "--methods", "diloco,geomesh-sparse", "--time-budget", "30", "--out",
+    assert main(["bench", str(path), "--methods", "diloco,geomesh-sparse", "--time-budget", "6", "--out",
                  str(tmp_path / "b"), "--quiet", "--workers-parallel", "1"]) == 0
     table = (tmp_path / "b" / "table.md").read_text()
-    assert table.startswith("Stopping rule: time budget: 30 modeled seconds")
+    assert table.startswith("Stopping rule: time budget: 6 modeled seconds")
     assert json.loads((tmp_path / "b" / "results.json").read_text())["stopping_rule"].startswith("time budget")
     assert main(["train", str(path), "--method", "diloco", "--time-budget", "-1", "--out", str(tmp_path / "x")]) == 2
     assert "--time-budget -1" in capsys.readouterr().err
