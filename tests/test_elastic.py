@@ -18,7 +18,6 @@ import uuid
 from pathlib import Path
 
 import pytest
-import torch
 import yaml
 from conftest import FIXED_PLAN, tiny_scenario_dict
 
@@ -231,60 +230,6 @@ def test_scenario_faults_on_real_processes(tmp_path, small_corpus):
     assert [e["round"] for e in events if e["type"] == "plan"] == [0, 1, 4, 6]
     assert [e["kind"] for e in events if e["type"] == "fault"] == [k for k, _, _ in kinds]
     assert len(set(summary["param_checksums"].values())) == 1
-
-
-@pytest.mark.parametrize("strategy,ranks", [("ddp", "1"), ("fsdp", "2,1,1")])
-def test_sigkill_every_region_then_resume_is_bit_identical(tmp_path, small_corpus, strategy, ranks):
-    """Elastic regions checkpoint too (each region into DIR/checkpoints/<region>, with DCP): every process
-    killed after the second of four rounds, the same command with --resume ends as the uninterrupted run (also
-    with every region sharding θ, one of them over 2 ranks)."""
-    path = scenario(tmp_path, small_corpus, strategy=strategy)
-    ref = tmp_path / "ref"
-    done = cli_launch.launch(cli_launch.build_parser().parse_args(argv(path, ref, 7680, ranks=ranks)),
-                             extra_env={"OMP_NUM_THREADS": "1"})  # fmt: skip
-    assert done.code == 0, done.message
-    out, tag = tmp_path / "run", uuid.uuid4().hex
-    cmd = [*argv(path, out, 7680, ranks=ranks), "--checkpoint-every", "1"]
-    proc = start(cmd, tag, out)
-    try:
-        deadline = time.monotonic() + 240
-        while not all((out / "checkpoints" / r / "round-000002").is_dir() for r in ("r0-h100", "r1-a100", "r2-t4")):
-            assert proc.poll() is None, proc.communicate()[1][-3000:]
-            assert time.monotonic() < deadline, "no checkpoint of round 2 appeared"
-            time.sleep(0.01)
-    finally:
-        for pid in processes(tag):
-            os.kill(pid, signal.SIGKILL)
-        proc.wait(timeout=30)
-    assert not (out / "summary.json").exists()
-    resumed = start([*cmd, "--resume"], uuid.uuid4().hex, out)
-    stderr = resumed.communicate(timeout=300)[1]
-    assert resumed.returncode == 0, stderr[-3000:]
-    summary = json.loads((out / "summary.json").read_text())
-    assert summary["final_val_loss"] == done.summary["final_val_loss"]
-    a, b = torch.load(ref / "final_params.pt"), torch.load(out / "final_params.pt")
-    assert all(torch.equal(a[k], b[k]) for k in a)
-    rounds = [e["round"] for e in read_events(out / "events.jsonl") if e["type"] == "round"]
-    assert rounds == [1, 2, 3, 4]
-
-
-@pytest.mark.parametrize("method,strategy,ranks", [("geomesh-sign-only", "ddp", "1"), ("diloco", "ddp", "1"),
-                                                   ("geomesh-sign-only", "fsdp", "2,1,1")])  # fmt: skip
-def test_elastic_run_without_faults_equals_the_static_one(tmp_path, small_corpus, method, strategy, ranks):
-    """Membership through torchft changes nothing when no region is lost: the same bits as the static run
-    (all-gather of payloads, fp32 all-reduce; and regions that shard θ, one of them over 2 ranks)."""
-    path = scenario(tmp_path, small_corpus, strategy=strategy)
-    runs = {}
-    for name, extra in (("elastic", []), ("static", ["--min-regions", "0"])):
-        args = cli_launch.build_parser().parse_args([*argv(path, tmp_path / name, 3840, method=method, ranks=ranks),
-                                                     *extra])  # fmt: skip
-        result = cli_launch.launch(args, extra_env={"OMP_NUM_THREADS": "1"})
-        assert result.code == 0, result.message
-        runs[name] = result.summary
-    assert "elastic" in runs["elastic"] and "elastic" not in runs["static"]
-    assert runs["elastic"]["final_val_loss"] == runs["static"]["final_val_loss"]
-    a, b = torch.load(tmp_path / "elastic" / "final_params.pt"), torch.load(tmp_path / "static" / "final_params.pt")
-    assert all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_bad_input_is_one_error_line_without_a_hang(tmp_path, small_corpus, capsys):

@@ -17,7 +17,7 @@ import sys
 import uuid
 from pathlib import Path
 
-from test_elastic import SRC, _kill_all, _port, processes, scenario, start, wait_for_round
+from test_elastic import SRC, kill_all, _port, processes, scenario, start, wait_for_round
 
 KEY_ENV = "GEOMESH_TEST_RUN_KEY"
 
@@ -162,7 +162,7 @@ def test_an_outsider_on_the_quorum_service_gets_nothing_and_runs_nothing(tmp_pat
         stdout, stderr = proc.communicate(timeout=400)
     finally:
         proc.kill()
-        _kill_all(tag)
+        kill_all(tag)
     assert proc.returncode == 0, stderr[-3000:]
     seen = json.loads(report.read_text())
     assert seen["heal"], (seen, intruder.stderr[-2000:])  # it was offered recovery
@@ -199,7 +199,7 @@ def test_a_second_copy_of_a_live_region_exits_with_one_line_and_the_run_goes_on(
         stdout, stderr = proc.communicate(timeout=400)
     finally:
         proc.kill()
-        _kill_all(tag)
+        kill_all(tag)
     assert proc.returncode == 0, stderr[-3000:]
     errors = [ln for ln in copy.stderr.splitlines() if ln.startswith("error:")]
     assert copy.returncode != 0 and len(errors) == 1, copy.stderr[-3000:]
@@ -239,7 +239,7 @@ def test_an_elastic_region_with_another_key_is_rejected_named_and_stops_alone(tm
     finally:
         for p in procs.values():
             p.kill()
-        _kill_all(tag)
+        kill_all(tag)
         lighthouse.shutdown()
     codes = {region: p.returncode for region, p in procs.items()}
     assert codes["r0-h100"] == 0 and codes["r1-a100"] == 0, errs
