@@ -74,3 +74,11 @@ def tiny_scenario(tmp_path, small_corpus):
 # resume) keeps its plan: wall-clock measurements of a tiny model on a shared machine would re-plan it at
 # rounds no two runs agree on. The tests of re-planning from measurement turn it back on.
 FIXED_PLAN = {"replan": False, "calibrate": False}
+
+
+def pytest_collection_modifyitems(config, items):
+    """The files that hold a test marked ``long`` are collected first (the order inside each group kept):
+    make test's workers take one file at a time, and a long file taken last keeps one worker busy while the
+    others have nothing left to do."""
+    long_files = {item.path for item in items if item.get_closest_marker("long")}
+    items.sort(key=lambda item: item.path not in long_files)

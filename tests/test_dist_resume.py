@@ -59,6 +59,7 @@ def tagged_pids(tag: str) -> list[int]:
     return pids
 
 
+@pytest.mark.long
 def test_sigkill_every_process_then_resume_is_bit_identical(tmp_path, small_corpus):
     path = scenario(tmp_path, small_corpus)
     ref = tmp_path / "ref"

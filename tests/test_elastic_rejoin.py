@@ -13,6 +13,7 @@ from test_elastic import kill_all, argv, kill_region, scenario, start, wait_for_
 from geomesh.telemetry import read_events
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_a_restarted_region_rejoins_with_the_live_state(tmp_path, small_corpus, strategy):
     """The killed region is r0-h100, of 2 ranks, the one that writes events.jsonl: r1-a100 takes the file over

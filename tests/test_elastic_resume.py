@@ -18,6 +18,7 @@ from geomesh.cli import launch as cli_launch
 from geomesh.telemetry import read_events
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("strategy,ranks", [("ddp", "1"), ("fsdp", "2,1,1")])
 def test_sigkill_every_region_then_resume_is_bit_identical(tmp_path, small_corpus, strategy, ranks):
     """Elastic regions checkpoint too (each region into DIR/checkpoints/<region>, with DCP): every process

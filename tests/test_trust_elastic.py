@@ -17,6 +17,7 @@ import sys
 import uuid
 from pathlib import Path
 
+import pytest
 from test_elastic import SRC, kill_all, _port, processes, scenario, start, wait_for_round
 
 KEY_ENV = "GEOMESH_TEST_RUN_KEY"
@@ -144,6 +145,7 @@ def rank_logs(out: Path) -> str:
     return "\n".join(p.read_text(errors="replace") for p in sorted((out / "logs").glob("rank*.log")))
 
 
+@pytest.mark.long
 def test_an_outsider_on_the_quorum_service_gets_nothing_and_runs_nothing(tmp_path, small_corpus, monkeypatch):
     monkeypatch.setenv(KEY_ENV, "the run's secret, 32 bytes long!")
     path = keyed_scenario(tmp_path, small_corpus)
@@ -183,6 +185,7 @@ def test_an_outsider_on_the_quorum_service_gets_nothing_and_runs_nothing(tmp_pat
     assert summary["tokens"] >= 7680 * 8
 
 
+@pytest.mark.long
 def test_a_second_copy_of_a_live_region_exits_with_one_line_and_the_run_goes_on(tmp_path, small_corpus,
                                                                                  monkeypatch):  # fmt: skip
     monkeypatch.setenv(KEY_ENV, "the run's secret, 32 bytes long!")
