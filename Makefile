@@ -19,12 +19,11 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q -e ".[dev]"
 	touch $(STAMP)
 
-# three workers on the two cores (the distributed tests wait on sockets, sleeps and process start-ups a good
-# part of their time), one test file each at a time (module fixtures stay shared; files of tests marked long
-# first), then the tests marked serial alone
+# two workers, one test file each at a time (module fixtures stay shared; files of tests marked long first),
+# then the tests marked serial alone
 # (those that pin CPUs to make a region slow: another test's processes must not share their cores)
 test: $(STAMP)
-	$(PY) -m pytest -q -n 3 --dist loadfile -m "not serial"
+	$(PY) -m pytest -q -n 2 --dist loadfile -m "not serial"
 	$(PY) -m pytest -q -m serial
 
 demo: $(STAMP)
