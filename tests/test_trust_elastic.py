@@ -313,12 +313,12 @@ def test_an_envelope_replayed_in_a_later_round_or_another_slot_is_rejected_and_n
 
     round2 = envelope(2, 1)
     m.pg = _ScriptedGroup([round2])
-    got = m.all_gather_object({"region": 0, "payload": b"mine"})
+    got = m.all_gather_framed({"region": 0, "payload": b"mine"})
     assert [g["region"] for g in got] == [0, 1] and not m.rejected  # genuine: accepted
     # the next round: member 1's envelope of round 2 sent again
     step["now"], m._seq = 3, 0
     m.pg = _ScriptedGroup([round2])
-    got = m.all_gather_object({"region": 0, "payload": b"mine"})
+    got = m.all_gather_framed({"region": 0, "payload": b"mine"})
     assert [g["region"] for g in got] == [0]
     assert m.rejected[0]["name"] == "r1-a100" and not m.rejected[0]["claimed"]
     assert "replayed or stale" in m.rejected[0]["reason"]
@@ -326,13 +326,13 @@ def test_an_envelope_replayed_in_a_later_round_or_another_slot_is_rejected_and_n
     m._seq = 0
     now = envelope(3, 1)
     m.pg = _ScriptedGroup([now, now])
-    got = m.all_gather_object({"region": 0, "payload": b"mine"})
+    got = m.all_gather_framed({"region": 0, "payload": b"mine"})
     assert [g["region"] for g in got] == [0, 1] and [r["slot"] for r in m.rejected] == [2]
     # a frame signed for region 1 whose message says it is region 2
     m._seq = 0
     lying = seal({"region": 2, "payload": b""}, ctx=Context(run_id, "quorum", 3, 7 * 65536 + 1), sender=1, key=key)
     m.pg = _ScriptedGroup([lying.to_bytes()])
-    got = m.all_gather_object({"region": 0, "payload": b"mine"})
+    got = m.all_gather_framed({"region": 0, "payload": b"mine"})
     assert [g["region"] for g in got] == [0] and "signed for region 1" in m.rejected[0]["reason"]
     err = capsys.readouterr().err
     assert "rejected a frame from region r1-a100 (quorum member 1): frame of round 2" in err

@@ -157,7 +157,7 @@ def _ranks_with_keys(rank: int, world: int, init: str, keys: list[bytes], out, r
     slots = t.all_gather_payloads(b"GMSH" + bytes([rank]) * 12 if rank == 0 else None, 16, None, world, rounds[rank])
     out.put((rank, "payloads", [s if not hasattr(s, "reason") else "rejected: " + s.reason for s in slots], None))
     try:
-        t.all_gather_object({"rank": rank})
+        t.all_gather_framed({"rank": rank})
         out.put((rank, "object", "accepted", None))
     except FrameRejected as exc:
         out.put((rank, "object", "raised", str(exc)))

@@ -185,7 +185,7 @@ class RankRun:
 
                 traceback.print_exc()
                 error = f"{type(exc).__name__}: {exc}"
-        box = self.transport.broadcast_object({"result": result, "error": error, "user": user}, what=what)
+        box = self.transport.broadcast_framed({"result": result, "error": error, "user": user}, what=what)
         if box["error"] is not None:
             if box["user"]:
                 raise RunError(box["error"])
@@ -218,7 +218,7 @@ class RankRun:
         check_distributed_support(sc, self.method, elastic=self.options.elastic_region is not None)
         mine = _fingerprint(sc.to_dict(), self.method.name, self.seed, self.budget, self.layout.counts,
                             self.options.wan)  # fmt: skip
-        prints = self.transport.all_gather_object(mine, what="checking that all ranks run the same job")
+        prints = self.transport.all_gather_framed(mine, what="checking that all ranks run the same job")
         odd = [r for r, f in enumerate(prints) if f != prints[0]]
         if odd:
             raise RunError(f"ranks {odd} run a different scenario, method, seed, budget or layout than rank 0")

@@ -33,6 +33,7 @@ region writes its own checkpoint into ``DIR/checkpoints/<region>``.
 from __future__ import annotations
 
 import os
+import statistics
 import time
 from typing import Any
 
@@ -56,12 +57,6 @@ MEASURED_ROUNDS = 3  # rounds measured before an adaptive deadline replaces the 
 MIN_SPREAD = 0.1  # the least spread assumed, as a fraction of the median (see adaptive_deadline_s)
 
 
-def _median(xs: list[float]) -> float:
-    s = sorted(xs)
-    m = len(s) // 2
-    return s[m] if len(s) % 2 else (s[m - 1] + s[m]) / 2
-
-
 def adaptive_deadline_s(history: list[float], *, multiple: float, floor_s: float, cap_s: float,
                         window: int) -> float:  # fmt: skip
     """The exchange's deadline from the recent rounds' measured times (``history``: per round, the slowest
@@ -76,8 +71,8 @@ def adaptive_deadline_s(history: list[float], *, multiple: float, floor_s: float
     xs = [float(x) for x in history if isinstance(x, (int, float)) and x >= 0][-window:]
     if len(xs) < MEASURED_ROUNDS:
         return float(cap_s)
-    med = _median(xs)
-    mad = _median([abs(x - med) for x in xs])
+    med = statistics.median(xs)
+    mad = statistics.median([abs(x - med) for x in xs])
     return float(min(cap_s, max(floor_s, med + multiple * max(mad, MIN_SPREAD * med))))
 
 
@@ -246,7 +241,7 @@ class QuorumExchange(ElasticState):
             healed, _ = m.quorum()
             try:
                 wait = first and not healed and time.monotonic() < startup_until
-                headers = m.all_gather_object({"region": self.me, "hash": self.job_hash, "wait": wait,
+                headers = m.all_gather_framed({"region": self.me, "hash": self.job_hash, "wait": wait,
                                                "healed": healed, "calibration": self.my_calibration})  # fmt: skip
             except ExchangeFailed as exc:
                 m.report(exc)
@@ -372,13 +367,13 @@ class QuorumExchange(ElasticState):
             try:
                 since = time.perf_counter()
                 if summed is not None:
-                    infos = m.all_gather_object(info, timeout_s=deadline)
+                    infos = m.all_gather_framed(info, timeout_s=deadline)
                     self._note_rejections()
                     m.all_reduce_sum(summed, timeout_s=deadline)
                     sent += 4 * (self.loop.d + 1)
                     gathered = None
                 else:
-                    envelopes = m.all_gather_object({**info, "payload": payload}, timeout_s=deadline)
+                    envelopes = m.all_gather_framed({**info, "payload": payload}, timeout_s=deadline)
                     self._note_rejections()
                     infos = [{k: v for k, v in e.items() if k != "payload"} for e in envelopes]
                     gathered = {e["region"]: e["payload"] for e in envelopes}
@@ -506,7 +501,7 @@ class QuorumExchange(ElasticState):
             for kind, a, b, r in run.clock.take_spans():
                 run.telemetry.span(self.names[self.me], kind, a, b, r)
             try:  # every live region's checksum of θ at the end (equal: they applied the same updates)
-                ends = self.membership.all_gather_object({"region": self.me, "crc": checksums[self.names[self.me]]})
+                ends = self.membership.all_gather_framed({"region": self.me, "crc": checksums[self.names[self.me]]})
                 final = sorted(e["region"] for e in ends)
                 checksums = {self.names[e["region"]]: e["crc"] for e in sorted(ends, key=lambda e: e["region"])}
             except ExchangeFailed:

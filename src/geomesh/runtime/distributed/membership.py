@@ -23,7 +23,7 @@ and the collective's place in it, and the sender's region; the recovery state tr
 manager server, this leader's recovery server and a Lighthouse started here bind to the advertised address
 (``GEOMESH_ADVERTISE_HOST``), not to every interface.
 
-The contract of :meth:`Membership.all_gather_object` (and :meth:`Membership.all_gather_bytes`): it returns
+The contract of :meth:`Membership.all_gather_framed` (and :meth:`Membership.all_gather_bytes`): it returns
 the messages of the quorum members whose frames passed every check, in quorum order, so a list may be
 shorter than the quorum. A member whose frame is malformed, oversize (its claimed size above
 :attr:`Membership.frame_limit`), unsigned, forged, replayed from another round or collective, from another
@@ -331,7 +331,7 @@ class Membership:
             print(f"warning: region {self.name}: rejected a frame from {who}: {reason}; it is left out of this "
                   f"exchange", file=sys.stderr, flush=True)  # fmt: skip
 
-    def all_gather_object(self, obj: Any, timeout_s: float | None = None) -> list[Any]:
+    def all_gather_framed(self, obj: Any, timeout_s: float | None = None) -> list[Any]:
         """Every accepted quorum member's ``obj`` (JSON values, bytes, tensors), in quorum order; rejected
         members are left out and named in :attr:`rejected` (the module docstring has the whole contract).
         ``timeout_s``: how long this collective waits for the slowest member (default: the round deadline)."""
@@ -388,8 +388,8 @@ class Membership:
 
     def all_gather_bytes(self, data: bytes) -> list[bytes]:
         """Every accepted member's ``data`` in quorum order (sizes may differ), framed as
-        :meth:`all_gather_object` frames its messages (rejected members left out)."""
-        return [m["data"] for m in self.all_gather_object({"region": self.region, "data": bytes(data)})]
+        :meth:`all_gather_framed` frames its messages (rejected members left out)."""
+        return [m["data"] for m in self.all_gather_framed({"region": self.region, "data": bytes(data)})]
 
     def all_reduce_sum(self, flat: torch.Tensor, timeout_s: float | None = None) -> torch.Tensor:
         from torch.distributed.distributed_c10d import ReduceOp

@@ -5,8 +5,8 @@ counters, and Linux network namespaces that put a real (rate-limited, delayed) l
   straggler barrier, the all-gather of equal-size payloads, the all-reduce of a flat fp32 buffer, the
   broadcast inside a region, control objects) and counts the bytes handed to each.
 
-Control objects are frames (:mod:`.frames`), never pickles: :meth:`Transport.all_gather_object` and
-:meth:`Transport.broadcast_object` carry JSON values, ``bytes`` and tensors (dict keys may be ints or
+Control objects are frames (:mod:`.frames`), never pickles: :meth:`Transport.all_gather_framed` and
+:meth:`Transport.broadcast_framed` carry JSON values, ``bytes`` and tensors (dict keys may be ints or
 strings, tuples stay tuples). With the run's key each frame is tagged over the run id, a sequence number of
 the object collective (every rank calls them in the same order, so it is the same on every rank), and the
 sender's rank, so a frame replayed from an earlier collective or put in another rank's slot is refused.
@@ -335,7 +335,7 @@ class Transport:
         raises :class:`FrameRejected` (one line naming it) on every receiver."""
         return self._broadcast_frame(obj, src, group, what, max_bytes, intra=True)
 
-    def all_gather_object(self, obj: Any, what: str = "control message") -> list[Any]:
+    def all_gather_framed(self, obj: Any, what: str = "control message") -> list[Any]:
         """Every rank's ``obj`` over the whole world, in rank order. A rank whose frame fails its checks
         raises :class:`FrameRejected` on every rank (naming it): a static world cannot go on without it."""
         got = self._gather_frames(obj, None, what, self.max_control_bytes)
@@ -344,7 +344,7 @@ class Transport:
                 raise FrameRejected(f"rank {rank} sent a bad control frame during {what}: {item.reason}")
         return got
 
-    def broadcast_object(self, obj: Any, src: int = 0, what: str = "control message",
+    def broadcast_framed(self, obj: Any, src: int = 0, what: str = "control message",
                          max_bytes: int | None = None) -> Any:  # fmt: skip
         """Global rank ``src``'s ``obj`` on every rank of the world (``max_bytes``: default
         ``max_broadcast_bytes``, as it may carry θ); a bad frame raises :class:`FrameRejected`."""
