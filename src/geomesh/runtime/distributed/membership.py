@@ -237,16 +237,8 @@ class Membership:
         """A collective failed: the round is void for torchft, and this leader's group is torn down at once.
         Its peers may still be blocked in the same collective on a link that never touched the lost region
         (a ring's other half); closing our connections fails them now instead of at the round deadline, so
-        every survivor asks for the next quorum together.
-
-        torchft reconfigures the group only for a quorum of a new id, and the Lighthouse keeps the id while the
-        participants stay the same (every member still alive: one timed out, or one left a collective to ask for
-        a quorum again). Its ``commit_failures``, which ``should_commit`` counts and the quorum request carries,
-        makes the Lighthouse form a new quorum; this round never reaches ``should_commit``, so the failure is
-        counted here. Without it the next collective finds the group torn down ("process group not
-        initialized") and the leader dies."""
+        every survivor asks for the next quorum together."""
         self.manager.report_error(exc)
-        self.manager._commit_failures = getattr(self.manager, "_commit_failures", 0) + 1
         self.pg.abort()
 
     def commit(self) -> bool:
