@@ -146,14 +146,17 @@ def rank_logs(out: Path) -> str:
 
 
 @pytest.mark.long
-def test_an_outsider_on_the_quorum_service_gets_nothing_and_runs_nothing(tmp_path, small_corpus, monkeypatch):
+def test_an_outsider_gets_nothing_and_a_second_copy_exits_while_the_run_goes_on(tmp_path, small_corpus,
+                                                                                 monkeypatch):  # fmt: skip
+    """Two attacks on one live run, one after the other: the outsider on the quorum service (the module
+    docstring), then a second copy of region r1-a100 started with the original's command line."""
     monkeypatch.setenv(KEY_ENV, "the run's secret, 32 bytes long!")
     path = keyed_scenario(tmp_path, small_corpus)
     out, tag = tmp_path / "run", uuid.uuid4().hex
     report, marker = tmp_path / "intruder.json", tmp_path / "code-ran"
     script = tmp_path / "intruder.py"
     script.write_text(INTRUDER)
-    # 48 short rounds of the two regions: room for the outsider to start and join
+    # 48 short rounds of the two regions: room for the outsider and then the copy to start and join
     proc = start(launch_argv(path, out, 7680 * 8), tag, out)
     try:
         wait_for_round(out, proc, 1)
@@ -161,39 +164,7 @@ def test_an_outsider_on_the_quorum_service_gets_nothing_and_runs_nothing(tmp_pat
         intruder = subprocess.run([sys.executable, str(script), lighthouse, str(report), str(marker)],
                                   env={**os.environ, "PYTHONPATH": SRC, "OMP_NUM_THREADS": "1", "RUST_LOG": "error"},
                                   capture_output=True, text=True, timeout=300)  # fmt: skip
-        stdout, stderr = proc.communicate(timeout=400)
-    finally:
-        proc.kill()
-        kill_all(tag)
-    assert proc.returncode == 0, stderr[-3000:]
-    seen = json.loads(report.read_text())
-    assert seen["heal"], (seen, intruder.stderr[-2000:])  # it was offered recovery
-    for attempt in seen["heal"]:
-        assert attempt["metadata"].startswith("geomesh-heal://127.0.0.1:")
-        assert attempt["http"].startswith("failed")
-        # the challenge and the refusal, nothing else: not one byte of θ (the model has 270k parameters)
-        assert attempt["received_bytes"] < 200 and "no proof of the run's key" in attempt["reply"]
-    assert seen["gathers"] >= 2 and seen["members"] == 3, seen  # it took part in the leaders' exchanges
-    assert not marker.exists()  # the pickle never ran
-    logs = rank_logs(out)
-    assert "refused a recovery request from 127.0.0.1" in logs
-    assert "rejected a frame from quorum member" in logs and "not a frame (bad magic)" in logs
-    assert "HMAC tag mismatch" in logs or "oversize frame: it claims 1099511627776 bytes" in logs
-    summary = json.loads((out / "summary.json").read_text())
-    assert summary["elastic"]["regions_at_end"] == ["r0-h100", "r1-a100"]
-    assert len(set(summary["param_checksums"].values())) == 1
-    assert summary["tokens"] >= 7680 * 8
-
-
-@pytest.mark.long
-def test_a_second_copy_of_a_live_region_exits_with_one_line_and_the_run_goes_on(tmp_path, small_corpus,
-                                                                                 monkeypatch):  # fmt: skip
-    monkeypatch.setenv(KEY_ENV, "the run's secret, 32 bytes long!")
-    path = keyed_scenario(tmp_path, small_corpus)
-    out, tag = tmp_path / "run", uuid.uuid4().hex
-    proc = start(launch_argv(path, out, 7680 * 8), tag, out)
-    try:
-        wait_for_round(out, proc, 1)
+        assert proc.poll() is None, "the run ended before the second copy could start"
         original = Path("/proc") / str(processes(tag, "r1-a100")[0])
         cmd = [a.decode() for a in (original / "cmdline").read_bytes().split(b"\0") if a]
         env = {**rank_env(tag, "r1-a100"), "MASTER_PORT": str(_port()), "GEOMESH_TEST_TAG": "copy"}
@@ -204,12 +175,28 @@ def test_a_second_copy_of_a_live_region_exits_with_one_line_and_the_run_goes_on(
         proc.kill()
         kill_all(tag)
     assert proc.returncode == 0, stderr[-3000:]
+    # the outsider: offered recovery, it received the challenge and the refusal, not one byte of θ
+    seen = json.loads(report.read_text())
+    assert seen["heal"], (seen, intruder.stderr[-2000:])
+    for attempt in seen["heal"]:
+        assert attempt["metadata"].startswith("geomesh-heal://127.0.0.1:")
+        assert attempt["http"].startswith("failed")
+        assert attempt["received_bytes"] < 200 and "no proof of the run's key" in attempt["reply"]  # (270k params)
+    assert seen["gathers"] >= 2 and seen["members"] == 3, seen  # it took part in the leaders' exchanges
+    assert not marker.exists()  # the pickle never ran
+    logs = rank_logs(out)
+    assert "refused a recovery request from 127.0.0.1" in logs
+    assert "rejected a frame from quorum member" in logs and "not a frame (bad magic)" in logs
+    assert "HMAC tag mismatch" in logs or "oversize frame: it claims 1099511627776 bytes" in logs
+    # the second copy: one line, no traceback; the original goes on
     errors = [ln for ln in copy.stderr.splitlines() if ln.startswith("error:")]
     assert copy.returncode != 0 and len(errors) == 1, copy.stderr[-3000:]
     assert "region r1-a100 is already running" in errors[0] and "Traceback" not in copy.stderr
+    assert "a second live instance of region 1" in logs
     summary = json.loads((out / "summary.json").read_text())
     assert summary["elastic"]["regions_at_end"] == ["r0-h100", "r1-a100"]
-    assert "a second live instance of region 1" in rank_logs(out)
+    assert len(set(summary["param_checksums"].values())) == 1
+    assert summary["tokens"] >= 7680 * 8
 
 
 def test_an_elastic_region_with_another_key_is_rejected_named_and_stops_alone(tmp_path, small_corpus):
