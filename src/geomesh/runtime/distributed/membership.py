@@ -327,6 +327,12 @@ class Membership:
         """Every accepted quorum member's ``obj`` (JSON values, bytes, tensors), in quorum order; rejected
         members are left out and named in :attr:`rejected` (the module docstring has the whole contract).
         ``timeout_s``: how long this collective waits for the slowest member (default: the round deadline)."""
+        return [got for _, _, got in self.all_gather_framed_slots(obj, timeout_s)]
+
+    def all_gather_framed_slots(self, obj: Any, timeout_s: float | None = None) -> list[tuple[int, int, Any]]:
+        """:meth:`all_gather_framed` with each accepted message's place: ``(slot, region, obj)``, ``slot`` the
+        sender's rank in the quorum's group (:meth:`group_rank` on the sender), ``region`` the region its frame
+        is signed for. A rejected member's slot is absent."""
         ctx = self._context()
         meta = {"instance": self.instance, "first_step": self.first_step if self.first_step is not None else -1}
         frame = seal(obj, ctx=ctx, sender=self.region, key=self.key, meta=meta).to_bytes()
@@ -353,7 +359,7 @@ class Membership:
                 continue
             opened.append((slot, got))
         keep = self._one_per_region(opened)
-        return [got.obj for slot, got in opened if slot in keep]
+        return [(slot, got.sender, got.obj) for slot, got in opened if slot in keep]
 
     def _one_per_region(self, opened: list[tuple[int, Any]]) -> set[int]:
         """The slots kept: one per region, the instance that took part in a quorum first."""
@@ -391,6 +397,45 @@ class Membership:
         opts.reduceOp = ReduceOp.SUM
         self._wait(self.pg.allreduce([flat], opts))
         return flat
+
+    def group_rank(self) -> int:
+        """This leader's rank in the quorum's group (the quorum order of every collective here)."""
+        self._configured()
+        return int(self.pg.parent.rank())
+
+    def quorum_scope(self) -> str:
+        """The quorum and the last collective's place in it, as every member of the quorum has them: what
+        a sharded exchange's slots bind, so that a slot of another quorum (an earlier attempt of the round,
+        before a member was lost) or of another collective is refused."""
+        return f"{max(self._quorum_id, 0)}.{self._seq}.{self.pg.size()}"
+
+    def all_to_all_bytes(self, send: list[bytes], recv_sizes: list[int],
+                         timeout_s: float | None = None) -> list[bytes]:  # fmt: skip
+        """A direct all-to-all of raw bytes over the quorum's group (torchft's ``alltoall_base``): ``send[j]``
+        goes to group rank j, the piece from rank j has ``recv_sizes[j]`` bytes (what the receiver's layout
+        implies: a member never makes another allocate what it claims). Raw bytes, never unpickled; the
+        caller authenticates them. A member that dies or misses ``timeout_s`` (default: the round deadline)
+        fails it with :class:`ExchangeFailed`, as :meth:`all_gather_framed` fails."""
+        self._configured()
+        n = self.pg.size()
+        if len(send) != n or len(recv_sizes) != n:
+            raise ValueError(f"an all-to-all of {len(send)} pieces (receiving {len(recv_sizes)}) over {n} members")
+        send_sizes = [len(s) for s in send]
+        flat_in = (torch.frombuffer(bytearray(b"".join(send)), dtype=torch.uint8) if sum(send_sizes)
+                   else torch.empty(0, dtype=torch.uint8))  # fmt: skip
+        flat_out = torch.empty(sum(recv_sizes), dtype=torch.uint8)
+        try:
+            work = self.pg.alltoall_base(flat_out, flat_in, list(recv_sizes), send_sizes,
+                                         self._options("AllToAllOptions", timeout_s))  # fmt: skip
+        except (RuntimeError, AssertionError) as exc:  # Gloo: a connection already closed
+            raise ExchangeFailed(_short(exc)) from None
+        self._wait(work)
+        raw = flat_out.numpy().tobytes()
+        out, pos = [], 0
+        for size in recv_sizes:
+            out.append(raw[pos : pos + size])
+            pos += size
+        return out
 
     def shutdown(self) -> None:
         try:
