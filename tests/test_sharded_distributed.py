@@ -231,23 +231,24 @@ def test_sharded_launch_equals_emulated(tmp_path, small_corpus):
         torch.testing.assert_close(got[name], expected[name], rtol=1e-5, atol=1e-6)
 
 
-def test_elastic_regions_refuse_a_forced_sharded_exchange():
+def test_elastic_regions_take_the_plan_s_sharded_exchange():
+    """Elastic regions shard too (tests/test_sharded_elastic.py runs them): the scenario's layout, and one per
+    quorum size, cut when a quorum of that size first exchanges and kept."""
     from types import SimpleNamespace
 
-    import pytest as _pytest
-
     from geomesh.config import load_scenario
-    from geomesh.errors import RunError
     from geomesh.methods import get_method
     from geomesh.methods.base import RoundKit, proxy_manifest
-    from geomesh.runtime.distributed.sharded import ELASTIC_SHARDED, loop_exchange
+    from geomesh.runtime.distributed.sharded import layout_for, loop_exchange
 
     sc = load_scenario("default", {"geomesh.exchange": "sharded"})
     m = get_method("geomesh")
     params = {s.name: torch.zeros(s.shape) for s in proxy_manifest(sc)}
     kit = RoundKit.build(m, sc, params)
     loop = SimpleNamespace(sc=sc, method=m, kit=kit, combiner=kit.combiner, n=len(sc.regions), elastic=True)
-    with _pytest.raises(RunError, match="elastic regions") as err:
-        loop_exchange(loop)
-    assert str(err.value) == ELASTIC_SHARDED and "\n" not in ELASTIC_SHARDED
-    assert loop_exchange(SimpleNamespace(**{**vars(loop), "elastic": False})).n == len(sc.regions)
+    loop.sharded = loop_exchange(loop)
+    assert loop.sharded.n == len(sc.regions)
+    assert layout_for(loop, len(sc.regions)) is loop.sharded
+    fewer = layout_for(loop, len(sc.regions) - 1)
+    assert fewer.n == len(sc.regions) - 1 and layout_for(loop, len(sc.regions) - 1) is fewer
+    assert sum(fewer.numel(k) for k in range(fewer.n)) == sum(loop.sharded.numel(k) for k in range(loop.sharded.n))

@@ -17,9 +17,11 @@ a Gloo group reconfigured over the quorum's leaders, live recovery of a region t
    from the others' stops with one ``error:`` line. At the first round, regions wait (up to ``--timeout``)
    until every region is in.
 2. **Exchange** (:meth:`QuorumExchange.exchange`) over the quorum's leaders: an all-gather of payload + round
-   info, or an all-reduce of the dense sum. If a member dies or passes the deadline there, the survivors form
-   a new quorum and exchange the payloads they already have: the lost region's tokens of this round are
-   counted as lost. Then torchft commits the round (its step = rounds done).
+   info, an all-reduce of the dense sum, or, when the plan picks it, the sharded exchange
+   (:func:`~geomesh.runtime.distributed.sharded.quorum_sharded_exchange`: one shard per quorum member). If a
+   member dies or passes the deadline there, the survivors form a new quorum and exchange the payloads they
+   already have (sharded: with a layout for the new quorum, so they own the lost member's shard): the lost
+   region's tokens of this round are counted as lost. Then torchft commits the round (its step = rounds done).
 3. **Records** (:meth:`QuorumExchange.end_round`): ``round`` (members, lost tokens), ``leave`` and ``join``
    events, spans. Every leader keeps the records; the leader of the lowest-numbered live region writes
    ``events.jsonl`` (a leader that takes over rewrites the file) and, at the end, ``summary.json``.
@@ -351,22 +353,34 @@ class QuorumExchange(ElasticState):
         """What the WAN shaper holds this exchange to (0 without a shaper or with a single region)."""
         if len(members) < 2:
             return 0.0
+        if self.loop.sharded is not None:  # the sharded exchange of these members (runtime/distributed/sharded.py)
+            from .sharded import shaper_s
+
+            return shaper_s(self.loop, members)
         shaper = WanShaper(self._wan(members), self.run.options.wan)
         return shaper.allreduce_s(4 * (self.loop.d + 1)) if self.loop.summed else shaper.allgather_s(
             self.loop.kit.payload_nbytes)  # fmt: skip
 
     def exchange(self, payload: bytes | None, summed: torch.Tensor | None, info: dict[str, Any],
                  members: list[int]) -> Exchanged:  # fmt: skip
-        """(leader) The all-gather (or all-reduce) over the quorum; on a failure the survivors form a new quorum
-        and exchange what they have."""
+        """(leader) The all-gather (or all-reduce, or the sharded exchange the plan picked) over the quorum; on a
+        failure the survivors form a new quorum and exchange what they have (sharded: with a layout for the
+        new quorum, the lost region's shard owned by the survivors)."""
         m, run = self.membership, self.run
         t0 = time.perf_counter()
         sent = 0
+        sharded = None
         deadline = self.last_deadline_s = self.round_deadline_s(members)
         while True:
             try:
                 since = time.perf_counter()
-                if summed is not None:
+                if self.loop.sharded is not None and summed is None:
+                    from .sharded import quorum_sharded_exchange
+
+                    sharded = quorum_sharded_exchange(self, payload, info, deadline)
+                    infos, gathered = sharded["infos"], None
+                    sent += sharded["wan_bytes"]
+                elif summed is not None:
                     infos = m.all_gather_framed(info, timeout_s=deadline)
                     self._note_rejections()
                     m.all_reduce_sum(summed, timeout_s=deadline)
@@ -401,6 +415,9 @@ class QuorumExchange(ElasticState):
         if len(crcs) > 1:
             detail = ", ".join(f"{self.names[i['region']]}: {i['crc']}" for i in infos)
             raise RunError(f"round {run.rounds + 1}: the regions hold different global parameters ({detail})")
+        if sharded is not None:
+            return Exchanged(infos, None, None, time.perf_counter() - t0, sent, update=sharded["update"],
+                             sharded=sharded["sharded"])  # fmt: skip
         return Exchanged(sorted(infos, key=lambda i: i["region"]), gathered, summed, time.perf_counter() - t0, sent)
 
     def theta_changed(self) -> None:
@@ -487,7 +504,8 @@ class QuorumExchange(ElasticState):
                         "exchange_s": result.comm_s, "bytes_sent": result.wan_bytes * len(infos),
                         "tokens_lost": {names[i]: t for i, t in lost.items()},
                         "deadline_s": self.last_deadline_s,
-                        "frames_rejected": self.round_rejections})  # fmt: skip
+                        "frames_rejected": self.round_rejections,
+                        **({"shard_owners": result.sharded["owners"]} if result.sharded else {})})  # fmt: skip
             self.round_rejections = []
             self._write_events(took_part)
 
@@ -521,6 +539,8 @@ class QuorumExchange(ElasticState):
             **run._exchange_fields(loop.wire_nbytes, loop.kit.payload_nbytes, loop.kit.modeled_payload_nbytes,
                                    self.shaper_s(final), self.method.collective),  # fmt: skip
             "status": "complete",
+            "exchange": "sharded" if loop.sharded is not None else self.method.collective,
+            "shard_bits": loop.sharded.bits if loop.sharded is not None else None,
             "world_size": None,
             "ranks_per_region": None,
             "elastic": {"min_regions": self.min_regions, "round_deadline_s": self.deadline_s,

@@ -1,7 +1,11 @@
 """The sharded exchange over ``torch.distributed``: the transport half of :mod:`geomesh.codec.sharded`, and
-its place in the one round loop of a static run (:func:`static_sharded_exchange`, :func:`apply_sharded`).
+its place in the one round loop (:func:`static_sharded_exchange` for static runs,
+:func:`quorum_sharded_exchange` for elastic regions, :func:`apply_sharded`).
 
-Run by every region's leader in the leaders' group (Gloo or NCCL), group rank k owning shard k:
+Run by every region's leader in a group of the leaders, group rank k owning shard k: the static run's
+leaders' group (Gloo or NCCL; :class:`StaticMover`), or torchft's group over the round's quorum
+(:class:`QuorumMover`: M members, M shards; a member lost on the way fails the round's exchange, and the
+survivors redo it over a new quorum, with a new layout in which they own the lost member's shard):
 
 1. the leader cuts its payload into N slices and an ``all_to_all_single`` sends slice k to shard k's owner,
    each in a signed slot (below; an absent update is a signed "no update" slot);
@@ -22,8 +26,9 @@ frames) are not counted, and that leader applies nothing (:attr:`ShardedResult.s
 Slots (the payload slots of :meth:`Transport.all_gather_payloads`, in their own domain): a flag (u8: 1 the
 piece, 0 "no update"), the round (u64), the piece (zeros for no update) and, with the run's key, an
 HMAC-SHA256 tag (:func:`~geomesh.runtime.distributed.transport._slot_tag`) over the run id, the sender's
-global rank, the domain (``slice`` + the shard, or ``combined``) and all of the above: a slot replayed from
-another round, another sender or another shard, or a forged "no update", is refused.
+identity (static: its global rank; elastic: its region), the domain (``slice`` + the shard, or ``combined``;
+elastic: + the quorum) and all of the above: a slot replayed from another round, another sender, another
+shard or (elastic) another quorum, or a forged "no update", is refused.
 
 Where ``all_to_all_single`` is not supported by the backend, the same bytes move in pairs of ``isend`` /
 ``irecv``. Every slot has the size the layout implies, so a receiver never allocates what a peer asks for;
@@ -35,6 +40,8 @@ at four latency steps whatever N; the WAN model (``WanModel.sharded_s``) times t
 from __future__ import annotations
 
 import hmac
+import os
+import signal
 import struct
 import time
 import warnings
@@ -56,23 +63,28 @@ IN, NO_UPDATE, SLOT_REFUSED, SLICE_REFUSED, EXCLUDED = range(5)
 _CODE_WHY = {SLOT_REFUSED: "its slot failed its signature or round", SLICE_REFUSED: "its slice is malformed",
              EXCLUDED: "it was excluded before the exchange"}  # fmt: skip
 _REFUSALS = (SLOT_REFUSED, SLICE_REFUSED)
+# tests: "REGION:ROUND": that elastic region's leader dies in the middle of that round's sharded exchange (its
+# slices delivered, its combined shard never sent), so its shard must be re-owned
+TEST_KILL_ENV = "GEOMESH_TEST_KILL_IN_SHARDED"
 
 
 @dataclass(frozen=True)
 class SlotTrust:
-    """What signs and binds the slots: the run's key (None: unsigned), its id, the round, the leaders'
-    global ranks in group order."""
+    """What signs and binds the slots: the run's key (None: unsigned), its id, the round, the members'
+    identities in group order (static: the leaders' global ranks; elastic: their regions, -1 for a member
+    whose round info was rejected: it is not known who it is) and ``scope`` (elastic: the quorum)."""
 
     key: bytes | None
     run_id: str
     round: int
     ranks: tuple[int, ...]
+    scope: str = ""
 
     def width(self, nbytes: int) -> int:
         return SLOT_HEADER_NBYTES + nbytes + (_TAG if self.key else 0)
 
     def _domain(self, kind: str, shard: int) -> bytes:
-        return f"GMSX-{kind}\0{shard}\0".encode()
+        return f"GMSX-{kind}\0{shard}\0".encode() + (f"{self.scope}\0".encode() if self.scope else b"")
 
     def seal(self, piece: bytes | None, nbytes: int, sender: int, kind: str, shard: int) -> bytes:
         """One slot of ``piece`` (None: "no update") from group rank ``sender``."""
@@ -85,6 +97,8 @@ class SlotTrust:
 
     def open(self, slot: bytes, nbytes: int, sender: int, kind: str, shard: int) -> bytes | None | Rejected:
         """The piece of a slot from group rank ``sender`` (None: a signed "no update"), or why not."""
+        if self.ranks[sender] < 0:
+            return Rejected("a member whose round info was rejected (it is not known which region it is)")
         if len(slot) != self.width(nbytes):
             return Rejected(f"a slot of {len(slot)} bytes, expected {self.width(nbytes)}")
         body, tag = slot[: SLOT_HEADER_NBYTES + nbytes], slot[SLOT_HEADER_NBYTES + nbytes :]
@@ -116,30 +130,82 @@ class ShardedResult:
     flat: torch.Tensor | None = None  # the update as one flat float32 buffer (``update`` holds views of it)
 
 
-def sharded_round(payload: bytes | None, ex: ShardedExchange, group: Any = None, *,
+class StaticMover:
+    """What moves a sharded round's bytes in a static run: the leaders' ``torch.distributed`` group (None:
+    the default group), ``all_to_all_single`` or, where the backend lacks it, pairs of ``isend``/``irecv``.
+    ``members``: the leaders' global ranks in group order (what the slots bind)."""
+
+    scope = ""
+
+    def __init__(self, group: Any = None):
+        self.group = group
+        self.size, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self.members = tuple(dist.get_process_group_ranks(group)) if group is not None else tuple(range(self.size))
+
+    def all_to_all(self, send: list[bytes], recv_sizes: list[int]) -> list[bytes]:
+        return _dist_all_to_all(send, recv_sizes, self.group, self.rank)
+
+
+class QuorumMover:
+    """What moves a sharded round's bytes between elastic regions: torchft's group over the quorum's leaders
+    (:meth:`~.membership.Membership.all_to_all_bytes`, held to the round's deadline; a member lost on the
+    way fails it with ``ExchangeFailed``, which the quorum's exchange retries without it). ``regions``: the
+    region of each group rank, as the round infos' frames authenticate them (-1: a member whose info was
+    rejected); ``scope``: the quorum (:meth:`~.membership.Membership.quorum_scope`)."""
+
+    def __init__(self, membership: Any, regions: tuple[int, ...], timeout_s: float | None = None):
+        self.membership, self.timeout_s = membership, timeout_s
+        self.size, self.rank = membership.pg.size(), membership.group_rank()
+        self.members = tuple(regions)
+        self.scope = f"quorum {membership.quorum_scope()}"
+        if len(self.members) != self.size:
+            raise ValueError(f"{len(self.members)} regions for a quorum of {self.size} members")
+
+    def all_to_all(self, send: list[bytes], recv_sizes: list[int]) -> list[bytes]:
+        return self.membership.all_to_all_bytes(send, recv_sizes, self.timeout_s)
+
+
+class _DiesAfterSlices:
+    """Tests (:data:`TEST_KILL_ENV`): a mover whose process is SIGKILLed once its slices have left."""
+
+    def __init__(self, mover: Any):
+        self.mover, self.size, self.rank, self.members, self.scope = (mover, mover.size, mover.rank, mover.members,
+                                                                      mover.scope)  # fmt: skip
+
+    def all_to_all(self, send: list[bytes], recv_sizes: list[int]) -> list[bytes]:
+        got = self.mover.all_to_all(send, recv_sizes)
+        os.kill(os.getpid(), signal.SIGKILL)
+        return got
+
+
+def sharded_round(payload: bytes | None, ex: ShardedExchange, group: Any = None, *, mover: Any = None,
                   device: torch.device | str = "cpu", names: list[str] | None = None, round_number: int = 0,
                   key: bytes | None = None, run_id: str = "", exclude: dict[int, str] | None = None,
                   ) -> ShardedResult:  # fmt: skip
     """This leader's side of one round of the sharded exchange (see the module docstring).
 
     ``payload``: this region's sign payload, or None (no update this round); ``ex``: the exchange for the
-    ``group``'s size (``ex.n`` must equal it; shard k belongs to group rank k); ``device``: where the update
-    lands; ``names``: the members' names for warnings (default: their group ranks); ``round_number``,
-    ``key``, ``run_id``: what the slots bind (``key`` None: unsigned slots); ``exclude``: group ranks kept
-    out of this round's combine whatever they send (why), the same on every leader."""
-    n, me = dist.get_world_size(group), dist.get_rank(group)
+    members' count (``ex.n`` must equal it; shard k belongs to group rank k); ``mover``: what moves the
+    bytes (:class:`StaticMover` of ``group`` by default, :class:`QuorumMover` for elastic regions);
+    ``device``: where the update lands; ``names``: the members' names for warnings (default: their group
+    ranks); ``round_number``, ``key``, ``run_id``: what the slots bind with the mover's ``members`` and
+    ``scope`` (``key`` None: unsigned slots; a member whose identity is -1, elastic: not known, has its
+    slots refused and its agreement rows not counted); ``exclude``: group ranks kept out of this round's
+    combine whatever they send (why), the same on every leader."""
+    mover = mover if mover is not None else StaticMover(group)
+    n, me = mover.size, mover.rank
     if ex.n != n:
         raise ValueError(f"the sharded exchange has {ex.n} shards, the group {n} members")
     names = names or [str(r) for r in range(n)]
-    ranks = tuple(dist.get_process_group_ranks(group)) if group is not None else tuple(range(n))
-    trust = SlotTrust(key, run_id, int(round_number), ranks)
+    trust = SlotTrust(key, run_id, int(round_number), tuple(mover.members), mover.scope)
     exclude = exclude or {}
+    unknown = {k for k in range(n) if trust.ranks[k] < 0}  # (elastic) its agreement rows are not counted
     moved = [0, 0]
 
     # 1. the slices to their owners, each in its signed slot
     slices = _slices(ex, payload) if payload is not None else [None] * n
     slots = [trust.seal(slices[k], ex.slice_nbytes(k), me, "slice", k) for k in range(n)]
-    got = _all_to_all(slots, [trust.width(ex.slice_nbytes(me))] * n, group, moved)
+    got = _all_to_all(slots, [trust.width(ex.slice_nbytes(me))] * n, mover, moved)
 
     # 2. open and screen, agree on who is out, combine my shard
     codes, reasons, pieces = bytearray(n), {}, [None] * n
@@ -155,11 +221,11 @@ def sharded_round(payload: bytes | None, ex: ShardedExchange, group: Any = None,
             pieces[j] = opened
         if j in exclude and codes[j] != NO_UPDATE:
             codes[j], reasons[j] = EXCLUDED, exclude[j]
-    rows = _agree(bytes(codes), n, group, moved)
+    rows = _agree(bytes(codes), n, mover, moved)
     suspect = _suspects([[row[j] in _REFUSALS for j in range(n)] for row in rows], n)
     out: dict[int, tuple[int, int]] = {}  # sender -> (code, the owner that gave it)
     for k, row in enumerate(rows):
-        if k in suspect:
+        if k in suspect or k in unknown:
             continue
         for j in range(n):
             if row[j] != IN and j not in out:
@@ -192,7 +258,7 @@ def sharded_round(payload: bytes | None, ex: ShardedExchange, group: Any = None,
 
     # 3. my combined shard to everyone; 4. open and decode, agree on the shards intact everywhere, reassemble
     sent = trust.seal(frame, ex.combined_nbytes(me), me, "combined", me)
-    frames = _all_to_all([sent] * n, [trust.width(ex.combined_nbytes(k)) for k in range(n)], group, moved)
+    frames = _all_to_all([sent] * n, [trust.width(ex.combined_nbytes(k)) for k in range(n)], mover, moved)
     shards: list[torch.Tensor | None] = []
     bad, why_bad, total = bytearray(n), {}, 0
     for k, slot in enumerate(frames):
@@ -208,11 +274,11 @@ def sharded_round(payload: bytes | None, ex: ShardedExchange, group: Any = None,
         except PayloadError as exc:
             shards.append(None)
             bad[k], why_bad[k] = 1, str(exc)
-    rows = _agree(bytes(bad), n, group, moved)
+    rows = _agree(bytes(bad), n, mover, moved)
     suspect |= _suspects([[bool(row[k]) for k in range(n)] for row in rows], n)
     lost: dict[int, str] = {}
     for k in range(n):
-        refused_by = [r for r, row in enumerate(rows) if row[k] and r not in suspect]
+        refused_by = [r for r, row in enumerate(rows) if row[k] and r not in suspect and r not in unknown]
         if refused_by:
             lost[k] = (why_bad[k] if k in why_bad else f"region {names[refused_by[0]]} refused it")
             if k in why_bad:
@@ -249,21 +315,27 @@ def _suspects(refused: list[list[bool]], n: int) -> set[int]:
     return {k for k in range(n) if 2 * sum(refused[k][j] for j in range(n) if j != k) > n - 1}
 
 
-def _agree(mine: bytes, n: int, group: Any, moved: list[int]) -> list[bytes]:
+def _agree(mine: bytes, n: int, mover: Any, moved: list[int]) -> list[bytes]:
     """Every leader's ``len(mine)`` flag bytes (a direct exchange: each sends its row to every other)."""
-    return _all_to_all([mine] * n, [len(mine)] * n, group, moved)
+    return _all_to_all([mine] * n, [len(mine)] * n, mover, moved)
 
 
-def _all_to_all(send: list[bytes], recv_sizes: list[int], group: Any, moved: list[int]) -> list[bytes]:
-    """Direct all-to-all of raw bytes: ``send[j]`` goes to group rank j; the piece from rank j has
-    ``recv_sizes[j]`` bytes (what the layout implies; a piece of another size is never read)."""
-    n, me = len(send), dist.get_rank(group)
+def _all_to_all(send: list[bytes], recv_sizes: list[int], mover: Any, moved: list[int]) -> list[bytes]:
+    """Direct all-to-all of raw bytes over ``mover``: ``send[j]`` goes to group rank j; the piece from rank j
+    has ``recv_sizes[j]`` bytes (what the layout implies; a piece of another size is never read). Counts
+    the bytes that leave and arrive (``moved``), one's own piece not included."""
+    me = mover.rank
+    moved[0] += sum(len(s) for j, s in enumerate(send) if j != me)
+    moved[1] += sum(s for j, s in enumerate(recv_sizes) if j != me)
+    return mover.all_to_all(send, recv_sizes)
+
+
+def _dist_all_to_all(send: list[bytes], recv_sizes: list[int], group: Any, me: int) -> list[bytes]:
+    """:meth:`StaticMover.all_to_all` over a ``torch.distributed`` group."""
     send_sizes = [len(s) for s in send]
     flat_in = torch.frombuffer(bytearray(b"".join(send)), dtype=torch.uint8) if sum(send_sizes) else (
         torch.empty(0, dtype=torch.uint8))  # fmt: skip
     flat_out = torch.empty(sum(recv_sizes), dtype=torch.uint8)
-    moved[0] += sum(s for j, s in enumerate(send_sizes) if j != me)
-    moved[1] += sum(s for j, s in enumerate(recv_sizes) if j != me)
     try:
         dist.all_to_all_single(flat_out, flat_in, recv_sizes, send_sizes, group=group)
     except (RuntimeError, NotImplementedError, ValueError):  # a backend without all-to-all: pairs of send/recv
@@ -301,16 +373,14 @@ def _offsets(sizes: list[int]) -> list[int]:
     return out
 
 
-# ---- the sharded exchange in the one round loop (static regions) --------------------------------------------
-
-ELASTIC_SHARDED = ("geomesh.exchange sharded: elastic regions (reliability.min_regions >= 1) all-gather; the sharded "
-                   "exchange does not re-own a lost region's shard yet: set geomesh.exchange to auto or all_gather")
+# ---- the sharded exchange in the one round loop ----------------------------------------------------------------
 
 
 def loop_exchange(loop: Any) -> ShardedExchange | None:
     """The sharded exchange a run's rounds use when the plan picks it (planner/exchange.py: the scenario's
     ``geomesh.exchange``, else the cheaper by the WAN model), or None: the all-gather (or the dense sum).
-    Elastic regions all-gather (forced sharded: one error; picked by the plan: said once)."""
+    Its layout is for every region of the scenario; elastic rounds cut one per quorum size
+    (:func:`layout_for`). Overlapped rounds all-gather (the plan keeps them on it, static or elastic)."""
     from ...planner.exchange import scenario_exchange
 
     sc, method, kit = loop.sc, loop.method, loop.kit
@@ -320,31 +390,48 @@ def loop_exchange(loop: Any) -> ShardedExchange | None:
                                overlap=method.overlapped(sc))  # fmt: skip
     if choice.name != "sharded":
         return None
-    if loop.elastic:
-        if sc.geomesh.exchange == "sharded":
-            raise RunError(ELASTIC_SHARDED)
-        if loop.run.rank == 0 or loop.run.is_leader and loop.me == 0:
-            print("note: the plan picks the sharded exchange, but elastic regions all-gather (a lost region's shard "
-                  "is not re-owned yet)", flush=True)  # fmt: skip
-        return None
     return ShardedExchange(loop.combiner, loop.n, sc.geomesh.shard_bits)
 
 
+def layout_for(loop: Any, m: int) -> ShardedExchange:
+    """The sharded exchange of ``m`` members (shard k to the member of group rank k): the loop's own for every
+    region, else one cut for ``m`` (an elastic quorum), kept for the quorums of that size to come."""
+    if loop.sharded is not None and loop.sharded.n == m:
+        return loop.sharded
+    cache = getattr(loop, "sharded_layouts", None)
+    if cache is None:
+        cache = loop.sharded_layouts = {}
+    if m not in cache:
+        cache[m] = ShardedExchange(loop.combiner, m, loop.sc.geomesh.shard_bits)
+    return cache[m]
+
+
 def shaper_s(loop: Any, members: list[int]) -> float:
-    """What the WAN shaper holds a sharded exchange to: the WAN model's time for the slices and combined
-    shards this run really moves (``latency``: its four latency steps only)."""
+    """What the WAN shaper holds a sharded exchange of ``members`` to: the WAN model's time for the slices and
+    combined shards this run really moves (``latency``: its four latency steps only)."""
     from .transport import WanShaper
 
-    ex = loop.sharded
     shaper = WanShaper(loop.faults.wan(members), loop.run.options.wan)
     if shaper.mode == "none" or len(members) < 2:
         return 0.0
     if shaper.mode == "latency":
         return shaper._latency_only(4)
+    ex = layout_for(loop, len(members))
     trust = SlotTrust(loop.kit.key, "", 0, ())
     slices = sum(trust.width(ex.slice_nbytes(k)) for k in range(ex.n))
     combined = sum(trust.width(ex.combined_nbytes(k)) for k in range(ex.n))
     return shaper.wan.sharded_s(slices, combined)
+
+
+def _exclude_odd_plans(infos: dict[int, dict[str, Any]], exclude: dict[int, str]) -> None:
+    """Members whose plan differs from the one most members hold (the same rule on every leader: the same
+    infos) are kept out of the combine (``infos``: group rank -> round info)."""
+    plans = Counter(str(i.get("plan")) for i in infos.values() if i.get("plan") is not None)
+    if plans:
+        common = min(plans, key=lambda d: (-plans[d], d))
+        for k, i in infos.items():
+            if i.get("plan") is not None and str(i["plan"]) != common and k not in exclude:
+                exclude[k] = "its plan differs from the other regions' (the regions disagree)"
 
 
 def static_sharded_exchange(xc: Any, payload: bytes | None, info: dict[str, Any],
@@ -367,12 +454,7 @@ def static_sharded_exchange(xc: Any, payload: bytes | None, info: dict[str, Any]
             infos[k] = {"region": k, "active": True, "sent": False, "rejected": "its round info is not a JSON object"}
             exclude[k] = "its round info is not a JSON object"
         infos[k]["region"] = k
-    plans = Counter(str(i.get("plan")) for i in infos if i.get("plan") is not None)
-    if plans:  # the digest most regions hold (the same rule on every leader: the same infos)
-        common = min(plans, key=lambda d: (-plans[d], d))
-        for k, i in enumerate(infos):
-            if i.get("plan") is not None and str(i["plan"]) != common and k not in exclude:
-                exclude[k] = "its plan differs from the other regions' (the regions disagree)"
+    _exclude_odd_plans(dict(enumerate(infos)), exclude)
     key, run_id = run.transport._trust()
     with warnings.catch_warnings():  # (the loop warns once per bad sender, naming its region)
         warnings.simplefilter("ignore")
@@ -389,6 +471,68 @@ def static_sharded_exchange(xc: Any, payload: bytes | None, info: dict[str, Any]
                "received_bytes": r.received_bytes}  # fmt: skip
     return {"infos": infos, "payloads": None, "summed": None, "comm_s": time.perf_counter() - t0,
             "wan_bytes": run.transport.wan_bytes - before, "update": r.flat, "sharded": sharded}  # fmt: skip
+
+
+def quorum_sharded_exchange(xc: Any, payload: bytes | None, info: dict[str, Any],
+                            timeout_s: float | None) -> dict[str, Any]:  # fmt: skip
+    """One attempt of :meth:`~.elastic.QuorumExchange.exchange` when the plan picks the sharded exchange, over
+    the quorum's leaders (torchft's group; ``M`` members, its layout :func:`layout_for` ``M``).
+
+    The round infos first, framed and authenticated (:meth:`~.membership.Membership.all_gather_framed_slots`):
+    they say which group rank is which region (each member names its group rank in its info, checked against
+    the slot its frame arrived in). A member whose frame was rejected (its region unknown: it is left out of
+    the round, and its slots and combined shard are refused), whose info is malformed or names another
+    slot, or whose plan differs from the common one is kept out of the combine on every leader. Then
+    :func:`sharded_round` over :class:`QuorumMover` (slots bound to the round, the sender's region, the shard
+    and the quorum). A member lost on the way fails a collective: ``ExchangeFailed`` goes to the caller,
+    which re-forms the quorum without it and calls this again: M−1 members, a new layout, the lost
+    member's shard owned by the survivors. Returns the fields of the round's :class:`~.exchange.Exchanged`
+    (``comm_s`` is the caller's), in regions: infos by region, and the exchange's decisions by region."""
+    m, loop, run = xc.membership, xc.loop, xc.run
+    mine = m.group_rank()
+    got = m.all_gather_framed_slots({**info, "slot": mine}, timeout_s=timeout_s)
+    xc._note_rejections()
+    size = m.pg.size()
+    regions = [-1] * size
+    by_slot: dict[int, dict[str, Any]] = {}
+    exclude: dict[int, str] = {}
+    for slot, region, i in got:
+        if not isinstance(i, dict):
+            i = {"region": region, "active": True, "sent": False, "rejected": "its round info is not a JSON object"}
+            exclude[slot] = "its round info is not a JSON object"
+        elif i.get("slot") != slot:
+            exclude[slot] = f"its round info names quorum slot {i.get('slot')!r}; it came in slot {slot}"
+        regions[slot], by_slot[slot] = region, i
+    if regions[mine] != xc.me:
+        raise RunError(f"region {loop.names[xc.me]}: its own round info is not in its slot of the quorum's group "
+                       f"(slot {mine} holds {regions[mine]})")  # fmt: skip
+    for slot in range(size):
+        if regions[slot] < 0:
+            exclude[slot] = "its round info was rejected"
+    _exclude_odd_plans(by_slot, exclude)
+    names = [loop.names[r] if 0 <= r < len(loop.names) else f"#{r}" if r >= 0 else f"(quorum member {k})"
+             for k, r in enumerate(regions)]  # fmt: skip
+    mover = QuorumMover(m, tuple(regions), timeout_s)
+    if os.environ.get(TEST_KILL_ENV) == f"{loop.names[xc.me]}:{run.rounds + 1}":
+        mover = _DiesAfterSlices(mover)
+    with warnings.catch_warnings():  # (the loop warns once per bad sender, naming its region)
+        warnings.simplefilter("ignore")
+        r = sharded_round(payload, layout_for(loop, size), mover=mover, device=run.device, names=names,
+                          round_number=run.rounds + 1, key=m.key, run_id=m.run_id, exclude=exclude)  # fmt: skip
+    for j, why in r.rejected.items():
+        if j in by_slot:
+            by_slot[j]["slot_rejected"] = why
+    for k, why in r.lost_shards.items():
+        if k in by_slot:
+            by_slot[k]["shard_lost"] = why
+    infos = sorted(by_slot.values(), key=lambda i: i["region"])
+    known = lambda ks: sorted(regions[k] for k in ks if regions[k] >= 0)  # noqa: E731
+    sharded = {"accepted": known(r.accepted), "suspect": known(r.suspect),
+               "lost_shards": {names[k]: v for k, v in r.lost_shards.items()}, "tokens": r.tokens,
+               "has_update": r.flat is not None, "received_bytes": r.received_bytes,
+               "owners": names}  # fmt: skip
+    return {"infos": infos, "payloads": None, "summed": None, "wan_bytes": r.sent_bytes, "update": r.flat,
+            "sharded": sharded}  # fmt: skip
 
 
 def share_sharded(loop: Any, result: Any, head: dict[str, Any]) -> dict[str, Any]:
@@ -419,6 +563,11 @@ def apply_sharded(loop: Any, result: Any, took_part: list[int], rejected: list, 
             rejected.append((k, f"its combined shard was rejected ({i['shard_lost']}); the shard is left out of "
                                 "this round's update"))  # fmt: skip
     sh = result.sharded
+    if loop.me in sh["suspect"] and loop.elastic:  # it cannot follow the others' θ: it leaves their quorum
+        raise RunError(f"region {loop.names[loop.me]} refused the slices or combined shards of most other regions "
+                       f"in round {loop.run.rounds + 1}: it holds another run key (reliability.hmac_key_env / "
+                       "hmac_key_file) than they do, or its link corrupts them; it stops (restart it to rejoin "
+                       "with the live state)")  # fmt: skip
     if loop.me in sh["suspect"]:
         if not loop.outvoted:
             loop.outvoted = True
