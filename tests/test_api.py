@@ -178,20 +178,26 @@ def _run_example(*args: str, out: Path) -> list[dict]:
     return [json.loads(line) for line in out.read_text().splitlines()]
 
 
-def test_example_single_process(tmp_path):
+@pytest.fixture(scope="module")
+def example_in_one_process(tmp_path_factory) -> dict:
+    """The example's two workers in one process, 3 rounds (the two tests below read the same run)."""
+    (inproc,) = _run_example("--rounds", "3", out=tmp_path_factory.mktemp("example") / "inproc.jsonl")
+    return inproc
+
+
+def test_example_single_process(tmp_path, example_in_one_process):
     (alone,) = _run_example("--single", "--rounds", "4", out=tmp_path / "alone.jsonl")
     assert alone["world"] == 1 and alone["rounds"] == 4 and alone["final_loss"] < math.log(64)
-    (inproc,) = _run_example("--rounds", "3", out=tmp_path / "inproc.jsonl")
+    inproc = example_in_one_process
     assert inproc["replicas"] == 2 and len(set(inproc["replica_digests"])) == 1
     assert [p["name"] for p in inproc["plan"]] == ["fast", "slow"]
 
 
-def test_example_under_a_two_rank_gloo_group(tmp_path):
+def test_example_under_a_two_rank_gloo_group(tmp_path, example_in_one_process):
     ranks = sorted(_run_example("--nproc", "2", "--rounds", "3", out=tmp_path / "ranks.jsonl"), key=lambda r: r["rank"])
     assert [r["rank"] for r in ranks] == [0, 1] and all(r["world"] == 2 for r in ranks)
     assert ranks[0]["digest"] == ranks[1]["digest"]  # every rank ends with the same parameters
     assert ranks[0]["plan"] == ranks[1]["plan"] and ranks[0]["plan"][0]["batch_size"] != ranks[0]["plan"][1]["batch_size"]
     assert ranks[0]["bytes_sent"] == 3 * ranks[0]["payload_bytes"]
     # the same workers in one process give bit-identical parameters: the exchange is the only difference
-    (inproc,) = _run_example("--rounds", "3", out=tmp_path / "inproc.jsonl")
-    assert inproc["digest"] == ranks[0]["digest"]
+    assert example_in_one_process["digest"] == ranks[0]["digest"]
