@@ -3,9 +3,9 @@
 Real ``geomesh launch`` runs of 3 regions over Gloo on this machine, with ``--min-regions`` (torchft's
 Lighthouse and Managers): kept exact (32-bit combined shards) the sharded exchange gives the all-gather's θ
 and loss; a payload damaged on the wire goes out as damaged slices, which their owners refuse, so its
-region's update is dropped that round, never the run; a region killed mid-run fails the exchange, the
+region's update is dropped that round, never the run; a region killed inside the exchange fails it, the
 survivors re-form the quorum and redo it with a layout of their own (the lost region's shard owned by
-them), finish, and agree on θ.
+them), plan the next rounds over two shards, finish, and agree on θ.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import uuid
 
 import pytest
 import torch
-from test_elastic import kill_all, kill_region, processes, scenario, start, wait_for_round
+from test_elastic import kill_all, scenario
 
 from geomesh.cli import launch as cli_launch
 from geomesh.telemetry import read_events
@@ -81,38 +81,6 @@ def test_a_damaged_slice_drops_its_region_for_the_round_not_the_run(exact_runs):
     assert [(w["worker"], w["round"]) for w in warned] == [("r2-t4", 3)]
     assert "payload rejected" in warned[0]["message"] and "slice of shard" in warned[0]["message"]
     assert sh["elastic"]["regions_at_end"] == ["r0-h100", "r1-a100", "r2-t4"] and sh["elastic"]["leaves"] == 0
-
-
-def test_a_region_killed_mid_run_has_its_shard_re_owned(tmp_path, small_corpus):
-    """r1-a100's processes are SIGKILLed after round 2: the exchange in flight fails, the survivors form a
-    quorum of two and redo it with two shards; they finish with the same θ."""
-    path = sharded_scenario(tmp_path / "s", small_corpus, "sharded", bits=8, slowdown=2.0)
-    out, tag = tmp_path / "run", uuid.uuid4().hex
-    proc = start(launch_argv(path, out, 8 * 3 * ONE_ROUND), tag, out)
-    try:
-        wait_for_round(out, proc, 2)
-        kill_region(tag, "r1-a100")
-        stdout, stderr = proc.communicate(timeout=240)
-    finally:
-        proc.kill()
-        left = processes(tag)
-        kill_all(tag)
-    assert proc.returncode == 0, stderr[-3000:]
-    summary = json.loads((out / "summary.json").read_text())
-    assert summary["exchange"] == "sharded" and summary["shard_bits"] == 8
-    events = read_events(out / "events.jsonl")
-    assert [e["region"] for e in events if e["type"] == "leave"] == ["r1-a100"]
-    rounds = [e for e in events if e["type"] == "round"]
-    before = [r for r in rounds if "r1-a100" in r["members"]]
-    after = [r for r in rounds if "r1-a100" not in r["members"]]
-    assert before and after and rounds[-1] in after
-    assert all(r["shard_owners"] == ["r0-h100", "r1-a100", "r2-t4"] for r in before)
-    assert all(r["shard_owners"] == ["r0-h100", "r2-t4"] for r in after)  # two shards: r1's part re-owned
-    assert summary["elastic"]["regions_at_end"] == ["r0-h100", "r2-t4"]
-    assert summary["tokens"] >= 8 * 3 * ONE_ROUND and summary["final_val_loss"] is not None
-    checksums = summary["param_checksums"]
-    assert list(checksums) == ["r0-h100", "r2-t4"] and len(set(checksums.values())) == 1
-    assert not left
 
 
 def test_a_region_lost_in_the_middle_of_the_sharded_exchange(tmp_path, small_corpus):
