@@ -9,6 +9,7 @@ import torch
 
 from ..errors import PayloadError
 from .base import DecodedPayload, _Codec
+from .combine import weighted_combine
 from .manifest import Manifest, _dtype_name
 from .wire import (
     FLAG_HMAC,
@@ -149,20 +150,8 @@ class DenseCodec(_Codec):
         """
         device = torch.device(device)
         acc = self._accumulator(out, device)
-        total, count, first = 0, 0, 0
-        for payload in payloads:
-            tokens, body = self._parse(payload)
-            vals = self._values(body)
-            if count == 0:
-                first = tokens
-            total += tokens
-            count += 1
-            w = 1.0 if self.weighting == "equal" else tokens / first
-            if count == 1:
-                torch.mul(vals.to(device), w, out=acc)
-            else:
-                acc.add_(vals.to(device), alpha=w)
-        if count == 0:
-            raise ValueError("combine needs at least one payload")
-        acc.mul_(1.0 / count if self.weighting == "equal" else first / total)
-        return self._split(acc), total
+
+        def add(body: memoryview, w: float) -> None:
+            acc.add_(self._values(body).to(device), alpha=w)
+
+        return weighted_combine(self, payloads, acc, self.weighting, add)
