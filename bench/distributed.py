@@ -29,12 +29,16 @@ default corpus, no WAN shaping:
   pinned onto one core together and the third onto the other (CPU affinity, found by a tag in their
   environment: a busy neighbour nothing declares). Needs two cores.
 - ``datasheet``: H100, A100 and T4 declared for processes that all run at one speed.
+- ``alike``: A100 x3 declared for processes that all run at one speed, nothing changed: the even plan is right,
+  so what its open loop waits is the host's floor (three single-threaded processes on two cores: which two
+  share a core changes from round to round), the idle no plan removes; the closed loop must not add to it.
 
 One JSON object per line per case and loop: per round the straggler idle from the round record
 (``straggler_idle_frac``: the members' measured compute, the time the faster wait for the slowest) and from
 the spans (Σ straggler_wait / Σ wall), the rounds re-planned at, the straggler idle over windows of rounds
-(drift: before the change and from ``--settle`` rounds after it; datasheet: from round 1 on; the last round,
-shortened to the budget, left out), ``calibration_s``; then one ``comparison`` line per case (open / closed).
+(drift: before the change and from ``--settle`` rounds after it; datasheet, alike: from round 1 on; the last
+round, shortened to the budget, left out), ``calibration_s``; then one ``comparison`` line per case (open /
+closed).
 """
 
 from __future__ import annotations
@@ -117,7 +121,7 @@ def row(method: str, s: dict, n: int, events_path: Path | None = None) -> dict:
 
 
 # ---- the plan as a loop ----------------------------------------------------------------------------------
-LOOP_CASES = ("drift", "datasheet")
+LOOP_CASES = ("drift", "datasheet", "alike")
 OPEN_LOOP = ["--set", "geomesh.replan=false", "--no-calibrate"]  # the plan made once, from the datasheet
 TAG_ENV = "GEOMESH_BENCH_TAG"  # finds a run's rank processes (with GEOMESH_REGION) to move them between cores
 
@@ -263,7 +267,7 @@ def loop_cases(args: argparse.Namespace, out: Path, cases: list[str]) -> list[di
         if case == "drift" and (not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2):
             print("error: the drift case needs CPU affinity and two cores", file=sys.stderr)
             continue
-        gpus = ("A100", "A100", "A100") if case == "drift" else ("H100", "A100", "T4")
+        gpus = ("H100", "A100", "T4") if case == "datasheet" else ("A100", "A100", "A100")
         path = out / case / "scenario.yaml"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(yaml.safe_dump(loop_scenario(gpus, args.loop_preset, args.loop_batch, args.loop_inner_steps,
@@ -319,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
         help="plan from the GPU cost model instead of this CPU's measured step times",
     )
     p.add_argument("--cases", default="methods",
-                   help="methods (the comparison above) and/or the plan-loop cases drift, datasheet")  # fmt: skip
+                   help="methods (the comparison above) and/or the plan-loop cases drift, datasheet, alike")  # fmt: skip
     p.add_argument("--loop-preset", default="nano", help="plan-loop cases: the proxy model preset")
     p.add_argument("--loop-rounds", type=int, default=20, help="plan-loop cases: rounds of the (even) plan")
     p.add_argument("--loop-batch", type=int, default=8)

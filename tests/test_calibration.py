@@ -10,7 +10,8 @@ import torch
 
 from geomesh.hardware import WorkerProfile
 from geomesh.methods import get_method
-from geomesh.profiler import CALIBRATION_STEP_LIMIT, Calibration, calibrate_worker, default_micro_batches
+from geomesh.profiler import (CALIBRATION_STEP_LIMIT, DEFAULT_REPEATS, Calibration, calibrate_worker,
+                              default_micro_batches, linear_fit)
 from geomesh.runtime.distributed.region import RegionWorker, build_training
 
 STEPS = 4
@@ -44,7 +45,8 @@ def test_calibration_leaves_training_bit_identical(tiny_scenario, trained_before
     plain, calibrated = region_worker(sc), region_worker(sc)
     train(plain, trained_before), train(calibrated, trained_before)
     result = calibrate_worker(calibrated)
-    assert result.steps == len(default_micro_batches(sc.training.batch)) * 3  # 1 warm-up + 2 timed per candidate
+    # 1 warm-up + DEFAULT_REPEATS timed per candidate
+    assert result.steps == len(default_micro_batches(sc.training.batch)) * (1 + DEFAULT_REPEATS)
     assert calibrated.max_proxy_micro_batch == plain.max_proxy_micro_batch
     assert_same_training_state(plain, calibrated)
     torch.manual_seed(123)  # the same random state for both from here: calibration restored the generator too
@@ -77,9 +79,9 @@ def test_the_measured_profile_plans_the_region(tiny_scenario):
 
 def test_default_candidates_and_bad_arguments(tiny_scenario):
     assert default_micro_batches(4) == [1, 2, 4]
-    assert default_micro_batches(6) == [1, 2, 4, 6]
-    assert default_micro_batches(64) == [1, 16, 32, 64]
-    assert default_micro_batches(64, cap=8) == [1, 2, 4, 8]
+    assert default_micro_batches(6) == [1, 4, 6]
+    assert default_micro_batches(64) == [1, 32, 64]
+    assert default_micro_batches(64, cap=8) == [1, 4, 8]
     worker = region_worker(tiny_scenario())
     with pytest.raises(ValueError, match="positive integers"):
         calibrate_worker(worker, [0, 2])
@@ -93,9 +95,7 @@ def test_default_candidates_and_bad_arguments(tiny_scenario):
 
 def test_the_planner_sees_the_measured_times_as_a_line():
     """A noisy dip (32 sequences measured as fast as 16) must not make a micro-batch look free: the profile
-    keeps the least-squares line through every point, growing with the batch; the raw times are kept too."""
-    from geomesh.profiler import linear_fit
-
+    keeps the median (Theil-Sen) line through every point, growing with the batch; the raw times are kept too."""
     noisy = {1: 0.010, 16: 0.035, 32: 0.035, 47: 0.060}
     fit = linear_fit(noisy)
     assert sorted(fit) == sorted(noisy)
@@ -105,3 +105,32 @@ def test_the_planner_sees_the_measured_times_as_a_line():
     flat = linear_fit({1: 0.02, 8: 0.02})  # no growth measured at all: still a positive cost per sequence
     assert flat[8] > flat[1] > 0
     assert linear_fit({4: 0.5}) == {4: 0.5}
+
+
+def test_the_line_ignores_a_slow_step():
+    """Every timed step counts (a micro-batch -> its times): one step slowed 5x by a busy host moves the
+    median line by nothing, where a least-squares line would tilt, and the medians per candidate are kept
+    in the profile as measured (the calibration's extra)."""
+    clean = {1: [0.010, 0.010, 0.010], 16: [0.040, 0.040, 0.040], 32: [0.072, 0.072, 0.072]}
+    slowed = {**clean, 16: [0.040, 0.200, 0.040]}
+    assert linear_fit(slowed) == pytest.approx(linear_fit(clean), rel=1e-9)
+    fit = linear_fit(clean)
+    assert fit[1] < fit[16] < fit[32]
+
+
+def test_calibration_interleaves_the_candidates(tiny_scenario, monkeypatch):
+    """Each pass over the candidates runs one step of every one (ascending, then descending), so a busy spell
+    of the host falls on all of them alike; the warm-up pass is not timed."""
+    import geomesh.profiler as profiler
+
+    order = []
+    real = profiler._timed_training_step
+
+    def spy(worker, m, lr, device):
+        order.append(m)
+        return real(worker, m, lr, device)
+
+    monkeypatch.setattr(profiler, "_timed_training_step", spy)
+    result = calibrate_worker(region_worker(tiny_scenario()), [1, 2, 4], warmup_steps=1, repeats=2)
+    assert order == [1, 2, 4, 4, 2, 1, 1, 2, 4] and result.steps == 9
+    assert sorted(result.profile.extra["measured_table"]) == ["1", "2", "4"]

@@ -145,6 +145,28 @@ def test_a_resumed_run_plans_as_the_uninterrupted_one(tmp_path, small_corpus):
     online = extra["plan_loop"]["online"]
     assert set(online["factors"]) == {"r0-h100", "r1-a100", "r2-t4"} and online["measured"]
     assert any(f != 1.0 for f in online["factors"].values())
+    # and the noise-aware rules' state: the observations the noise and the levels are measured from
+    assert all(online["history"][n] for n in online["factors"]) and set(online["level"]) == set(online["factors"])
     want, got = torch.load(ref / "final_params.pt"), torch.load(out / "final_params.pt")
     for name in want:
         assert torch.equal(want[name], got[name]), name
+
+
+def test_the_loop_plans_with_noise_aware_rules(tmp_path, small_corpus):
+    """The distributed runtime's measurements are wall-clock: its online planner holds outliers back and keeps
+    a plan until the rounds show a drift beyond their noise (geomesh.replan_noise_k); 0 turns that off, and a
+    negative value is refused naming the field. (No launch: the loop's planner is built as the loop builds it.)"""
+    from types import SimpleNamespace
+
+    from geomesh.config import ConfigError, load_scenario
+    from geomesh.methods import get_method
+    from geomesh.runtime.distributed.plan_loop import PlanLoop
+
+    path = write(tmp_path, small_corpus)
+    for k in (2.5, 0.0):
+        sc = load_scenario(path, {"geomesh.replan_noise_k": k} if k == 0.0 else None)
+        loop = SimpleNamespace(sc=sc, method=get_method("geomesh"), calibrated={})
+        online = PlanLoop._new_online(loop, sc.worker_profiles({}))
+        assert online.noise_k == k and online.first_measurement_sets_factor
+    with pytest.raises(ConfigError, match="geomesh.replan_noise_k"):
+        load_scenario(path, {"geomesh.replan_noise_k": -1})

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import random
 import warnings
 
@@ -449,3 +450,124 @@ def test_replan_from_one_measurement_balances_the_true_speeds():
     assert all(p.slowdown == 1.0 for p in profiles)
     with pytest.raises(ValueError, match="unknown worker"):
         replan(profiles, plan, {"nope": 1.0}, c)
+
+
+# ---- the noise-aware rules (wall-clock measurements: noise_k > 0) ---------------------------------------------
+
+
+def noisy_rounds(op: OnlinePlanner, profiles, plan, rounds: int, sigma: float, seed: int, speed=lambda r, n: 1.0):
+    """``rounds`` rounds of measurements ``speed(round, name)`` x the profile's prediction x lognormal noise of
+    relative dispersion ``sigma``; returns the final plan and the rounds re-planned after."""
+    rng = random.Random(seed)
+    replanned = []
+    for r in range(rounds):
+        for p in profiles:
+            op.observe(p.name, true_compute(p, plan.worker(p.name), speed(r, p.name) * rng.lognormvariate(0, sigma)),
+                       plan)  # fmt: skip
+        new = op.maybe_replan()
+        if new is not None:
+            plan = new
+            replanned.append(r)
+    return plan, replanned
+
+
+def test_dispersion_is_the_round_to_round_noise_and_ignores_a_step():
+    from geomesh.planner.online import NOISE_MIN_CHANGES, dispersion
+
+    assert dispersion([1.0] * NOISE_MIN_CHANGES) is None
+    assert dispersion([1.0] * (NOISE_MIN_CHANGES + 1)) == 0.0
+    assert dispersion([1.0, 1.1], [1.0, 1.1], [1.1, 1.0]) == pytest.approx(1.4826 * abs(math.log(1.1)) / math.sqrt(2))
+    rng = random.Random(1)
+    noisy = [rng.lognormvariate(0, 0.2) for _ in range(400)]
+    assert 0.15 < dispersion(noisy) < 0.25
+    # a worker that became twice as slow: one large round-to-round change among several small ones
+    assert dispersion([1.0, 1.02, 0.98, 1.0, 2.0, 2.04, 1.96, 2.0]) < 0.05
+
+
+def test_noise_does_not_replan_the_run_round_after_round():
+    """Measurements 20% noisy round to round, speeds unchanged: the plain 10% threshold re-plans most rounds;
+    the noise-aware deadband keeps the plan once it has seen the noise (a few rounds)."""
+    profiles = cluster("H100", "A100", "V100", "T4")
+    c = PlanConstraints(ref_batch=16, ref_inner_steps=30)
+    counts = {0.0: [], 2.5: []}
+    for k in counts:
+        for seed in range(1, 6):
+            op = OnlinePlanner(profiles, c, noise_k=k)
+            counts[k].append(len(noisy_rounds(op, profiles, op.plan(), 30, 0.2, seed=seed)[1]))
+    assert min(counts[0.0]) >= 10  # of 30 rounds
+    assert sum(counts[2.5]) * 4 <= sum(counts[0.0]), counts
+
+
+def test_a_confirmed_change_of_speed_is_taken_at_once():
+    """10% noise; from round 10 one worker runs at half its speed: two rounds in a row outside the noise are a
+    change, the factor jumps to their median (not half-way there) and the run is re-planned once, two rounds
+    after the change; the plan then holds."""
+    profiles = cluster("H100", "A100", "V100", "T4")
+    c = PlanConstraints(ref_batch=16, ref_inner_steps=30)
+    op = OnlinePlanner(profiles, c, noise_k=2.5)
+    first = op.plan()
+    plan, replanned = noisy_rounds(op, profiles, first, 20, 0.1, seed=3,
+                                   speed=lambda r, n: 2.0 if n == "A100-1" and r >= 10 else 1.0)  # fmt: skip
+    after = [r for r in replanned if r >= 10]
+    assert after[0] == 11 and len(after) <= 2, replanned
+    assert op.factors["A100-1"] == pytest.approx(2.0, rel=0.2)
+    assert plan.worker("A100-1").sequences < first.worker("A100-1").sequences
+
+
+def test_a_bias_below_one_rounds_noise_is_found_from_several():
+    """20% noise; from round 10 one worker runs 30% slower, inside one round's noise: no single round shows it,
+    the mean of the rounds since the plan does, some rounds later; the noise alone re-plans rarely."""
+    profiles = cluster("H100", "A100", "V100", "T4")
+    c = PlanConstraints(ref_batch=16, ref_inner_steps=30)
+    found, errors = [], []
+    for seed in range(1, 6):
+        op = OnlinePlanner(profiles, c, noise_k=2.5)
+        _, replanned = noisy_rounds(op, profiles, op.plan(), 30, 0.2, seed=seed,
+                                    speed=lambda r, n: 1.3 if n == "A100-1" and r >= 10 else 1.0)  # fmt: skip
+        assert len(replanned) <= 6, replanned
+        found.append(any(r >= 10 for r in replanned))
+        errors.append(abs(math.log(op.assumed["A100-1"] / 1.3)))  # what the last plan assumed
+    assert sum(found) >= 3, found
+    assert sorted(errors)[len(errors) // 2] < 0.12, errors
+
+
+def test_a_single_outlier_is_held_back_and_dropped():
+    """One round 3x slower (a descheduled process) among quiet ones: not folded in, no re-plan; the next quiet
+    round drops it."""
+    profiles = cluster("H100", "A100")
+    c = PlanConstraints(ref_batch=16, ref_inner_steps=30)
+    op = OnlinePlanner(profiles, c, noise_k=2.5)
+    plan = op.plan()
+    _, replanned = noisy_rounds(op, profiles, plan, 6, 0.05, seed=5)
+    assert not replanned
+    before = dict(op.factors)
+    w = plan.worker("A100-1")
+    op.observe("A100-1", true_compute(profiles[1], w, 3.0), plan)
+    assert op.factors == before and op.held["A100-1"] and op.maybe_replan() is None
+    op.observe("A100-1", true_compute(profiles[1], w, 1.0), plan)
+    assert not op.held["A100-1"] and op.factors["A100-1"] == pytest.approx(before["A100-1"], rel=0.1)
+    assert op.maybe_replan() is None
+
+
+def test_noise_aware_state_round_trips_and_is_adopted():
+    """A planner loaded from another's state_dict (through JSON, as in a checkpoint) decides as the other one
+    does from then on; adopt() carries what was learned into a planner for other members."""
+    profiles = cluster("H100", "A100", "V100")
+    c = PlanConstraints(ref_batch=16, ref_inner_steps=30)
+    a = OnlinePlanner(profiles, c, noise_k=2.5)
+    plan, _ = noisy_rounds(a, profiles, a.plan(), 5, 0.15, seed=11)
+    a.observe("A100-1", true_compute(profiles[1], plan.worker("A100-1"), 4.0), plan)  # held back
+    state = json.loads(json.dumps(a.state_dict()))
+    assert state["held"]["A100-1"] and len(state["history"]["H100-0"]) == 5
+    b = OnlinePlanner(profiles, c, noise_k=2.5)
+    b.load_state_dict(state)
+    assert b.state_dict() == a.state_dict()
+    for op in (a, b):
+        noisy_rounds(op, profiles, plan, 6, 0.15, seed=12, speed=lambda r, n: 4.0 if n == "A100-1" else 1.0)
+    assert b.state_dict() == a.state_dict() and a.factors["A100-1"] > 3.0
+    fresh = OnlinePlanner(profiles[:2], c, noise_k=2.5)
+    fresh.adopt(a)
+    assert fresh.factors == {k: a.factors[k] for k in ("H100-0", "A100-1")}
+    assert fresh.history["A100-1"] == a.history["A100-1"] and fresh.measured == {"H100-0", "A100-1"}
+    with pytest.raises(ValueError, match="noise_k"):
+        OnlinePlanner(profiles, c, noise_k=-1.0)

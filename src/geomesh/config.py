@@ -156,6 +156,11 @@ class GeoMeshConfig:
     replan: bool = True  # online re-planning from measured compute times (beyond the paper)
     replan_threshold: float = 0.1  # re-plan when a worker's smoothed speed drifts this far (relative)
     replan_smoothing: float = 0.5  # exponential smoothing of measured/predicted compute time
+    # the distributed runtime's wall-clock measurements are noisy (docs/distributed.md, "The plan as a loop"): a
+    # region's round further than max(replan_threshold, k·σ) from its factor (σ: its round-to-round dispersion)
+    # is held back (alone an outlier, two in a row a change of speed, taken at once), and a plan is kept until
+    # the rounds since it differ from what it assumed by more than their noise allows; 0: the plain threshold
+    replan_noise_k: float = 2.5
     # the distributed runtime measures each region's step time in place before round 0 and plans from that
     # (a region given --profile keeps its file); false: plan from the datasheet model (a fast start)
     calibrate: bool = True
@@ -531,6 +536,7 @@ def validate(cfg: ScenarioConfig) -> ScenarioConfig:
     _require(c.quant_chunk_size >= 1, "compression.quant_chunk_size", c.quant_chunk_size, "expected >= 1")
     _require(0 < g.replan_threshold < 10, "geomesh.replan_threshold", g.replan_threshold, "expected (0, 10)")
     _require(0 <= g.replan_smoothing < 1, "geomesh.replan_smoothing", g.replan_smoothing, "expected [0, 1)")
+    _require(0 <= g.replan_noise_k <= 10, "geomesh.replan_noise_k", g.replan_noise_k, "expected [0, 10]")
     _require(g.overlap_start in ("own", "mixture", "stale"), "geomesh.overlap_start", g.overlap_start,
              "expected 'own', 'mixture' or 'stale'")  # fmt: skip
     _require(g.overlap_tail_fragments is None or (isinstance(g.overlap_tail_fragments, int)

@@ -20,7 +20,7 @@ import itertools
 import math
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,7 +34,8 @@ from .worker import Worker, autocast_dtype, make_inner_optimizer
 
 WARMUP_STEPS = 2  # full steps per micro-batch before timing: kernels chosen, AdamW state allocated
 CALIBRATION_STEP_LIMIT = 24  # training steps one calibration may run in all, so that start-up stays short
-DEFAULT_CANDIDATES = 4  # micro-batches a calibration measures by default
+DEFAULT_CANDIDATES = 3  # micro-batches a calibration measures by default (fewer, each timed more often)
+DEFAULT_REPEATS = 4  # timed steps per candidate (the median and the robust line count)
 MEMORY_HEADROOM = 0.9  # the share of the device's memory a micro-batch may fill (as the memory model counts)
 
 
@@ -146,18 +147,23 @@ def default_micro_batches(batch: int, cap: int | None = None) -> list[int]:
 
 
 def calibrate_worker(worker: Worker, micro_batches: Sequence[int] | None = None, *, warmup_steps: int = 1,
-                     repeats: int = 2) -> Calibration:  # fmt: skip
+                     repeats: int = DEFAULT_REPEATS) -> Calibration:  # fmt: skip
     """Measure ``worker``'s step time in place, for the model it really trains, and leave it as it was.
 
     For each candidate micro-batch ``m`` (the region's micro-batch: a region of ``size`` ranks splits it
     over them; default :func:`default_micro_batches` of ``training.batch``), ``warmup_steps`` then
     ``repeats`` full training steps: forward + backward of ``m`` sequences from the worker's own stream in
-    one pass per rank (``accumulate_grad``), then the optimizer step (``apply_step``); the median forward +
-    backward is the profile's ``table[m]``, the median optimizer step its ``step_overhead_s``. On CUDA the
-    peak memory of each micro-batch (``torch.cuda.max_memory_allocated``) is recorded
-    (``extra["peak_memory_bytes"]``) and bounds ``max_micro_batch``: the micro-batch at which the line through
-    the two largest candidates' peaks reaches 90% of the device (a candidate that runs out of memory ends the
-    search); on CPU it is the worker's own bound (``max_proxy_micro_batch`` per rank).
+    one pass per rank (``accumulate_grad``), then the optimizer step (``apply_step``). The candidates are
+    interleaved: each pass over them runs one step of every candidate (ascending, then descending, and so on),
+    so a busy spell of the host (other processes, a neighbour's job) falls on all of them alike instead of
+    skewing one candidate against the others; the first ``warmup_steps`` passes are not timed. The profile's
+    ``table`` is the robust line through every timed forward + backward (:func:`linear_fit`: Theil-Sen,
+    monotone in the micro-batch), the median optimizer step its ``step_overhead_s``; the medians per
+    candidate are kept (``extra["measured_table"]``). On CUDA the peak memory of each micro-batch
+    (``torch.cuda.max_memory_allocated``) is recorded (``extra["peak_memory_bytes"]``) and bounds
+    ``max_micro_batch``: the micro-batch at which the line through the two largest candidates' peaks reaches
+    90% of the device (a candidate that runs out of memory is dropped with every larger one); on CPU it is the
+    worker's own bound (``max_proxy_micro_batch`` per rank).
 
     Afterwards parameters, buffers, gradients, the optimizer's state and settings, the stream's position,
     the random generators' states and the micro-batch bound are restored exactly. The worker's declared
@@ -166,7 +172,7 @@ def calibrate_worker(worker: Worker, micro_batches: Sequence[int] | None = None,
     No communication of its own: in a region of several ranks every rank calls it with the same arguments
     (the steps run the region's gradient reduction, which is part of its step time; each rank measures its
     own device). At most :data:`CALIBRATION_STEP_LIMIT` steps in all; bad arguments raise ValueError, a
-    first candidate that does not fit in memory :class:`~geomesh.errors.RunError`.
+    smallest candidate that does not fit in memory :class:`~geomesh.errors.RunError`.
     """
     started = time.perf_counter()
     device = next(worker.model.parameters()).device
@@ -184,41 +190,46 @@ def calibrate_worker(worker: Worker, micro_batches: Sequence[int] | None = None,
 
     saved = _save_training_state(worker, device)
     lr = worker.optimizer.param_groups[0]["lr"]  # any rate runs the same kernels; the step is undone
-    table: dict[int, float] = {}
+    samples: dict[int, list[float]] = {m: [] for m in candidates}  # timed forward + backward per candidate
     peaks: dict[int, int] = {}
     step_times: list[float] = []
+    active = list(candidates)
     out_of_memory_at: int | None = None
     steps = 0
     seq_len = 0
     try:
         worker.model.train()
         base = torch.cuda.memory_allocated(device) if on_cuda else 0
-        for m in candidates:
-            worker.max_proxy_micro_batch = -(-m // size)  # one forward/backward per rank: the micro-batch measured
-            try:
-                if on_cuda:
-                    torch.cuda.reset_peak_memory_stats(device)
-                passes = []
-                for k in range(warmup_steps + repeats):
+        for k in range(warmup_steps + repeats):
+            for m in list(active if k % 2 == 0 else active[::-1]):
+                if m not in active:  # (dropped in this pass: a smaller one ran out of memory)
+                    continue
+                worker.max_proxy_micro_batch = -(-m // size)  # one forward/backward per rank: the micro-batch
+                try:
+                    if on_cuda:
+                        torch.cuda.reset_peak_memory_stats(device)
                     forward_backward_s, optimizer_s, tokens = _timed_training_step(worker, m, lr, device)
                     steps += 1
-                    if k >= warmup_steps:
-                        passes.append((forward_backward_s, optimizer_s))
-                if on_cuda:
-                    peaks[m] = int(torch.cuda.max_memory_allocated(device))
-            except torch.cuda.OutOfMemoryError:
-                worker.optimizer.zero_grad(set_to_none=True)
-                torch.cuda.empty_cache()
-                if not table:
-                    raise RunError(f"calibration of {worker.name}: a micro-batch of {m} does not fit in "
-                                   f"{torch.cuda.get_device_name(device)}'s memory; give smaller micro-batches") from None  # fmt: skip
-                out_of_memory_at = m
-                break
-            table[m] = statistics.median(p[0] for p in passes)
-            step_times += [p[1] for p in passes]
-            seq_len = tokens // m
+                    if on_cuda:
+                        peaks[m] = max(peaks.get(m, 0), int(torch.cuda.max_memory_allocated(device)))
+                except torch.cuda.OutOfMemoryError:
+                    worker.optimizer.zero_grad(set_to_none=True)
+                    torch.cuda.empty_cache()
+                    if m == active[0]:
+                        raise RunError(f"calibration of {worker.name}: a micro-batch of {m} does not fit in "
+                                       f"{torch.cuda.get_device_name(device)}'s memory; give smaller micro-batches") from None  # fmt: skip
+                    out_of_memory_at = m if out_of_memory_at is None else min(out_of_memory_at, m)
+                    active = [x for x in active if x < m]
+                    continue
+                seq_len = tokens // m
+                if k >= warmup_steps:
+                    samples[m].append(forward_backward_s)
+                    step_times.append(optimizer_s)
     finally:
         _restore_training_state(worker, saved, device)
+    samples = {m: ts for m, ts in samples.items() if m in active and ts}
+    peaks = {m: b for m, b in peaks.items() if m in active}
+    table = {m: statistics.median(ts) for m, ts in samples.items()}
     if on_cuda:
         usable = MEMORY_HEADROOM * torch.cuda.get_device_properties(device).total_memory
         cap = _memory_cap(peaks, base, usable, out_of_memory_at)
@@ -234,25 +245,30 @@ def calibrate_worker(worker: Worker, micro_batches: Sequence[int] | None = None,
         extra["peak_memory_bytes"] = {str(m): b for m, b in peaks.items()}
     extra["measured_table"] = {str(m): s for m, s in table.items()}
     profile = WorkerProfile(name=worker.name, gpu=torch.cuda.get_device_name(device) if on_cuda else "cpu",
-                            gpu_count=size, max_micro_batch=cap, table=linear_fit(table),
+                            gpu_count=size, max_micro_batch=cap, table=linear_fit(samples),
                             step_overhead_s=statistics.median(step_times), source="measured", extra=extra)  # fmt: skip
     return Calibration(profile=profile, seconds=seconds, steps=steps)
 
 
-def linear_fit(table: dict[int, float]) -> dict[int, float]:
-    """The measured micro-batch times as a line, t(m) = a + b·m (least squares; a >= 0, b > 0), at the same
-    micro-batches. A few timed steps per point are noisy where steps are short (a busy host, a small model),
-    and the planner picks the micro-batch whose time looks cheapest: a raw table with a dip makes it chase the
-    noise, round after round. The line keeps the shape the planner may rely on (a fixed cost per pass plus a
-    cost per sequence), fitted on every point."""
-    if len(table) < 2:
-        return dict(table)
-    xs, ys = list(table), [table[m] for m in table]
-    n, mx, my = len(xs), sum(xs) / len(xs), sum(ys) / len(ys)
-    sxx = sum((x - mx) ** 2 for x in xs)
-    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx > 0 else 0.0
-    b = max(b, 1e-3 * my / max(xs))  # a time that does not grow with the batch is noise, not a free batch
-    a = max(my - b * mx, 0.0)
+def linear_fit(table: Mapping[int, float | Sequence[float]]) -> dict[int, float]:
+    """The measured micro-batch times as a line, t(m) = a + b·m (a >= 0, b > 0), at the measured
+    micro-batches. ``table`` maps a micro-batch to its time, or to every time measured at it.
+
+    The line is Theil-Sen's: the slope is the median of the slopes between every two measurements at
+    different micro-batches, the intercept the median of t − b·m over all of them. A few timed steps are
+    noisy where steps are short (a busy host, a small model), and the planner picks the micro-batch whose time
+    looks cheapest: a raw table with a dip, or a least-squares line pulled by one slow step, makes it chase
+    the noise, round after round. The median line ignores up to about a third of the measurements however far
+    off they are, and keeps the shape the planner may rely on: a fixed cost per pass plus a cost per sequence,
+    never falling with the micro-batch."""
+    points = [(m, float(t)) for m, ts in table.items() for t in (ts if isinstance(ts, Sequence) else [ts])]
+    xs = sorted({m for m, _ in points})
+    if len(xs) < 2:
+        return {m: statistics.median(t for x, t in points if x == m) for m in xs}
+    slopes = [(t1 - t0) / (m1 - m0) for i, (m0, t0) in enumerate(points) for m1, t1 in points[i + 1 :] if m1 != m0]
+    my = statistics.fmean(t for _, t in points)
+    b = max(statistics.median(slopes), 1e-3 * my / max(xs))  # a time that does not grow is noise, not a free batch
+    a = max(statistics.median(t - b * m for m, t in points), 0.0)
     return {m: a + b * m for m in xs}
 
 

@@ -32,15 +32,16 @@ class PlanLoop:
         known = self.online
         self.online = self._new_online(profiles)
         if known is not None:
-            self.online.factors.update({k: v for k, v in known.factors.items() if k in self.online.factors})
-            self.online.measured |= known.measured & set(self.online.factors)
+            self.online.adopt(known)
         return self.online.plan(self.kit.modeled_payload_nbytes, exchange_s)
 
     def _new_online(self, profiles: list[WorkerProfile]) -> OnlinePlanner:
         g = self.sc.geomesh
-        # uncalibrated profiles describe the timing model, not what trains: a first measurement is the factor
+        # uncalibrated profiles describe the timing model, not what trains: a first measurement is the factor;
+        # wall-clock compute times are noisy: outliers held back, the deadband widened to the regions' noise
         return OnlinePlanner(profiles, self.method.constraints(self.sc, len(profiles)), smoothing=g.replan_smoothing,
-                             threshold=g.replan_threshold, first_measurement_sets_factor=not self.calibrated)  # fmt: skip
+                             threshold=g.replan_threshold, first_measurement_sets_factor=not self.calibrated,
+                             noise_k=g.replan_noise_k)  # fmt: skip
 
     def calibrate(self) -> dict[str, Any] | None:
         """Every rank of this region: measure the region's step time in place (the model it really trains, a
