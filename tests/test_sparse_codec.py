@@ -142,6 +142,82 @@ def test_wire_layout_by_hand():
     assert len(p) == HEADER_NBYTES + 4 + 2
 
 
+@PROPS
+@given(
+    shapes=st.lists(st.lists(st.integers(0, 40), min_size=0, max_size=2).map(tuple), min_size=1, max_size=4),
+    seed=st.integers(0, 10**6),
+    chunk_block_k=st.sampled_from([(16, 4, 8), (16, 2, 2), (32, 8, 16), (12, 3, 12), (64, 4, 4)]),
+)
+def test_block_positions_send_the_top_k_blocks_by_norm(shapes, seed, chunk_block_k):
+    chunk, block, k = chunk_block_k
+    tensors = make_tensors(shapes, seed)
+    m = Manifest.from_tensors(tensors)
+    codec = SparseSignCodec(m, chunk_size=chunk, k=k, block=block, error_feedback=False)
+    payload = codec.encode(tensors, 3)
+    assert len(payload) == codec.payload_nbytes()
+    y = flat(codec.decode(payload).tensors)
+    x = flat(tensors)
+    for s in codec._segments:
+        for r in range(s.rows):
+            xs = x[s.start + r * s.width : s.start + (r + 1) * s.width]
+            ys = y[s.start + r * s.width : s.start + (r + 1) * s.width]
+            sent = ys != 0
+            # a chunk the block divides sends whole blocks; a tail chunk it does not, single entries
+            assert s.block == (block if s.width % block == 0 else 1)
+            assert int(sent.sum()) == s.k * s.block
+            blocks = sent.view(s.slots, s.block)
+            assert bool((blocks.all(dim=1) | ~blocks.any(dim=1)).all())
+            norms = xs.view(s.slots, s.block).square().sum(dim=1)
+            chosen = blocks.any(dim=1)
+            if s.k < s.slots:  # every sent block's norm at least every unsent one's
+                assert float(norms[chosen].min()) >= float(norms[~chosen].max())
+            assert torch.equal(torch.sign(ys[sent]), torch.sign(xs[sent]))
+            assert math.isclose(float(ys.norm()), float(xs[sent].norm()), rel_tol=1e-5)  # norm kept
+    assert codec.entries == int((y != 0).sum())
+
+
+def test_block_position_code_size_is_measured():
+    m = Manifest.from_shapes({"w": (256, 4096)})
+    codec = SparseSignCodec(m, chunk_size=4096, k=432, block=4)  # 108 blocks of 4 among 1024
+    # r = floor(log2(1024/108)) = 3, unary field 108 + ((1024 − 108) >> 3) = 222 bits per chunk
+    assert codec.position_bits() == pytest.approx(3 + 222 / 108)  # 5.06 bits per block
+    assert codec.index_bits() == pytest.approx((3 + 222 / 108) / 4)  # 1.26 bits per entry, 7.98 at block 1
+    assert codec.bits_per_parameter() == pytest.approx((432 + 108 * 3 + 222 + 32) / 4096 + 8 * HEADER_NBYTES / m.numel)
+    assert codec.bits_per_parameter() <= 0.25  # >= 128x fewer bytes than fp32
+    assert DenseCodec(m).payload_nbytes() / codec.payload_nbytes() >= 128
+    t = {"w": torch.randn(256, 4096, generator=torch.Generator().manual_seed(5))}
+    assert len(SparseSignCodec(m, k=432, block=4, error_feedback=False).encode(t, 1)) == codec.payload_nbytes()
+    assert SparseSignCodec(m, k=64).position_bits() == SparseSignCodec(m, k=64).index_bits()
+
+
+def test_block_wire_layout_by_hand():
+    # 12 elements, chunk 12, blocks of 3 (4 slots), k 6 = 2 blocks: r = floor(log2(4/2)) = 1, unary 2 + (2 >> 1) = 3
+    x = torch.tensor([0.0, 0, 0, 1, -2, 2, 0, 0, 0, -3, 0.5, 0])
+    codec = SparseSignCodec(Manifest.from_tensors({"a": x}), chunk_size=12, k=6, block=3, error_feedback=False)
+    p = codec.encode({"a": x}, 5)
+    mag = struct.unpack_from("<f", p, HEADER_NBYTES)[0]
+    assert mag == pytest.approx(math.sqrt((1 + 4 + 4 + 9 + 0.25 + 0) / 6))
+    bits = np.unpackbits(np.frombuffer(p[HEADER_NBYTES + 4 :], np.uint8), bitorder="little")
+    # blocks 1 and 3: signs + - + - + + (0 counts as +); gaps 1 and 1: remainders 1, 1; quotients 0, 0
+    assert bits.tolist() == [1, 0, 1, 0, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0]
+    y = codec.decode(p).tensors["a"]
+    assert torch.equal(y != 0, torch.tensor([0, 0, 0, 1, 1, 1, 0, 0, 0, 1, 1, 1], dtype=torch.bool))
+    # a block position past the last slot is refused (gaps 1 and (1 << 1) | 1 = 3: block 5 of 4)
+    bad = [1, 0, 1, 0, 1, 1, 1, 1, 1, 0, 1]
+    with pytest.raises(PayloadError, match="past the end of chunk 0 \\(4 blocks\\)"):
+        codec.decode(with_body(p, 4, _bits_body(bad)))
+
+
+def test_block_error_feedback_telescopes():
+    rounds = [make_tensors([(300,), (7, 11)], seed=s) for s in range(6)]
+    m = Manifest.from_tensors(rounds[0])
+    codec = SparseSignCodec(m, chunk_size=64, k=16, block=4)
+    sent = torch.zeros(m.numel)
+    for t in rounds:
+        sent += flat(codec.decode(codec.encode(t, 1)).tensors)
+    assert torch.allclose(sent + flat(codec.residual), sum(flat(t) for t in rounds), atol=1e-4)
+
+
 # ---------------------------------------------------------------------------------------------
 # error feedback and combine
 # ---------------------------------------------------------------------------------------------
@@ -209,7 +285,11 @@ def test_constructor_validation():
     m = Manifest.from_shapes({"a": (10,)})
     for kwargs, word in [({"k": 0}, "k must"), ({"chunk_size": 1}, "chunk_size"), ({"k": 4097}, "k must"),
                          ({"value_bits": 3}, "value_bits"), ({"ef_decay": 0}, "ef_decay"),
-                         ({"weighting": "x"}, "weighting")]:  # fmt: skip
+                         ({"weighting": "x"}, "weighting"), ({"block": 0}, "block must"),
+                         ({"block": 3, "k": 64}, "must divide"),
+                         ({"block": 8, "k": 12, "chunk_size": 20}, "must divide"),
+                         ({"block": 4, "k": 8, "value_bits": 2}, "value_bits=1"),
+                         ({"scale": "max"}, "scale")]:  # fmt: skip
         with pytest.raises(ValueError, match=word):
             SparseSignCodec(m, **kwargs)
     with pytest.raises(ValueError, match="fmt"):
@@ -332,7 +412,8 @@ def test_malformed_sparse_payloads_are_refused_with_a_clear_message():
 def test_every_single_byte_corruption_is_caught():
     t = make_tensors([(11,), (2, 3)], seed=4)
     m = Manifest.from_tensors(t)
-    for codec in (SparseSignCodec(m, chunk_size=4, k=2, value_bits=2), QuantCodec(m, fmt="fp4", chunk_size=4)):
+    for codec in (SparseSignCodec(m, chunk_size=4, k=2, value_bits=2), SparseSignCodec(m, chunk_size=4, k=2, block=2),
+                  QuantCodec(m, fmt="fp4", chunk_size=4)):  # fmt: skip
         p = codec.encode(t, 7)
         for i in range(len(p)):
             for flip in (0x01, 0x80, 0xFF):
@@ -362,6 +443,7 @@ _FUZZ_T = make_tensors([(13,), (), (2, 5)], seed=9)
 _FUZZ_M = Manifest.from_tensors(_FUZZ_T)
 _FUZZ_CODECS = [SparseSignCodec(_FUZZ_M, chunk_size=4, k=2, error_feedback=False),
                 SparseSignCodec(_FUZZ_M, chunk_size=8, k=3, value_bits=2, error_feedback=False),
+                SparseSignCodec(_FUZZ_M, chunk_size=8, k=4, block=2, error_feedback=False),
                 QuantCodec(_FUZZ_M, chunk_size=4), QuantCodec(_FUZZ_M, fmt="fp4", chunk_size=4)]  # fmt: skip
 _FUZZ_P = [c.encode(_FUZZ_T, 17) for c in _FUZZ_CODECS]
 

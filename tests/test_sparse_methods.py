@@ -59,19 +59,79 @@ def test_published_rules_of_each_method():
     decay = load_scenario("default", {"compression.sparse_feedback": "decay"})
     assert sparse.outer_settings(decay) == (1.0, 0.0) and sparse.make_codec(m, decay).ef_decay == 0.95
     assert not sparse.make_codec(m, load_scenario("default", {"compression.sparse_feedback": "none"})).error_feedback
+    # geomesh-sparse's positions: the top 108 blocks of 4 entries per chunk; sparseloco's: the top 64 entries
+    assert (gs.block, gs.k, gs.scale, gs.warm_start) == (4, 432, "rms", False) and (sl.block, sl.k) == (1, 64)
+    single = sparse.make_codec(m, load_scenario("default", {"compression.sparse_block": 1}))
+    assert (single.block, single.k) == (1, 64) and single.bits_per_parameter() < 0.15
+    assert gs.bits_per_parameter() <= 0.25 and loco.make_codec(m, load_scenario(
+        "default", {"compression.sparse_block": 8, "compression.sparse_block_k": 384})).block == 1  # fmt: skip
+    for field, value in [("sparse_block", 3), ("sparse_block", 0), ("sparse_block_k", 430), ("sparse_block_k", 2),
+                         ("sparse_scale", "max")]:  # fmt: skip
+        with pytest.raises(ConfigError, match=f"compression.{field}"):
+            load_scenario("default", {f"compression.{field}": value})
     # the bytes: >= 128x fewer than fp32 DiLoCo on default; int8 about 4x, fp4 about 8x
     fp32 = DenseCodec(m).payload_nbytes()
     assert fp32 / gs.payload_nbytes() >= 128
     assert 3.8 < fp32 / get_method("diloco-int8").make_codec(m, sc).payload_nbytes() < 4
     assert 7.5 < fp32 / get_method("diloco-fp4").make_codec(m, sc).payload_nbytes() < 8
-    # geomesh-sparse's rounds carry the reference's sequences (N·b·H) unless the scenario sets the round
+    # geomesh-sparse's rounds carry half the reference's sequences (N·b·H/2) unless the scenario sets the round
     ref = len(sc.regions) * sc.training.batch * sc.training.inner_steps
-    assert abs(sparse.plan(sc, sc.worker_profiles()).sequences_per_round - ref) < 0.1 * ref
+    assert abs(sparse.plan(sc, sc.worker_profiles()).sequences_per_round - ref / 2) < 0.1 * ref / 2
     assert get_method("geomesh").plan(sc, sc.worker_profiles()).sequences_per_round > 5 * ref
     timed = load_scenario("default", {"geomesh.round_time_s": 25.9})
     assert sparse.plan(timed, timed.worker_profiles()).sequences_per_round > 5 * ref
     with pytest.raises(ConfigError, match="compression.sparse_feedback"):
         load_scenario("default", {"compression.sparse_feedback": "momentum"})
+
+
+class _StubWorker:
+    """What local_phase needs of a worker: where its round started, and steps that move it by ``step``."""
+
+    name = "stub"
+
+    def __init__(self, step):
+        self.step, self.started = step, None
+
+    def load_global(self, params):
+        self.started = {k: v.clone() for k, v in params.items()}
+        self.local = {k: v.clone() for k, v in params.items()}
+
+    def train(self, steps, batch, lr_at_step):
+        from geomesh.worker import InnerResult
+
+        for k in self.local:
+            self.local[k] -= self.step[k]
+        return InnerResult(steps=steps, tokens=10, mean_loss=1.0, finite=True)
+
+    def pseudo_gradient(self, global_params, names=None):
+        return {k: global_params[k] - self.local[k] for k in global_params}
+
+
+@pytest.mark.parametrize("feedback", ["residual", "decay"])
+def test_warm_started_rounds_start_from_theta_minus_the_residual(feedback):
+    small = {"compression.sparse_feedback": feedback, "compression.sparse_chunk_size": 16,
+             "compression.sparse_block_k": 4, "compression.sparse_k": 4}  # fmt: skip
+    cold = load_scenario("default", small)
+    warm = load_scenario("default", {**small, "compression.sparse_warm_start": True})
+    method = get_method("geomesh-sparse")
+    g = torch.Generator().manual_seed(1)
+    theta = {"w": torch.randn(4, 16, generator=g)}
+    m = Manifest.from_tensors(theta)
+    steps = [{"w": torch.randn(4, 16, generator=g)} for _ in range(3)]
+    wc, cc = method.make_codec(m, warm), method.make_codec(m, cold)
+    assert wc.warm_start and not cc.warm_start and wc.ef_decay == cc.ef_decay
+    for step in steps:
+        before = None if not wc.residual else {k: v.clone() for k, v in wc.residual.items()}
+        worker = _StubWorker(step)
+        payload, _ = method.local_phase(worker, 1, 1, theta, wc, None)
+        start = theta["w"] if before is None else theta["w"] - wc.ef_decay * before["w"]
+        assert torch.allclose(worker.started["w"], start)  # the round began at θ − β·e
+        # the same payload as the cold rule, whose codec adds β·e to the round's own Δ
+        ours, theirs = wc.decode(payload).tensors["w"], cc.decode(cc.encode({"w": step["w"]}, 10)).tensors["w"]
+        assert torch.equal(ours != 0, theirs != 0) and torch.allclose(ours, theirs, atol=1e-6)  # up to rounding
+        assert torch.allclose(wc.residual["w"], cc.residual["w"], atol=1e-6)
+    with pytest.raises(ConfigError, match="compression.sparse_warm_start"):
+        load_scenario("default", {"compression.sparse_warm_start": "yes"})
 
 
 def test_sparseloco_outer_step_is_plain_sgd_on_the_mean():

@@ -5,7 +5,8 @@ the token count.
 Worker i sends C(p_i) where p_i is its pseudo-gradient (plus its error-feedback residual); ``combine`` forms
 Δ = Σ_i w_i · C(p_i) with w_i = n_i / Σ_j n_j (``weighting="tokens"``, GeoMesh) or 1/N (``"equal"``,
 SparseLoCo). At k = 64 of every 4096 elements a payload is about 0.14 bits per parameter (225× less than
-fp32); see the measured sizes in docs/formats.md.
+fp32); in blocks of 4, 432 of every 4096 entries cost about 0.24 (``geomesh-sparse``'s default, 129×); see
+the measured sizes in docs/formats.md and docs/benchmarks.md.
 
 What a chunk sends
 ------------------
@@ -16,6 +17,19 @@ The k entries of largest |p| (``torch.topk``), in increasing position order. Val
 - ``value_bits=2``: the sign and a level bit; the chunk carries two magnitudes, the l2 mean of the upper
   half of the selected |p| (by rank) and of the lower half. A 2-bit quantiser in the spirit of SparseLoCo's.
 
+``scale`` picks the 1-bit magnitude: ``"rms"`` (the rule above, the default), ``"mean"`` (mean |p_top|, the
+scalar that minimises ‖p_top − s·sign(p_top)‖) or ``"norm"`` (‖p_chunk‖₂/√k: the decoded chunk keeps the
+norm of the whole chunk). Measured on ``default``: ``"mean"`` no better, ``"norm"`` diverges under error
+feedback (docs/benchmarks.md).
+
+Blocks (``block`` B > 1, ``value_bits=1``): a position names B consecutive entries. A chunk sends the k/B
+blocks of largest ‖p_block‖₂ and every entry's sign in them, so a position costs its Rice code once per B
+entries: at C = 4096, B = 4, k = 432 (108 blocks of 1024), r = 3 and U = 222, a position costs 5.06 bits and
+an entry 1 + 1.26 bits, against 1 + 7.98 for single entries: 6.75× the entries of top-64 for 1.66× its
+bytes, which moved the loss further at equal tokens than single entries at the same bytes (docs/benchmarks.md;
+a likely reason: neighbouring entries of a row move together, as an embedding's rows do for the tokens a
+round saw). A tail chunk that B does not divide sends single entries.
+
 Positions (the part that dominates a sparse payload)
 -----------------------------------------------------
 Raw positions in a chunk of C elements cost log2(C) bits (12 at 4096). We send the gaps between sorted
@@ -25,7 +39,8 @@ unary, as the positions of k one-bits in a field of U = k + ((C − k) >> r) bit
 j + Σ_{i≤j} q_i; Σ q_j ≤ (C − k) >> r because a sum of floors is at most the floor of the sum). Both fields
 have a fixed size, so every payload of a codec has the same length (the wire format refuses any other), and
 decoding is a vectorised ``nonzero`` + ``cumsum``. At C = 4096, k = 64: r = 6, U = 127, so an index costs
-6 + 127/64 = 7.98 bits, against 12 raw (measured in tests/test_sparse_codec.py).
+6 + 127/64 = 7.98 bits, against 12 raw (measured in tests/test_sparse_codec.py). With blocks the same code
+runs over the C/B block slots with k/B positions.
 
 Error feedback
 --------------
@@ -34,17 +49,22 @@ Error feedback
 ``geomesh-sparse`` method); β < 1 with no outer momentum is SparseLoCo's rule, where the decayed residual
 stands in for the outer momentum (Sarfi et al. 2025). Without a decay the values the codec drops are not
 lost, only delayed: Σ decoded + e_final = Σ inputs. A failed ``encode`` leaves the residual unchanged.
+``encode(..., residual_included=True)``: the input already holds β·e (a round warm-started from θ − β·e,
+methods/compressed.py), so it is not added again.
 
 Body layout (after the 48-byte header of :mod:`geomesh.codec.wire`, kind 3)
 ---------------------------------------------------------------------------
 ``L·M`` float32 magnitudes (L = ``value_bits`` levels per chunk, chunk-major: chunk j's levels at L·j...),
 then one little-endian bit stream (``numpy.packbits(..., bitorder="little")``) holding, segment by segment
 (a segment is a tensor's full chunks, or its shorter tail chunk), row-major over the segment's chunks: the
-sign bits (1 = +), with ``value_bits=2`` the level bits (1 = upper level), the r-bit remainders (low bit
-first), then the U-bit unary fields. The stream's unused high bits in its last byte must be zero.
+sign bits (1 = +; with blocks B per position, in entry order), with ``value_bits=2`` the level bits (1 =
+upper level), the r-bit remainders (low bit first), then the U-bit unary fields. The stream's unused high bits
+in its last byte must be zero. The block size is part of the layout digest, so codecs of different B refuse
+each other's payloads.
 
-A decoder refuses: non-finite or negative magnitudes, a unary field without exactly k one-bits, a position
-past the end of its chunk, non-zero padding bits (all as :class:`~geomesh.errors.PayloadError`).
+A decoder refuses: non-finite or negative magnitudes, a unary field without exactly k (k/B) one-bits, a
+position past the end of its chunk (past its last block slot), non-zero padding bits (all as
+:class:`~geomesh.errors.PayloadError`).
 """
 
 from __future__ import annotations
@@ -74,13 +94,19 @@ class _Segment:
     start: int  # global index of the first element
     rows: int  # chunks
     width: int  # elements per chunk
-    k: int  # entries sent per chunk
+    k: int  # blocks sent per chunk
     r: int  # Rice remainder bits per gap
     unary: int  # bits of the unary field per chunk
     mag0: int  # index of the segment's first chunk
+    block: int = 1  # elements per block (a position names a block of this many consecutive elements)
+
+    @property
+    def slots(self) -> int:
+        """Blocks per chunk (the range of a position)."""
+        return self.width // self.block
 
     def bits_per_chunk(self, value_bits: int) -> int:
-        return self.k * (value_bits + self.r) + self.unary
+        return self.k * (self.block * value_bits + self.r) + self.unary
 
 
 def _rice_parameter(width: int, k: int) -> int:
@@ -88,17 +114,20 @@ def _rice_parameter(width: int, k: int) -> int:
 
 
 class SparseSignCodec(_Codec):
-    """Top-k per chunk with signs (or 2-bit values), Rice-coded positions, per-chunk magnitudes, token count.
+    """Top-k per chunk (entries, or blocks of entries) with signs (or 2-bit values), Rice-coded positions,
+    per-chunk magnitudes, token count.
 
     Args:
         manifest: the tensors every worker sends.
         chunk_size: elements per chunk (default 4096); a tensor's last chunk may be shorter.
         k: entries sent per full chunk (default 64: 1.56%); a shorter tail chunk of w elements sends
-            ⌈k·w/C⌉ (at least 1, at most w).
+            ⌈k·w/C⌉ (at least 1, at most w; in blocks, ⌈(k/B)·w/C⌉ blocks).
         value_bits: 1 (sign, one magnitude per chunk) or 2 (sign + level, two magnitudes per chunk).
         error_feedback: keep a residual and send C(β·e + x).
         ef_decay: β in (0, 1] (1: classic error feedback; < 1: SparseLoCo's decayed accumulator).
         weighting: ``"tokens"`` (Σ n_i C_i / Σ n_i) or ``"equal"`` (the plain mean).
+        scale: the 1-bit magnitude per chunk, ``"rms"``, ``"mean"`` or ``"norm"`` (module docstring).
+        block: entries per position (a divisor of ``chunk_size`` and ``k``; > 1 needs ``value_bits=1``).
         key: optional HMAC-SHA256 key.
     """
 
@@ -114,6 +143,8 @@ class SparseSignCodec(_Codec):
         error_feedback: bool = True,
         ef_decay: float = 1.0,
         weighting: str = "tokens",
+        scale: str = "rms",
+        block: int = 1,
         key: bytes | None = None,
     ):
         super().__init__(manifest, key)
@@ -127,12 +158,22 @@ class SparseSignCodec(_Codec):
             raise ValueError(f"ef_decay must be in (0, 1], got {ef_decay!r}")
         if weighting not in ("tokens", "equal"):
             raise ValueError(f"weighting must be 'tokens' or 'equal', got {weighting!r}")
+        if scale not in ("rms", "mean", "norm"):
+            raise ValueError(f"scale must be 'rms', 'mean' or 'norm', got {scale!r}")
+        if isinstance(block, bool) or not isinstance(block, int) or not 1 <= block <= chunk_size:
+            raise ValueError(f"block must be an int in [1, chunk_size={chunk_size}], got {block!r}")
+        if chunk_size % block or k % block:
+            raise ValueError(f"block ({block}) must divide chunk_size ({chunk_size}) and k ({k})")
+        if block > 1 and value_bits != 1:
+            raise ValueError(f"block > 1 needs value_bits=1 (got value_bits={value_bits})")
+        self.scale, self.block = scale, block
         self.chunk_size, self.k, self.value_bits = chunk_size, k, value_bits
         self.error_feedback, self.ef_decay, self.weighting = bool(error_feedback), float(ef_decay), weighting
         self._chunk_field = chunk_size
         self._flags = (FLAG_ERROR_FEEDBACK if self.error_feedback else 0) | (
             FLAG_TWO_BIT_VALUES if value_bits == 2 else 0)  # fmt: skip
-        self._digest = self._digest_bytes(f"sparse;k={k};value_bits={value_bits}")
+        blocks = f";block={block}" if block > 1 else ""  # single entries keep the layout digest they had
+        self._digest = self._digest_bytes(f"sparse;k={k};value_bits={value_bits}{blocks}")
         segments: list[_Segment] = []
         m = 0
         for spec, off in zip(manifest, manifest.offsets):
@@ -140,23 +181,25 @@ class SparseSignCodec(_Codec):
             for rows, width, start in ((full, chunk_size, off), (1 if tail else 0, tail, off + full * chunk_size)):
                 if not rows:
                     continue
-                kw = k if width == chunk_size else min(width, max(1, math.ceil(k * width / chunk_size)))
-                r = _rice_parameter(width, kw)
-                segments.append(_Segment(start, rows, width, kw, r, kw + ((width - kw) >> r), m))
+                b = block if width % block == 0 else 1  # a tail chunk the block does not divide: single entries
+                slots, kb = width // b, k // b if b > 1 else k
+                kw = kb if width == chunk_size else min(slots, max(1, math.ceil(kb * width / chunk_size)))
+                r = _rice_parameter(slots, kw)
+                segments.append(_Segment(start, rows, width, kw, r, kw + ((slots - kw) >> r), m, b))
                 m += rows
         self._segments = segments
         self._n_chunks = m
         self._n_bits = sum(s.rows * s.bits_per_chunk(value_bits) for s in segments)
-        self._n_entries = sum(s.rows * s.k for s in segments)
+        self._n_entries = sum(s.rows * s.k * s.block for s in segments)
         self._mag_nbytes = 4 * value_bits * m
         self._body_len = self._mag_nbytes + (self._n_bits + 7) // 8
         self._residual_flat: torch.Tensor | None = None
 
     def __repr__(self) -> str:
         return (
-            f"SparseSignCodec({self.manifest!r}, chunk_size={self.chunk_size}, k={self.k}, "
+            f"SparseSignCodec({self.manifest!r}, chunk_size={self.chunk_size}, k={self.k}, block={self.block}, "
             f"value_bits={self.value_bits}, error_feedback={self.error_feedback}, ef_decay={self.ef_decay}, "
-            f"weighting={self.weighting!r}, hmac={self.key is not None})"
+            f"weighting={self.weighting!r}, scale={self.scale!r}, hmac={self.key is not None})"
         )
 
     def _flag_text(self, flags: int) -> str:
@@ -181,6 +224,11 @@ class SparseSignCodec(_Codec):
         if not self._n_entries:
             return 0.0
         return sum(s.rows * (s.k * s.r + s.unary) for s in self._segments) / self._n_entries
+
+    def position_bits(self) -> float:
+        """Bits one position (of an entry, or of a block of ``block`` entries) costs, averaged over positions."""
+        n = sum(s.rows * s.k for s in self._segments)
+        return sum(s.rows * (s.k * s.r + s.unary) for s in self._segments) / n if n else 0.0
 
     def bits_per_parameter(self) -> float:
         """Bits of one payload (header and tag included) per element of the manifest."""
@@ -215,7 +263,7 @@ class SparseSignCodec(_Codec):
         self._residual_flat = buf
 
     # ---- encode ---------------------------------------------------------------------------
-    def encode(self, tensors: Mapping[str, torch.Tensor], tokens: int) -> bytes:
+    def encode(self, tensors: Mapping[str, torch.Tensor], tokens: int, *, residual_included: bool = False) -> bytes:
         """Compress ``tensors`` (names/shapes of the manifest; fp32, bf16 or fp16; one device).
 
         Raises ValueError (naming the tensor) for NaN/Inf input, a bad token count, or tensors that do not
@@ -228,7 +276,7 @@ class SparseSignCodec(_Codec):
         p = torch.empty(self._numel, dtype=_F32, device=device)
         for spec, off, x in zip(self.manifest, self.manifest.offsets, xs):
             p[off : off + spec.numel].copy_(x)
-        if self.error_feedback and self._residual_flat is not None:
+        if self.error_feedback and self._residual_flat is not None and not residual_included:
             p.add_(self._residual_flat.to(device), alpha=self.ef_decay)
             if not bool(torch.isfinite(p).all()):
                 raise ValueError("the pseudo-gradient plus the error-feedback residual overflows float32")
@@ -239,10 +287,19 @@ class SparseSignCodec(_Codec):
         sent_val: list[torch.Tensor] = []
         for s in self._segments:
             rows = p[s.start : s.start + s.rows * s.width].view(s.rows, s.width)
-            _, idx = torch.topk(rows.abs(), s.k, dim=1, sorted=True)  # by rank, largest first
+            if s.block > 1:  # the k blocks of largest l2 norm, their entries in increasing position order
+                score = rows.view(s.rows, s.slots, s.block).square().sum(dim=2)
+                bpos, _ = torch.sort(torch.topk(score, s.k, dim=1, sorted=False)[1], dim=1)
+                idx = (bpos.unsqueeze(2) * s.block + torch.arange(s.block, device=device)).reshape(s.rows, -1)
+            else:
+                _, idx = torch.topk(rows.abs(), s.k, dim=1, sorted=True)  # by rank, largest first
             vals = rows.gather(1, idx)
             level = torch.zeros_like(idx, dtype=torch.bool)
-            if levels == 1:
+            if levels == 1 and self.scale == "mean":
+                seg_mags = vals.abs().mean(dim=1, keepdim=True)
+            elif levels == 1 and self.scale == "norm":
+                seg_mags = rows.square().sum(dim=1, keepdim=True).div(idx.shape[1]).sqrt()
+            elif levels == 1:
                 seg_mags = vals.square().mean(dim=1, keepdim=True).sqrt()
             else:
                 upper = s.k // 2  # the upper level holds the ⌊k/2⌋ largest (none when k = 1)
@@ -250,13 +307,17 @@ class SparseSignCodec(_Codec):
                 lo = vals[:, upper:].square().mean(dim=1).sqrt()
                 hi = vals[:, :upper].square().mean(dim=1).sqrt() if upper else torch.zeros_like(lo)
                 seg_mags = torch.stack([lo, hi], dim=1)
-            pos, order = torch.sort(idx, dim=1)  # increasing positions
-            vals, level = vals.gather(1, order), level.gather(1, order)
+            if s.block > 1:
+                pos = bpos  # already increasing; idx (the entries) too
+            else:
+                pos, order = torch.sort(idx, dim=1)  # increasing positions
+                vals, level = vals.gather(1, order), level.gather(1, order)
+                idx = pos
             mags[s.mag0 : s.mag0 + s.rows] = seg_mags.cpu()
             sign = vals >= 0
             decoded = torch.where(sign, 1.0, -1.0) * seg_mags.gather(1, level.long())
             base = torch.arange(s.rows, device=device).unsqueeze(1) * s.width + s.start
-            sent_pos.append((pos + base).reshape(-1))
+            sent_pos.append((idx + base).reshape(-1))
             sent_val.append(decoded.reshape(-1))
             bit_parts += self._segment_bits(s, pos.cpu().numpy(), sign.cpu().numpy(), level.cpu().numpy())
         bits = np.concatenate(bit_parts) if bit_parts else np.zeros(0, dtype=np.uint8)
@@ -306,9 +367,9 @@ class SparseSignCodec(_Codec):
             return out
 
         for s in self._segments:
-            n = s.rows * s.k
-            sign = take(n).reshape(s.rows, s.k)
-            level = take(n).reshape(s.rows, s.k) if levels == 2 else np.zeros((s.rows, s.k), dtype=np.uint8)
+            n, ne = s.rows * s.k, s.rows * s.k * s.block
+            sign = take(ne).reshape(s.rows, s.k * s.block)
+            level = take(ne).reshape(s.rows, -1) if levels == 2 else np.zeros((s.rows, s.k * s.block), dtype=np.uint8)
             if s.r:
                 rem_bits = take(n * s.r).reshape(s.rows, s.k, s.r).astype(np.int64)
                 rem = (rem_bits << np.arange(s.r)).sum(axis=2)
@@ -323,10 +384,12 @@ class SparseSignCodec(_Codec):
             ends = np.nonzero(unary)[1].reshape(s.rows, s.k).astype(np.int64)
             quot = np.diff(ends, axis=1, prepend=-1) - 1
             pos = np.cumsum(((quot << s.r) | rem) + 1, axis=1) - 1
-            if (pos[:, -1] >= s.width).any():
-                row = int(np.flatnonzero(pos[:, -1] >= s.width)[0])
+            if (pos[:, -1] >= s.slots).any():
+                row = int(np.flatnonzero(pos[:, -1] >= s.slots)[0])
                 raise PayloadError(f"position {int(pos[row, -1])} past the end of chunk {s.mag0 + row} "
-                                   f"({s.width} elements)")  # fmt: skip
+                                   f"({s.slots} {'blocks' if s.block > 1 else 'elements'})")  # fmt: skip
+            if s.block > 1:
+                pos = (pos[:, :, None] * s.block + np.arange(s.block)).reshape(s.rows, -1)
             seg_mags = mags[s.mag0 : s.mag0 + s.rows]
             val = torch.from_numpy(sign.astype(np.float32) * 2 - 1) * seg_mags.gather(
                 1, torch.from_numpy(level.astype(np.int64)))  # fmt: skip

@@ -1,16 +1,19 @@
 """Round-based methods with payloads beyond the 1-bit sign: GeoMesh with sparse sign payloads, and the field's
 strongest compressed baselines built from their published rules (docs/benchmarks.md compares them).
 
-- ``geomesh-sparse``: GeoMesh's balanced plan and token-weighted combine; each worker sends the top-k of every
-  chunk of (pseudo-gradient + error-feedback residual) as signs with Rice-coded positions and one magnitude
-  per chunk (:class:`~geomesh.codec.SparseSignCodec`, ~0.14 bits per parameter at k = 64 of 4096). Its error
-  feedback is ``compression.sparse_feedback``: a residual per region (the default) or SparseLoCo's decayed
-  accumulator, either under plain outer SGD at ``compression.decay_outer_lr`` (error feedback in place of outer
-  momentum: with outer Nesterov on top the loss climbs, docs/benchmarks.md), or none (outer Nesterov).
-  Its rounds carry the reference's sequences (``geomesh.round_sequences_factor`` 1 unless the scenario sets
-  the round): measured on ``default``, the planning rule's 4 rounds of 7.5× the sequences leave
-  a 1.56%-dense payload at 7.18 where 29 shorter rounds reach 5.36, both under outer Nesterov (4.93 with
-  the outer step it has now; docs/benchmarks.md).
+- ``geomesh-sparse``: GeoMesh's balanced plan and token-weighted combine; each worker sends the top blocks (by
+  l2 norm) of 4 consecutive entries of every chunk of (pseudo-gradient + error-feedback residual), 432 entries
+  of 4096, as signs with one Rice-coded position per block and one magnitude per chunk
+  (:class:`~geomesh.codec.SparseSignCodec`, 0.247 bits per parameter, 129× less than fp32;
+  ``compression.sparse_block`` 1 gives the top ``compression.sparse_k`` single entries, 0.149 bits at 64). Its
+  error feedback is ``compression.sparse_feedback``: a residual per region (the default) or SparseLoCo's
+  decayed accumulator, either under plain outer SGD at ``compression.decay_outer_lr`` (error feedback in place
+  of outer momentum: with outer Nesterov on top the loss climbs, docs/benchmarks.md), or none (outer Nesterov).
+  Its rounds carry half the reference's sequences (``geomesh.round_sequences_factor`` 0.5 unless the scenario
+  sets the round): a sparse payload reaches part of the entries per round and its exchange is cheap, so at
+  equal tokens more, shorter rounds deliver more of the residual. Measured on ``default`` (docs/benchmarks.md):
+  4.933 with single top-64 entries in the reference's rounds, 4.804 with blocks, 4.694 with blocks in rounds
+  of half the sequences, against 1-bit GeoMesh's 4.700.
 - ``sparseloco`` (Sarfi et al. 2025, arXiv 2508.15706): DiLoCo's uniform plan; e ← β·e + Δ; send the chunk-wise
   top-k of e in 2-bit values; e ← e − C(e); θ ← θ − α·mean(C(e_i)) with no outer momentum (β =
   ``compression.ef_decay``, α = ``compression.decay_outer_lr``).
@@ -27,6 +30,7 @@ their modeled time counts.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from dataclasses import dataclass
 from typing import Literal
 
@@ -49,9 +53,13 @@ class CompressedMethod(OuterLoopMethod):
     payload: Literal["sparse-sign", "sparse-2bit", "int8", "fp4"] = "sparse-sign"
     feedback: Literal["scenario", "residual", "decay", "none"] = "none"
     # the balanced plan's sequences per round as a multiple of the reference's (N·b·H), unless the scenario sets
-    # geomesh.round_time_s or geomesh.round_sequences_factor: a top-k payload reaches only k/C of the parameters
-    # per outer step, so it needs the reference's count of outer steps, and its few bytes make them cheap
+    # geomesh.round_time_s or geomesh.round_sequences_factor: a top-k payload reaches only part of the parameters
+    # per outer step, so it needs at least the reference's count of outer steps, and its few bytes make them cheap
     round_sequences_factor: float | None = None
+    # "scenario" (geomesh-sparse): the sign payload's positions, magnitude and round start come from the scenario
+    # (compression.sparse_block, sparse_block_k, sparse_scale, sparse_warm_start); "single": the top
+    # compression.sparse_k single entries per chunk, rms magnitudes, rounds from θ (sparseloco's published rule)
+    positions: Literal["scenario", "single"] = "single"
 
     def constraints(self, scenario: ScenarioConfig, n_workers: int, allow_drop: bool = False):
         g = scenario.geomesh
@@ -73,10 +81,42 @@ class CompressedMethod(OuterLoopMethod):
             return QuantCodec(manifest, fmt=self.payload, chunk_size=c.quant_chunk_size, weighting=self.weighting,
                               key=key)  # fmt: skip
         rule = self.feedback_rule(scenario)
-        return SparseSignCodec(manifest, chunk_size=c.sparse_chunk_size, k=min(c.sparse_k, c.sparse_chunk_size),
-                               value_bits=2 if self.payload == "sparse-2bit" else 1,
-                               error_feedback=rule != "none", ef_decay=c.ef_decay if rule == "decay" else 1.0,
-                               weighting=self.weighting, key=key)  # fmt: skip
+        block, k, scale = 1, c.sparse_k, "rms"
+        if self.positions == "scenario" and self.payload == "sparse-sign":
+            block, scale = c.sparse_block, c.sparse_scale
+            k = c.sparse_block_k if block > 1 else c.sparse_k
+        codec = SparseSignCodec(manifest, chunk_size=c.sparse_chunk_size, k=min(k, c.sparse_chunk_size),
+                                value_bits=2 if self.payload == "sparse-2bit" else 1,
+                                error_feedback=rule != "none", ef_decay=c.ef_decay if rule == "decay" else 1.0,
+                                weighting=self.weighting, scale=scale, block=block, key=key)  # fmt: skip
+        codec.warm_start = self.warm_start(scenario) and codec.error_feedback  # read by local_phase
+        return codec
+
+    def warm_start(self, scenario: ScenarioConfig) -> bool:
+        """Whether a worker starts its round from θ − β·e, its unsent residual e left in its replica
+        (``compression.sparse_warm_start``, geomesh-sparse only; measured worse on ``default``,
+        docs/benchmarks.md), instead of from θ with e added to its pseudo-gradient by the codec."""
+        return self.positions == "scenario" and _compression(scenario).sparse_warm_start
+
+    def local_phase(self, worker, steps, batch, global_params, codec, lr_at_step):
+        """:meth:`OuterLoopMethod.local_phase`; warm-started (:meth:`warm_start`, which :meth:`make_codec` marks
+        on the codec) the round starts from θ − β·e and the payload encodes θ − θ_local, which holds β·e. The
+        overlapped round (:meth:`OuterLoopMethod.local_phase_overlapped`) always starts as it does for GeoMesh."""
+        residual = codec.residual if getattr(codec, "warm_start", False) else None
+        if not residual:
+            return super().local_phase(worker, steps, batch, global_params, codec, lr_at_step)
+        beta = codec.ef_decay
+        worker.load_global({n: t - beta * residual[n].to(t.device) for n, t in global_params.items()})
+        result = worker.train(steps, batch, lr_at_step)
+        if not result.finite:
+            warnings.warn(f"worker {worker.name}: non-finite loss or parameters; its update is dropped this round")
+            return None, result
+        delta = worker.pseudo_gradient(global_params)
+        try:
+            return codec.encode(delta, result.tokens, residual_included=True), result
+        except ValueError as exc:  # NaN/inf in the pseudo-gradient
+            warnings.warn(f"worker {worker.name}: {exc}; its update is dropped this round")
+            return None, result
 
     def outer_settings(self, scenario: ScenarioConfig) -> tuple[float, float]:
         """With error feedback (either rule): plain outer SGD at ``compression.decay_outer_lr``, no momentum.
@@ -100,7 +140,8 @@ GEOMESH_SPARSE = CompressedMethod(
     weighting="tokens",
     payload="sparse-sign",
     feedback="scenario",
-    round_sequences_factor=1.0,
+    round_sequences_factor=0.5,
+    positions="scenario",
 )
 SPARSELOCO = CompressedMethod(
     name="sparseloco",
