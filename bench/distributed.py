@@ -28,7 +28,8 @@ default corpus, no WAN shaping:
 - ``drift``: 3 regions declared alike (A100 x3); after round ``--drift-round`` two regions' processes are
   pinned onto one core together and the third onto the other (CPU affinity, found by a tag in their
   environment: a busy neighbour nothing declares). Needs two cores.
-- ``datasheet``: H100, A100 and T4 declared for processes that all run at one speed.
+- ``datasheet``: H100, A100 and T4 declared for processes that all run at one speed (``--one-core``: the three
+  share one core from the start, each a fair third of it; else three processes on the host's cores).
 - ``alike``: A100 x3 declared for processes that all run at one speed, nothing changed: the even plan is right,
   so what its open loop waits is the host's floor (three single-threaded processes on two cores: which two
   share a core changes from round to round), the idle no plan removes; the closed loop must not add to it.
@@ -173,17 +174,21 @@ def rounds_done(events_path: Path) -> int:
 
 
 def run_loop_case(path: Path, out: Path, tokens: int, extra: list[str], pins: dict[str, set[int]] | None,
-                  at_round: int, timeout: float) -> tuple[dict, float, int | None, dict[str, int]]:  # fmt: skip
-    """``geomesh launch`` in a child process; with ``pins``, once round ``at_round`` has ended each region's
-    processes (every thread) are moved onto its cores. Returns the summary, the launch's wall seconds, the
-    round the change took effect from (the first round that began after it) and the processes moved per region."""
+                  at_round: int, timeout: float, start_cpus: set[int] | None = None,
+                  ) -> tuple[dict, float, int | None, dict[str, int]]:  # fmt: skip
+    """``geomesh launch`` in a child process (with ``start_cpus``, it and every process it starts on those
+    cores); with ``pins``, once round ``at_round`` has ended each region's processes (every thread) are moved
+    onto its cores. Returns the summary, the launch's wall seconds, the round the change took effect from (the
+    first round that began after it) and the processes moved per region."""
     tag = uuid.uuid4().hex
     env = {**{k: v for k, v in os.environ.items() if k != "GEOMESH_REGION"}, "OMP_NUM_THREADS": "1", TAG_ENV: tag}
     cmd = [sys.executable, "-m", "geomesh.cli", "launch", str(path), "--nproc", "3", "--method", "geomesh",
            "--out", str(out), "--tokens", str(tokens), "--wan", "none", "--quiet", "--timeout", str(timeout),
            *extra]  # fmt: skip
     t0 = time.monotonic()
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    pin_start = (lambda: os.sched_setaffinity(0, start_cpus)) if start_cpus else None
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=pin_start)  # fmt: skip
     changed_from, pinned = None, {}
     try:
         if pins:
@@ -276,10 +281,13 @@ def loop_cases(args: argparse.Namespace, out: Path, cases: list[str]) -> list[di
         cpus = sorted(os.sched_getaffinity(0)) if case == "drift" else []
         # r0 alone on one core; r1 and r2 together on the other (each at about half its speed)
         pins = {"r0-a100": {cpus[1]}, "r1-a100": {cpus[0]}, "r2-a100": {cpus[0]}} if case == "drift" else None
+        # processes that "all run at one speed": with --one-core, the three share one core from the start (each a
+        # fair third of it), not three on two cores, where which two share a core changes from round to round
+        start_cpus = {min(os.sched_getaffinity(0))} if args.one_core and case != "drift" else None
         by = {}
         for loop, extra in (("open", OPEN_LOOP), ("closed", [])):
             summary, wall, changed_from, pinned = run_loop_case(path, out / case / loop, tokens, extra, pins,
-                                                        args.drift_round, args.timeout)  # fmt: skip
+                                                        args.drift_round, args.timeout, start_cpus)  # fmt: skip
             rounds = per_round_idle(out / case / loop / "events.jsonl")
             r = by[loop] = loop_row(case, loop, summary, wall, rounds, changed_from, args.settle)
             if pins:
@@ -330,6 +338,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--loop-inner-steps", type=int, default=10)
     p.add_argument("--loop-max-batch", type=int, default=0, help="plan-loop cases: geomesh.max_batch (0: 512)")
     p.add_argument("--drift-round", type=int, default=3, help="drift: the cores change after this round")
+    p.add_argument("--one-core", action="store_true",
+                   help="datasheet, alike: the three regions' processes share one core from the start (each a fair "
+                        "third of it) instead of three on every core")  # fmt: skip
     p.add_argument("--settle", type=int, default=3, help="drift: the settled window starts this many rounds "
                    "after the change")  # fmt: skip
     args = p.parse_args(argv)
