@@ -245,7 +245,11 @@ def evaluate_tasks(lm: GeoMeshLM, tasks: Sequence[str], *, include_path: str | P
     from lm_eval.tasks import TaskManager
 
     paths = [str(include_path)] if isinstance(include_path, (str, Path)) else list(include_path or []) or None
-    manager = TaskManager(include_path=paths)
+    # local tasks alone first: indexing lm-eval's own ~15k task files takes seconds, needed only when a task
+    # asked for is not a local one
+    manager = TaskManager(include_path=paths, include_defaults=False) if paths else None
+    if manager is None or any(t not in manager.all_tasks for t in tasks):
+        manager = TaskManager(include_path=paths)
     unknown = [t for t in tasks if t not in manager.all_tasks]
     if unknown:
         raise ConfigError(f"--tasks: unknown lm-eval task(s) {', '.join(unknown)} (local tasks need --include-path)")
