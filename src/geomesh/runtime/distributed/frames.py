@@ -222,6 +222,23 @@ def seal(obj: Any, *, ctx: Context, sender: int, key: bytes | None, meta: dict |
 # ---- decoding untrusted bytes -----------------------------------------------------------------------------
 
 
+def pack_pieces(pieces: list[bytes]) -> torch.Tensor:
+    """Raw byte pieces, one after the other, as one flat uint8 tensor (what a direct all-to-all sends)."""
+    if not any(pieces):
+        return torch.empty(0, dtype=torch.uint8)
+    return torch.frombuffer(bytearray(b"".join(pieces)), dtype=torch.uint8)
+
+
+def split_pieces(flat: torch.Tensor, sizes: list[int]) -> list[bytes]:
+    """A flat uint8 tensor cut back into pieces of ``sizes`` bytes (what a direct all-to-all received)."""
+    raw = flat.numpy().tobytes()
+    pieces, pos = [], 0
+    for size in sizes:
+        pieces.append(raw[pos : pos + size])
+        pos += size
+    return pieces
+
+
 class _Bad(Exception):
     pass
 

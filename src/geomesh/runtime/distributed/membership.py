@@ -61,7 +61,8 @@ from typing import Any, Callable
 
 import torch
 
-from .frames import HEAD_NBYTES, Context, Rejected, frame_nbytes, open_frame, run_trust, seal
+from .frames import (HEAD_NBYTES, Context, Rejected, frame_nbytes, open_frame, pack_pieces, run_trust, seal,
+                     split_pieces)
 
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"  # the Lighthouse's address, http://HOST:PORT (torchft's own variable)
 ADVERTISE_ENV = "GEOMESH_ADVERTISE_HOST"  # how other regions reach this leader (default: its host name)
@@ -420,22 +421,14 @@ class Membership:
         n = self.pg.size()
         if len(send) != n or len(recv_sizes) != n:
             raise ValueError(f"an all-to-all of {len(send)} pieces (receiving {len(recv_sizes)}) over {n} members")
-        send_sizes = [len(s) for s in send]
-        flat_in = (torch.frombuffer(bytearray(b"".join(send)), dtype=torch.uint8) if sum(send_sizes)
-                   else torch.empty(0, dtype=torch.uint8))  # fmt: skip
         flat_out = torch.empty(sum(recv_sizes), dtype=torch.uint8)
         try:
-            work = self.pg.alltoall_base(flat_out, flat_in, list(recv_sizes), send_sizes,
+            work = self.pg.alltoall_base(flat_out, pack_pieces(send), list(recv_sizes), [len(s) for s in send],
                                          self._options("AllToAllOptions", timeout_s))  # fmt: skip
         except (RuntimeError, AssertionError) as exc:  # Gloo: a connection already closed
             raise ExchangeFailed(_short(exc)) from None
         self._wait(work)
-        raw = flat_out.numpy().tobytes()
-        out, pos = [], 0
-        for size in recv_sizes:
-            out.append(raw[pos : pos + size])
-            pos += size
-        return out
+        return split_pieces(flat_out, recv_sizes)
 
     def shutdown(self) -> None:
         try:

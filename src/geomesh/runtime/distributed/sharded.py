@@ -54,7 +54,7 @@ import torch.distributed as dist
 
 from ...codec.sharded import ShardedExchange
 from ...errors import PayloadError, RunError
-from .frames import Rejected
+from .frames import Rejected, pack_pieces, split_pieces
 from .transport import SLOT_HEAD, SLOT_HEADER_NBYTES, _slot_tag
 
 _TAG = 32
@@ -333,19 +333,13 @@ def _all_to_all(send: list[bytes], recv_sizes: list[int], mover: Any, moved: lis
 def _dist_all_to_all(send: list[bytes], recv_sizes: list[int], group: Any, me: int) -> list[bytes]:
     """:meth:`StaticMover.all_to_all` over a ``torch.distributed`` group."""
     send_sizes = [len(s) for s in send]
-    flat_in = torch.frombuffer(bytearray(b"".join(send)), dtype=torch.uint8) if sum(send_sizes) else (
-        torch.empty(0, dtype=torch.uint8))  # fmt: skip
+    flat_in = pack_pieces(send)
     flat_out = torch.empty(sum(recv_sizes), dtype=torch.uint8)
     try:
         dist.all_to_all_single(flat_out, flat_in, recv_sizes, send_sizes, group=group)
     except (RuntimeError, NotImplementedError, ValueError):  # a backend without all-to-all: pairs of send/recv
         _pairwise(flat_in, send_sizes, flat_out, recv_sizes, group, me)
-    raw = flat_out.numpy().tobytes()
-    pieces, pos = [], 0
-    for size in recv_sizes:
-        pieces.append(raw[pos : pos + size])
-        pos += size
-    return pieces
+    return split_pieces(flat_out, recv_sizes)
 
 
 def _pairwise(flat_in: torch.Tensor, send_sizes: list[int], flat_out: torch.Tensor, recv_sizes: list[int],
