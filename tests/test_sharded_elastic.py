@@ -11,11 +11,10 @@ them), plan the next rounds over two shards, finish, and agree on θ.
 from __future__ import annotations
 
 import json
-import uuid
 
 import pytest
 import torch
-from test_elastic import kill_all, scenario
+from test_elastic import scenario
 
 from geomesh.cli import launch as cli_launch
 from geomesh.telemetry import read_events
@@ -59,13 +58,10 @@ def exact_runs(tmp_path_factory, small_corpus):
 def test_exact_sharded_elastic_run_equals_the_all_gather(exact_runs):
     """The owners' combine of their shards is SignCodec.combine's arithmetic on the same elements in the same
     order (the quorum's group ranks follow the regions' order), and 32 bits carry it as it is: the same θ."""
-    (ag, ag_out), (sh, sh_out) = exact_runs["all_gather"], exact_runs["sharded"]
-    assert ag["exchange"] == "all_gather" and sh["exchange"] == "sharded" and sh["shard_bits"] == 32
-    assert sh["rounds"] == ag["rounds"] >= 3 and sh["tokens"] == ag["tokens"]
-    a, b = torch.load(ag_out / "final_params.pt"), torch.load(sh_out / "final_params.pt")
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    assert sh["final_val_loss"] == ag["final_val_loss"]
-    assert sh["param_checksums"] == ag["param_checksums"] and len(set(sh["param_checksums"].values())) == 1
+    from test_sharded_distributed import assert_same_run
+
+    sh, sh_out = exact_runs["sharded"]
+    assert_same_run(exact_runs)
     assert sh["bytes_sent"] > 0
     rounds = [e for e in read_events(sh_out / "events.jsonl") if e["type"] == "round"]
     assert all(r["shard_owners"] == ["r0-h100", "r1-a100", "r2-t4"] for r in rounds)
@@ -112,39 +108,11 @@ def test_a_region_with_another_key_is_left_out_and_the_others_shard_without_it(t
     """Three regions started by hand, r2-t4 with another run key (tests/test_trust_elastic.py runs the same
     with the all-gather): the two live regions refuse its frames, never take its slices or combined shard,
     shard the model between themselves and finish; it stops alone with one error."""
-    import os
-    import subprocess
-    import sys
-
-    from test_elastic import SRC, TAG_ENV, _port
-    from test_trust_elastic import KEY_ENV
-
-    from geomesh.runtime.distributed.membership import start_lighthouse
+    from test_trust_elastic import KEY_ENV, run_regions_by_hand
 
     path = sharded_scenario(tmp_path / "s", small_corpus, "sharded", bits=8, round_deadline_s=60,
                             hmac_key_env=KEY_ENV)  # fmt: skip
-    lighthouse = start_lighthouse(2, 20.0)
-    port = lighthouse.address().rsplit(":", 1)[-1].strip("/")
-    tag = uuid.uuid4().hex
-    procs = {}
-    try:
-        for region, key in (("r0-h100", "the run's secret, 32 bytes long!"), ("r1-a100", "the run's secret, 32 bytes long!"),
-                            ("r2-t4", "another secret, also 32 bytes lo")):  # fmt: skip
-            env = {**os.environ, "PYTHONPATH": SRC, "RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
-                   "MASTER_PORT": str(_port()), "GEOMESH_REGION": region, "OMP_NUM_THREADS": "1", KEY_ENV: key,
-                   "TORCHFT_LIGHTHOUSE": f"http://127.0.0.1:{port}", "GEOMESH_ADVERTISE_HOST": "127.0.0.1",
-                   TAG_ENV: tag}  # fmt: skip
-            procs[region] = subprocess.Popen([sys.executable, "-m", "geomesh.run", str(path), "--method",
-                                              "geomesh-sign-only", "--out", str(tmp_path / region), "--tokens",
-                                              str(4 * 2 * ONE_ROUND), "--timeout", "60", "--quiet"], env=env,
-                                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
-        errs = {region: p.communicate(timeout=300)[1] for region, p in procs.items()}
-    finally:
-        for p in procs.values():
-            p.kill()
-        kill_all(tag)
-        lighthouse.shutdown()
-    codes = {region: p.returncode for region, p in procs.items()}
+    codes, errs = run_regions_by_hand(path, tmp_path, 4 * 2 * ONE_ROUND)
     assert codes["r0-h100"] == 0 and codes["r1-a100"] == 0, errs
     assert not any("Traceback" in e for e in errs.values()), errs
     odd = [ln for ln in errs["r2-t4"].splitlines() if ln.startswith("error:")]

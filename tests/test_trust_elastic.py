@@ -145,6 +145,40 @@ def rank_logs(out: Path) -> str:
     return "\n".join(p.read_text(errors="replace") for p in sorted((out / "logs").glob("rank*.log")))
 
 
+OTHER_KEY = {"r0-h100": "the run's secret, 32 bytes long!", "r1-a100": "the run's secret, 32 bytes long!",
+             "r2-t4": "another secret, also 32 bytes lo"}  # r2-t4 holds another run key than the live two
+
+
+def run_regions_by_hand(path: Path, folder: Path, tokens: int, keys: dict[str, str] = OTHER_KEY):
+    """The three regions of ``path`` started by hand (one rank each, a Lighthouse of this process), each with its
+    key from ``keys``, each writing into ``folder/<region>``; returns each region's exit code and stderr."""
+    from test_elastic import TAG_ENV
+
+    from geomesh.runtime.distributed.membership import start_lighthouse
+
+    lighthouse = start_lighthouse(2, 20.0)
+    port = lighthouse.address().rsplit(":", 1)[-1].strip("/")
+    tag = uuid.uuid4().hex
+    procs = {}
+    try:
+        for region, key in keys.items():
+            env = {**os.environ, "PYTHONPATH": SRC, "RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+                   "MASTER_PORT": str(_port()), "GEOMESH_REGION": region, "OMP_NUM_THREADS": "1", KEY_ENV: key,
+                   "TORCHFT_LIGHTHOUSE": f"http://127.0.0.1:{port}", "GEOMESH_ADVERTISE_HOST": "127.0.0.1",
+                   TAG_ENV: tag}  # fmt: skip
+            procs[region] = subprocess.Popen([sys.executable, "-m", "geomesh.run", str(path), "--method",
+                                              "geomesh-sign-only", "--out", str(folder / region), "--tokens",
+                                              str(tokens), "--timeout", "60", "--quiet"], env=env,
+                                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+        errs = {region: p.communicate(timeout=300)[1] for region, p in procs.items()}
+    finally:
+        for p in procs.values():
+            p.kill()
+        kill_all(tag)
+        lighthouse.shutdown()
+    return {region: p.returncode for region, p in procs.items()}, errs
+
+
 @pytest.mark.long
 def test_an_outsider_gets_nothing_and_a_second_copy_exits_while_the_run_goes_on(tmp_path, small_corpus,
                                                                                  monkeypatch):  # fmt: skip
@@ -203,35 +237,11 @@ def test_an_elastic_region_with_another_key_is_rejected_named_and_stops_alone(tm
     """Three regions started by hand, r2-t4 with another key. The live two reject its frames, naming it by the
     region its frame claims, do not wait for it, and finish with exit 0; it authenticates neither of them and
     stops with one error. No live leader meets a torn-down group when it leaves."""
-    from test_elastic import TAG_ENV
-
-    from geomesh.runtime.distributed.membership import start_lighthouse
     from geomesh.telemetry import read_events
 
     # one CPU-bound round a region (no sleep padding): the live regions' 3 rounds are short
     path = scenario(tmp_path, small_corpus, round_deadline_s=60, hmac_key_env=KEY_ENV)
-    lighthouse = start_lighthouse(2, 20.0)
-    port = lighthouse.address().rsplit(":", 1)[-1].strip("/")
-    tag = uuid.uuid4().hex
-    procs = {}
-    try:
-        for region, key in (("r0-h100", "the run's secret, 32 bytes long!"), ("r1-a100", "the run's secret, 32 bytes long!"),
-                            ("r2-t4", "another secret, also 32 bytes lo")):  # fmt: skip
-            env = {**os.environ, "PYTHONPATH": SRC, "RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
-                   "MASTER_PORT": str(_port()), "GEOMESH_REGION": region, "OMP_NUM_THREADS": "1", KEY_ENV: key,
-                   "TORCHFT_LIGHTHOUSE": f"http://127.0.0.1:{port}", "GEOMESH_ADVERTISE_HOST": "127.0.0.1",
-                   TAG_ENV: tag}  # fmt: skip
-            procs[region] = subprocess.Popen([sys.executable, "-m", "geomesh.run", str(path), "--method",
-                                              "geomesh-sign-only", "--out", str(tmp_path / region), "--tokens", "3840",
-                                              "--timeout", "60", "--quiet"], env=env, stdout=subprocess.PIPE,
-                                             stderr=subprocess.PIPE, text=True)  # fmt: skip
-        errs = {region: p.communicate(timeout=300)[1] for region, p in procs.items()}
-    finally:
-        for p in procs.values():
-            p.kill()
-        kill_all(tag)
-        lighthouse.shutdown()
-    codes = {region: p.returncode for region, p in procs.items()}
+    codes, errs = run_regions_by_hand(path, tmp_path, 3840)
     assert codes["r0-h100"] == 0 and codes["r1-a100"] == 0, errs
     assert not any("Traceback" in e or "process group not initialized" in e for e in errs.values()), errs
     odd = [ln for ln in errs["r2-t4"].splitlines() if ln.startswith("error:")]
