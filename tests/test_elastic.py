@@ -93,6 +93,10 @@ def wait_for_round(out: Path, proc: subprocess.Popen, k: int, timeout: float = 1
 def kill_region(tag: str, region: str) -> list[dict]:
     """SIGKILL every process of ``region``; returns how each was started (command line, environment, folder)."""
     pids = processes(tag, region)
+    deadline = time.monotonic() + 10
+    while not pids and time.monotonic() < deadline:  # (a /proc entry that could not be read just then)
+        time.sleep(0.1)
+        pids = processes(tag, region)
     assert pids, f"no process of region {region}"
     started = []
     for pid in pids:
