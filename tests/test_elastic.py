@@ -290,6 +290,30 @@ def kill_all(tag: str) -> None:
             pass
 
 
+def stderr_or_stacks(procs: dict[str, subprocess.Popen], timeout: float) -> dict[str, str]:
+    """Each process's stderr once they have all ended within ``timeout`` seconds (together). Otherwise the
+    test fails with the stacks of those still running (``SIGUSR1``: each rank prints every thread's stack), so
+    that a hang names the call it is waiting in."""
+    deadline, errs = time.monotonic() + timeout, {}
+    for name, p in procs.items():
+        try:
+            errs[name] = p.communicate(timeout=max(1.0, deadline - time.monotonic()))[1]
+        except subprocess.TimeoutExpired:
+            break
+    else:
+        return errs
+    hung = [name for name, p in procs.items() if p.poll() is None]
+    for name in hung:
+        os.kill(procs[name].pid, signal.SIGUSR1)
+    time.sleep(2.0)
+    stacks = {}
+    for name in hung:
+        procs[name].kill()
+        stacks[name] = procs[name].communicate()[1][-6000:]
+    pytest.fail(f"still running after {timeout:g}s: {', '.join(hung)}; their stderr, stacks last:\n"
+                + "\n".join(f"===== {name}\n{err}" for name, err in stacks.items()))
+
+
 def _port() -> int:
     from geomesh.runtime.distributed.transport import free_port
 

@@ -152,7 +152,7 @@ OTHER_KEY = {"r0-h100": "the run's secret, 32 bytes long!", "r1-a100": "the run'
 def run_regions_by_hand(path: Path, folder: Path, tokens: int, keys: dict[str, str] = OTHER_KEY):
     """The three regions of ``path`` started by hand (one rank each, a Lighthouse of this process), each with its
     key from ``keys``, each writing into ``folder/<region>``; returns each region's exit code and stderr."""
-    from test_elastic import TAG_ENV
+    from test_elastic import TAG_ENV, stderr_or_stacks
 
     from geomesh.runtime.distributed.membership import start_lighthouse
 
@@ -170,7 +170,7 @@ def run_regions_by_hand(path: Path, folder: Path, tokens: int, keys: dict[str, s
                                               "geomesh-sign-only", "--out", str(folder / region), "--tokens",
                                               str(tokens), "--timeout", "60", "--quiet"], env=env,
                                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
-        errs = {region: p.communicate(timeout=300)[1] for region, p in procs.items()}
+        errs = stderr_or_stacks(procs, 300)
     finally:
         for p in procs.values():
             p.kill()

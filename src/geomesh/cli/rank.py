@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import faulthandler
 import os
+import signal
 import sys
 import traceback
 import warnings
@@ -85,6 +87,8 @@ def _short(exc: BaseException) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    # `kill -USR1 PID` prints every thread's stack to stderr: where a rank that seems hung is waiting
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     warnings.simplefilter("default")
     warnings.formatwarning = lambda msg, cat, *a, **k: f"warning: {msg}\n"
     code = _main(args)
