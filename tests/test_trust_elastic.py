@@ -149,9 +149,11 @@ OTHER_KEY = {"r0-h100": "the run's secret, 32 bytes long!", "r1-a100": "the run'
              "r2-t4": "another secret, also 32 bytes lo"}  # r2-t4 holds another run key than the live two
 
 
-def run_regions_by_hand(path: Path, folder: Path, tokens: int, keys: dict[str, str] = OTHER_KEY):
-    """The three regions of ``path`` started by hand (one rank each, a Lighthouse of this process), each with its
-    key from ``keys``, each writing into ``folder/<region>``; returns each region's exit code and stderr."""
+def run_regions_by_hand(path: Path, folder: Path, tokens: int, keys: dict[str, str] = OTHER_KEY,
+                        timeout_s: int = 60):  # fmt: skip
+    """The regions of ``path`` named in ``keys`` started by hand (one rank each, a Lighthouse of this process),
+    each with its key from ``keys`` and ``--timeout timeout_s``, each writing into ``folder/<region>``; returns
+    each region's exit code and stderr."""
     from test_elastic import TAG_ENV, stderr_or_stacks
 
     from geomesh.runtime.distributed.membership import start_lighthouse
@@ -168,7 +170,7 @@ def run_regions_by_hand(path: Path, folder: Path, tokens: int, keys: dict[str, s
                    TAG_ENV: tag}  # fmt: skip
             procs[region] = subprocess.Popen([sys.executable, "-m", "geomesh.run", str(path), "--method",
                                               "geomesh-sign-only", "--out", str(folder / region), "--tokens",
-                                              str(tokens), "--timeout", "60", "--quiet"], env=env,
+                                              str(tokens), "--timeout", str(timeout_s), "--quiet"], env=env,
                                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
         errs = stderr_or_stacks(procs, 300)
     finally:
@@ -257,6 +259,26 @@ def test_an_elastic_region_with_another_key_is_rejected_named_and_stops_alone(tm
     summary = json.loads((tmp_path / "r0-h100" / "summary.json").read_text())
     assert summary["elastic"]["regions_at_end"] == ["r0-h100", "r1-a100"]
     assert len(set(summary["param_checksums"].values())) == 1
+
+
+def test_a_region_with_another_key_does_not_count_towards_the_quorum(tmp_path, small_corpus):
+    """r0-h100 and r2-t4, with another key, alone (min_regions 2): torchft forms quorums of the two, but neither
+    region may train on in them (it would commit rounds alone, and r1-a100 would then have to heal across
+    them). Both wait for a quorum of two regions that hold its key, and stop with one error each."""
+    from geomesh.telemetry import read_events
+
+    path = scenario(tmp_path, small_corpus, round_deadline_s=60, hmac_key_env=KEY_ENV)
+    keys = {r: OTHER_KEY[r] for r in ("r0-h100", "r2-t4")}
+    codes, errs = run_regions_by_hand(path, tmp_path, 3840, keys, timeout_s=8)
+    for region in keys:
+        lines = [ln for ln in errs[region].splitlines() if ln.startswith("error:")]
+        assert codes[region] != 0 and len(lines) == 1, errs[region][-3000:]
+        assert "Traceback" not in errs[region]
+    assert "no quorum of at least 2 region(s) that hold the run's key" in errs["r0-h100"]
+    assert "whose frames do not authenticate: r2-t4" in errs["r0-h100"]
+    assert not (tmp_path / "r0-h100" / "summary.json").exists()
+    events = tmp_path / "r0-h100" / "events.jsonl"
+    assert not events.exists() or not any(e["type"] == "round" for e in read_events(events))
 
 
 class _ScriptedGroup:

@@ -26,8 +26,9 @@ a Gloo group reconfigured over the quorum's leaders, live recovery of a region t
    events, spans. Every leader keeps the records; the leader of the lowest-numbered live region writes
    ``events.jsonl`` (a leader that takes over rewrites the file) and, at the end, ``summary.json``.
 
-The run goes on while at least ``min_regions`` regions form a quorum; with fewer, the quorum times out
-after ``--timeout`` seconds and the run stops with one ``error:`` line. Faults, planning, screening,
+The run goes on while at least ``min_regions`` regions form a quorum, counting only regions whose headers
+authenticate (a region with another key is a quorum member for torchft, never one of the ``min_regions``);
+with fewer, the quorum times out after ``--timeout`` seconds and the run stops with one ``error:`` line. Faults, planning, screening,
 evaluation and checkpoints are the round loop's, as in a static run; with ``--checkpoint-every N`` each
 region writes its own checkpoint into ``DIR/checkpoints/<region>``.
 """
@@ -239,6 +240,7 @@ class QuorumExchange(ElasticState):
         """(leader) Join the round's quorum and learn its members; retried until a header exchange works."""
         m = self.membership
         startup_until = time.monotonic() + self.run.options.timeout_s
+        short_since: float | None = None  # when quorums of too few regions that hold the run's key began
         while True:
             healed, _ = m.quorum()
             try:
@@ -258,11 +260,25 @@ class QuorumExchange(ElasticState):
             if len(set(members) | self.refused) < self.n and all(h["wait"] for h in headers):
                 time.sleep(0.3)  # the first round: wait for every region to come up
                 continue
+            # torchft counts every quorum member towards min_regions, a region with another key too: a round of
+            # fewer regions that prove the key would commit a step the missing ones must then heal across (and
+            # let the odd one train on alone). Such a quorum is not one: ask again, up to --timeout.
+            if len(members) < self.min_regions:
+                short_since = time.monotonic() if short_since is None else short_since
+                if time.monotonic() - short_since > self.run.options.timeout_s:
+                    raise RunError(f"region {self.names[self.me]}: no quorum of at least {self.min_regions} "
+                                   f"region(s) that hold the run's key within {self.run.options.timeout_s:g}s (regions "
+                                   f"whose frames do not authenticate: {self._refused_names() or 'none'})")  # fmt: skip
+                time.sleep(0.3)
+                continue
             # regions that were behind and received a live region's state at this quorum
             return {"members": members, "healed": healed,
                     "rejoined": sorted(h["region"] for h in headers if h["healed"]),
                     "calibration": {h["region"]: h.get("calibration") for h in headers
                                     if isinstance(h.get("calibration"), dict)}}  # fmt: skip
+
+    def _refused_names(self) -> str:
+        return ", ".join(self.names[i] if 0 <= i < self.n else f"#{i}" for i in sorted(self.refused))
 
     def _note_rejections(self) -> None:
         """The members the last collective refused, for the round's record, by region name (``claimed``: what
