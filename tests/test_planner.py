@@ -531,6 +531,28 @@ def test_a_bias_below_one_rounds_noise_is_found_from_several():
     assert sorted(errors)[len(errors) // 2] < 0.12, errors
 
 
+def test_workers_that_drift_apart_inside_their_own_bands_are_replanned():
+    """5% noise; from round 8 one worker runs 8% faster and another 8% slower: each stays inside its own band
+    (the 10% threshold), but the fast one would wait for the slow one's 16% every round. The spread of their
+    drifts since the plan passes the band of its noise a few rounds later and the run is re-planned once,
+    from every worker's time at the plan it runs; the noise alone (before round 8) re-plans nothing."""
+    from geomesh.planner.online import SPREAD_MIN_ROUNDS
+
+    profiles = cluster("H100", "A100", "V100", "T4")
+    c = PlanConstraints(ref_batch=16, ref_inner_steps=30)
+    speeds = {"A100-1": 0.92, "V100-2": 1.08}
+    for seed in range(1, 4):
+        op = OnlinePlanner(profiles, c, noise_k=2.5)
+        plan, early = noisy_rounds(op, profiles, op.plan(), 8, 0.05, seed=seed)
+        assert op.spread() <= 0.1 and op.maybe_replan() is None
+        _, replanned = noisy_rounds(op, profiles, plan, 12, 0.05, seed=seed + 10,
+                                    speed=lambda r, n: speeds.get(n, 1.0))  # fmt: skip
+        assert 1 <= len(replanned) <= 2 and replanned[0] >= SPREAD_MIN_ROUNDS - 1, (early, replanned)
+        # what the plan now assumes: the two workers' times ~16% apart, as they run
+        ratio = op.assumed["V100-2"] / op.assumed["A100-1"]
+        assert ratio == pytest.approx(1.08 / 0.92, rel=0.06), op.assumed
+
+
 def test_a_single_outlier_is_held_back_and_dropped():
     """One round 3x slower (a descheduled process) among quiet ones: not folded in, no re-plan; the next quiet
     round drops it."""

@@ -61,6 +61,7 @@ def replan(
 
 NOISE_WINDOW = 12  # recent observed factors per worker that measure its round-to-round dispersion
 NOISE_MIN_CHANGES = 3  # round-to-round changes before a dispersion is trusted (a worker's own, or all workers')
+SPREAD_MIN_ROUNDS = 3  # rounds since the plan a worker needs before its drift is compared with the others'
 _MAD_TO_SIGMA = 1.4826  # a normal distribution's σ per median absolute deviation
 
 
@@ -118,7 +119,14 @@ class OnlinePlanner:
       observations;
     - a plan is also remade when a worker's level holds twice the observations its assumption was made from
       and says otherwise by more than ``threshold`` (the better estimate: after 2, 4, 8 rounds of a level,
-      then no more), so an early plan made from one noisy round is not kept for long.
+      then no more), so an early plan made from one noisy round is not kept for long;
+    - and when the workers drift apart (:meth:`spread`): each may stay inside its own band (one 7% faster,
+      another 7% slower than assumed) while the fast one waits for the difference, round after round. The
+      drifts since the plan of the fastest and the slowest worker (at least :data:`SPREAD_MIN_ROUNDS` rounds
+      each) differ by more than ``max(threshold, noise_k·σ·√(1/n₁ + 1/n₂))``: noise that every worker shares
+      (the host's) cancels in the difference, a bias between them does not. Every worker measured since the
+      plan then starts a new level from those rounds, so the next plan is made from each worker's time at
+      the (b, H) it runs now.
 
     Until :data:`NOISE_MIN_CHANGES` round-to-round changes are known σ is unknown and ``threshold`` alone
     counts. ``noise_k = 0`` (the default) keeps the plain rules (the emulated runtime's modeled times carry
@@ -246,12 +254,40 @@ class OnlinePlanner:
         # better estimate re-plans (a few times early in a level: after 2, 4, 8 rounds; not round after round)
         refreshed = [k for k, xs in self.level.items() if xs and len(xs) >= 2 * max(self.assumed_n[k], 1)
                      and abs(math.log(self.factors[k] / self.assumed[k])) > self.threshold]  # fmt: skip
-        if not (moved or refreshed):
+        apart = self.spread() > self._spread_band()
+        if not (moved or refreshed or apart):
             return None
+        if apart:  # every worker's time at the plan it runs now: the next plan corrects their differences
+            moved = [k for k, xs in self.since.items() if len(xs) >= SPREAD_MIN_ROUNDS]
         for k in moved:  # a new level, from what the rounds since the plan measured
             self.level[k] = self.since[k][-NOISE_WINDOW:]
             self.factors[k] = _geomean(self.level[k])
         return self.plan(exchange_bytes, exchange_s)
+
+    def _drifts(self) -> dict[str, float]:
+        """(noise-aware) Per worker with :data:`SPREAD_MIN_ROUNDS` rounds since the plan: the log of the mean of
+        those rounds' factors over the factor the plan assumed."""
+        return {k: math.log(_geomean(xs) / self.assumed[k]) for k, xs in self.since.items()
+                if len(xs) >= SPREAD_MIN_ROUNDS}  # fmt: skip
+
+    def spread(self) -> float:
+        """(noise-aware) How far apart the workers drifted since the plan: the slowest one's drift minus the
+        fastest one's (in log; 0 with fewer than two workers measured long enough, or without ``noise_k``)."""
+        d = self._drifts() if self.noise_k > 0 else {}
+        return max(d.values()) - min(d.values()) if len(d) >= 2 else 0.0
+
+    def _spread_band(self) -> float:
+        """What :meth:`spread` may reach before a re-plan: the threshold, or the noise of the difference of
+        the two workers' means when larger (inf while their noise is unknown)."""
+        d = self._drifts()
+        if len(d) < 2:
+            return math.inf
+        hi, lo = max(d, key=d.get), min(d, key=d.get)
+        sigmas = [x for x in (self.noise(hi), self.noise(lo)) if x is not None]
+        if not sigmas:
+            return math.inf
+        n_hi, n_lo = len(self.since[hi]), len(self.since[lo])
+        return max(self.threshold, self.noise_k * max(sigmas) * math.sqrt(1.0 / n_hi + 1.0 / n_lo))
 
     def adopt(self, other: "OnlinePlanner") -> None:
         """Carry ``other``'s knowledge of the workers both plan (factors, who was measured, the observations
