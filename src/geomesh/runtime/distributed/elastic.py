@@ -28,9 +28,9 @@ a Gloo group reconfigured over the quorum's leaders, live recovery of a region t
 
 The run goes on while at least ``min_regions`` regions form a quorum, counting only regions whose headers
 authenticate (a region with another key is a quorum member for torchft, never one of the ``min_regions``);
-with fewer, the quorum times out after ``--timeout`` seconds and the run stops with one ``error:`` line. Faults, planning, screening,
-evaluation and checkpoints are the round loop's, as in a static run; with ``--checkpoint-every N`` each
-region writes its own checkpoint into ``DIR/checkpoints/<region>``.
+with fewer, the quorum times out after ``--timeout`` seconds and the run stops with one ``error:`` line.
+Faults, planning, screening, evaluation and checkpoints are the round loop's, as in a static run; with
+``--checkpoint-every N`` each region writes its own checkpoint into ``DIR/checkpoints/<region>``.
 """
 
 from __future__ import annotations
