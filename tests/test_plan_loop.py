@@ -55,21 +55,29 @@ def pin(tag: str, region: str, cpus: set[int]) -> None:
 @pytest.mark.serial
 @pytest.mark.parametrize("elastic", [False, True], ids=["static", "elastic"])
 def test_regions_slowed_by_a_busy_neighbour_are_replanned(tmp_path, small_corpus, elastic):
-    """Regions declared alike; after round 3, r1 and r2 are moved onto one core together (half the speed of r0,
-    alone on the other): the measured compute times re-plan the run, giving them less work than r0."""
+    """Regions declared alike; after round 3, r1 and r2 are moved onto one core together, beside a busy
+    neighbour (a third of a core each; r0 is alone on the other): the measured compute times re-plan the run,
+    giving them less work than r0."""
     path = write(tmp_path, small_corpus, elastic=elastic)
     out, tag = tmp_path / "run", uuid.uuid4().hex
     cmd = ["launch", str(path), "--nproc", "3", "--method", "geomesh", "--out", str(out), "--tokens", "40000",
            "--quiet", "--wan", "none", "--timeout", "90"]  # fmt: skip
     proc = start(cmd, tag, out)
+    neighbour = None
     try:
         wait_for_round(out, proc, 3)
         pin(tag, "r0-a100", {1})
         pin(tag, "r1-a100", {0})
         pin(tag, "r2-a100", {0})
+        # and a busy neighbour on their core: rounds compute for tens of milliseconds, so two regions that
+        # take turns on one core are barely slower; beside a process that never yields they get a third each
+        neighbour = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+        os.sched_setaffinity(neighbour.pid, {0})
         stdout, stderr = proc.communicate(timeout=300)
     finally:
         proc.kill()
+        if neighbour is not None:
+            neighbour.kill()
     assert proc.returncode == 0, stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     events = read_events(out / "events.jsonl")
