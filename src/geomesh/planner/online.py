@@ -254,7 +254,8 @@ class OnlinePlanner:
         # better estimate re-plans (a few times early in a level: after 2, 4, 8 rounds; not round after round)
         refreshed = [k for k, xs in self.level.items() if xs and len(xs) >= 2 * max(self.assumed_n[k], 1)
                      and abs(math.log(self.factors[k] / self.assumed[k])) > self.threshold]  # fmt: skip
-        apart = self.spread() > self._spread_band()
+        drifts = self._drifts()
+        apart = self.spread(drifts) > self._spread_band(drifts)
         if not (moved or refreshed or apart):
             return None
         if apart:  # every worker's time at the plan it runs now: the next plan corrects their differences
@@ -270,16 +271,16 @@ class OnlinePlanner:
         return {k: math.log(_geomean(xs) / self.assumed[k]) for k, xs in self.since.items()
                 if len(xs) >= SPREAD_MIN_ROUNDS}  # fmt: skip
 
-    def spread(self) -> float:
+    def spread(self, drifts: dict[str, float] | None = None) -> float:
         """(noise-aware) How far apart the workers drifted since the plan: the slowest one's drift minus the
-        fastest one's (in log; 0 with fewer than two workers measured long enough, or without ``noise_k``)."""
-        d = self._drifts() if self.noise_k > 0 else {}
+        fastest one's (in log; 0 with fewer than two workers measured long enough, or without ``noise_k``).
+        ``drifts``: :meth:`_drifts`, when the caller has them."""
+        d = (self._drifts() if drifts is None else drifts) if self.noise_k > 0 else {}
         return max(d.values()) - min(d.values()) if len(d) >= 2 else 0.0
 
-    def _spread_band(self) -> float:
-        """What :meth:`spread` may reach before a re-plan: the threshold, or the noise of the difference of
-        the two workers' means when larger (inf while their noise is unknown)."""
-        d = self._drifts()
+    def _spread_band(self, d: dict[str, float]) -> float:
+        """What :meth:`spread` of the drifts ``d`` may reach before a re-plan: the threshold, or the noise of
+        the difference of the two workers' means when larger (inf while their noise is unknown)."""
         if len(d) < 2:
             return math.inf
         hi, lo = max(d, key=d.get), min(d, key=d.get)

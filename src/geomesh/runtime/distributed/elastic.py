@@ -266,9 +266,10 @@ class QuorumExchange(ElasticState):
             if len(members) < self.min_regions:
                 short_since = time.monotonic() if short_since is None else short_since
                 if time.monotonic() - short_since > self.run.options.timeout_s:
+                    odd = ", ".join(map(m.region_name, sorted(self.refused))) or "none"
                     raise RunError(f"region {self.names[self.me]}: no quorum of at least {self.min_regions} "
                                    f"region(s) that hold the run's key within {self.run.options.timeout_s:g}s (regions "
-                                   f"whose frames do not authenticate: {self._refused_names() or 'none'})")  # fmt: skip
+                                   f"whose frames do not authenticate: {odd})")  # fmt: skip
                 time.sleep(0.3)
                 continue
             # regions that were behind and received a live region's state at this quorum
@@ -276,9 +277,6 @@ class QuorumExchange(ElasticState):
                     "rejoined": sorted(h["region"] for h in headers if h["healed"]),
                     "calibration": {h["region"]: h.get("calibration") for h in headers
                                     if isinstance(h.get("calibration"), dict)}}  # fmt: skip
-
-    def _refused_names(self) -> str:
-        return ", ".join(self.names[i] if 0 <= i < self.n else f"#{i}" for i in sorted(self.refused))
 
     def _note_rejections(self) -> None:
         """The members the last collective refused, for the round's record, by region name (``claimed``: what
