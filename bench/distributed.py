@@ -34,6 +34,12 @@ default corpus, no WAN shaping:
   so what its open loop waits is the host's floor (three single-threaded processes on two cores: which two
   share a core changes from round to round), the idle no plan removes; the closed loop must not add to it.
 
+``--throttle SHARE`` sets each region's speed by a CPU quota instead (cgroups: every region at SHARE of one
+core from its start; drift: r1 and r2 at SHARE/2 after the change), so that each region's speed is its own:
+two processes that share a core by affinity are coupled (one that ends its round early leaves the core to
+the other), which no per-region speed describes. ``--elastic`` runs each case between elastic regions (torchft quorums, ``reliability.min_regions: 2``) instead
+of static ones; ``--loop-inner-steps`` sets the rounds' length (H of the even plan).
+
 One JSON object per line per case and loop: per round the straggler idle from the round record
 (``straggler_idle_frac``: the members' measured compute, the time the faster wait for the slowest) and from
 the spans (Σ straggler_wait / Σ wall), the rounds re-planned at, the straggler idle over windows of rounds
@@ -127,9 +133,11 @@ OPEN_LOOP = ["--set", "geomesh.replan=false", "--no-calibrate"]  # the plan made
 TAG_ENV = "GEOMESH_BENCH_TAG"  # finds a run's rank processes (with GEOMESH_REGION) to move them between cores
 
 
-def loop_scenario(gpus: tuple[str, ...], preset: str, batch: int, inner_steps: int, max_batch: int) -> dict:
+def loop_scenario(gpus: tuple[str, ...], preset: str, batch: int, inner_steps: int, max_batch: int,
+                  elastic: bool = False) -> dict:  # fmt: skip
     """A tiny GeoMesh run on two plays of the default corpus; the regions declare ``gpus`` and nothing else
-    (no slowdown: what the plan learns, it learns from measurement)."""
+    (no slowdown: what the plan learns, it learns from measurement). ``elastic``: elastic regions (torchft
+    quorums, ``reliability.min_regions: 2``), the same loop over the other exchange."""
     from geomesh.data import default_corpus_files
 
     paths = [str(f) for f in default_corpus_files() if f.name.startswith(("hamlet", "macbeth"))]
@@ -146,6 +154,7 @@ def loop_scenario(gpus: tuple[str, ...], preset: str, batch: int, inner_steps: i
         "training": {"tokens": 0, "batch": batch, "inner_steps": inner_steps, "inner_lr": 0.003,
                      "eval_sequences": 16, "eval_every_rounds": 1000},
         "geomesh": {"min_batch": 1, "max_batch": max_batch, "min_inner_steps": 1, "round_sequences_factor": 1.0},
+        **({"reliability": {"min_regions": 2}} if elastic else {}),
     }  # fmt: skip
 
 
@@ -173,13 +182,67 @@ def rounds_done(events_path: Path) -> int:
         return 0
 
 
+class CpuQuotas:
+    """A CPU-time quota per region (the kernel's CFS bandwidth control: a cgroup per region), so a region runs
+    at a set share of one core whatever the others do. Two processes that share a core by affinity are
+    coupled: when one ends its round early, the other has the core to itself for the rest of it, so each one's
+    speed depends on the other's work, which no per-region speed can describe. Under quotas each region's speed
+    is its own, as a throttled GPU's is. cgroup v1's cpu controller or cgroup v2's cpu.max; needs the right to
+    make cgroups (root)."""
+
+    PERIOD_US = 10_000  # a short period: a round is many periods, so the throttling's granularity averages out
+
+    def __init__(self, tag: str) -> None:
+        v1, v2 = Path("/sys/fs/cgroup/cpu"), Path("/sys/fs/cgroup")
+        if (v1 / "cpu.cfs_quota_us").exists():
+            self.root, self.v2 = v1, False
+        elif (v2 / "cgroup.controllers").exists() and "cpu" in (v2 / "cgroup.controllers").read_text().split():
+            self.root, self.v2 = v2, True
+        else:
+            raise RuntimeError("--throttle needs the cgroup cpu controller (v1 cpu.cfs_quota_us or v2 cpu.max)")
+        self.tag, self.groups = tag[:12], {}
+
+    def set(self, region: str, share: float, pids: list[int] = ()) -> None:
+        """Region ``region`` at ``share`` of one core (its processes ``pids`` moved into its group)."""
+        group = self.groups.get(region)
+        if group is None:
+            group = self.groups[region] = self.root / f"geomesh-bench-{self.tag}-{region}"
+            group.mkdir()
+        quota = max(1000, int(share * self.PERIOD_US))
+        if self.v2:
+            (group / "cpu.max").write_text(f"{quota} {self.PERIOD_US}\n")
+        else:
+            (group / "cpu.cfs_period_us").write_text(f"{self.PERIOD_US}\n")
+            (group / "cpu.cfs_quota_us").write_text(f"{quota}\n")
+        for pid in pids:
+            try:
+                (group / "cgroup.procs").write_text(f"{pid}\n")  # the process and every thread of it
+            except OSError:  # (a process that has just ended)
+                pass
+
+    def close(self) -> None:
+        for group in self.groups.values():
+            for pid in (group / "cgroup.procs").read_text().split():
+                try:
+                    (self.root / "cgroup.procs").write_text(f"{pid}\n")
+                except OSError:
+                    pass
+            try:
+                group.rmdir()
+            except OSError:
+                pass
+
+
 def run_loop_case(path: Path, out: Path, tokens: int, extra: list[str], pins: dict[str, set[int]] | None,
                   at_round: int, timeout: float, start_cpus: set[int] | None = None,
+                  shares: tuple[dict[str, float], dict[str, float]] | None = None,
                   ) -> tuple[dict, float, int | None, dict[str, int]]:  # fmt: skip
     """``geomesh launch`` in a child process (with ``start_cpus``, it and every process it starts on those
     cores); with ``pins``, once round ``at_round`` has ended each region's processes (every thread) are moved
-    onto its cores. Returns the summary, the launch's wall seconds, the round the change took effect from (the
-    first round that began after it) and the processes moved per region."""
+    onto its cores; with ``shares`` (before, after), each region runs at its share of one core from its start
+    (:class:`CpuQuotas`), and at its share after once round ``at_round`` has ended. Returns the summary, the
+    launch's wall seconds, the round the change took effect from (the first round that began after it) and
+    the processes moved per region."""
     tag = uuid.uuid4().hex
     env = {**{k: v for k, v in os.environ.items() if k != "GEOMESH_REGION"}, "OMP_NUM_THREADS": "1", TAG_ENV: tag}
     cmd = [sys.executable, "-m", "geomesh.cli", "launch", str(path), "--nproc", "3", "--method", "geomesh",
@@ -190,7 +253,24 @@ def run_loop_case(path: Path, out: Path, tokens: int, extra: list[str], pins: di
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             preexec_fn=pin_start)  # fmt: skip
     changed_from, pinned = None, {}
+    quotas = CpuQuotas(tag) if shares else None
     try:
+        if quotas is not None:
+            before, after = shares
+            waiting = set(before)
+            while waiting and proc.poll() is None and time.monotonic() - t0 < 60:
+                for region in sorted(waiting):  # as each rank appears (it imports torch for a second or more)
+                    if found := rank_pids(tag, region):
+                        quotas.set(region, before[region], found)
+                        pinned[region] = len(found)
+                        waiting.discard(region)
+                time.sleep(0.01)
+            while (done := rounds_done(out / "events.jsonl")) < at_round and proc.poll() is None:
+                time.sleep(0.01)
+            if proc.poll() is None:
+                for region, share in after.items():
+                    quotas.set(region, share)
+                changed_from = rounds_done(out / "events.jsonl") + 1 if done >= at_round else None
         if pins:
             while (done := rounds_done(out / "events.jsonl")) < at_round and proc.poll() is None:
                 time.sleep(0.01)
@@ -208,6 +288,8 @@ def run_loop_case(path: Path, out: Path, tokens: int, extra: list[str], pins: di
     finally:
         if proc.poll() is None:
             proc.kill()
+        if quotas is not None:
+            quotas.close()
     wall = time.monotonic() - t0
     if proc.returncode != 0:
         raise RuntimeError(f"{out.name}: geomesh launch exited {proc.returncode}: {stderr[-2000:]}")
@@ -276,21 +358,27 @@ def loop_cases(args: argparse.Namespace, out: Path, cases: list[str]) -> list[di
         path = out / case / "scenario.yaml"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(yaml.safe_dump(loop_scenario(gpus, args.loop_preset, args.loop_batch, args.loop_inner_steps,
-                                                    args.loop_max_batch or 512)))
+                                                    args.loop_max_batch or 512, args.elastic)))
         tokens = args.loop_rounds * 3 * args.loop_batch * args.loop_inner_steps * 32
         cpus = sorted(os.sched_getaffinity(0)) if case == "drift" else []
         # r0 alone on one core; r1 and r2 together on the other (each at about half its speed)
         pins = {"r0-a100": {cpus[1]}, "r1-a100": {cpus[0]}, "r2-a100": {cpus[0]}} if case == "drift" else None
+        shares = None
+        if args.throttle:  # every region at its own quota of a core; drift: r1 and r2 at half of it after the change
+            names = ("r0-a100", "r1-a100", "r2-a100") if gpus[0] == gpus[1] else ("r0-h100", "r1-a100", "r2-t4")
+            before = dict.fromkeys(names, args.throttle)
+            after = {names[1]: args.throttle / 2, names[2]: args.throttle / 2} if case == "drift" else {}
+            shares, pins = (before, after), None
         # processes that "all run at one speed": with --one-core, the three share one core from the start (each a
         # fair third of it), not three on two cores, where which two share a core changes from round to round
         start_cpus = {min(os.sched_getaffinity(0))} if args.one_core and case != "drift" else None
         by = {}
         for loop, extra in (("open", OPEN_LOOP), ("closed", [])):
             summary, wall, changed_from, pinned = run_loop_case(path, out / case / loop, tokens, extra, pins,
-                                                        args.drift_round, args.timeout, start_cpus)  # fmt: skip
+                                                        args.drift_round, args.timeout, start_cpus, shares)  # fmt: skip
             rounds = per_round_idle(out / case / loop / "events.jsonl")
             r = by[loop] = loop_row(case, loop, summary, wall, rounds, changed_from, args.settle)
-            if pins:
+            if pins or shares:
                 r["processes_moved"] = pinned
             rows.append(r)
             print(json.dumps({k: v for k, v in r.items() if k != "per_round"}), flush=True)
@@ -341,6 +429,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--one-core", action="store_true",
                    help="datasheet, alike: the three regions' processes share one core from the start (each a fair "
                         "third of it) instead of three on every core")  # fmt: skip
+    p.add_argument("--throttle", type=float, default=0.0, metavar="SHARE",
+                   help="plan-loop cases: every region at SHARE of one core by a CPU quota (cgroups, root) from its "
+                        "start, instead of CPU affinity; drift: r1 and r2 at SHARE/2 after the change")  # fmt: skip
+    p.add_argument("--elastic", action="store_true",
+                   help="plan-loop cases: elastic regions (torchft quorums, reliability.min_regions 2) instead of "
+                        "static ones")  # fmt: skip
     p.add_argument("--settle", type=int, default=3, help="drift: the settled window starts this many rounds "
                    "after the change")  # fmt: skip
     args = p.parse_args(argv)
