@@ -102,6 +102,16 @@ def test_shaper_holds_to_the_wan_model():
     assert WanShaper(wan, "shaper").allreduce_s(10**6) == pytest.approx(2 * (0.05 + 0.5))
 
 
+def test_an_exchange_without_a_barrier_books_the_wait_for_the_slowest():
+    from geomesh.runtime.distributed.exchange import wait_for_slowest_s
+
+    infos = [{"region": 0, "compute_s": 1.0}, {"region": 1, "compute_s": 2.5}, {"region": 2, "compute_s": None},
+             {"region": 3, "compute_s": float("nan")}]  # fmt: skip
+    assert wait_for_slowest_s(infos, 1.0) == pytest.approx(1.5)
+    assert wait_for_slowest_s(infos, 2.5) == 0.0  # the slowest waits for nobody
+    assert wait_for_slowest_s([], 1.0) == 0.0
+
+
 def test_checksum_sees_any_sampled_change():
     params = {"a": torch.arange(10_000, dtype=torch.float32), "b": torch.ones(3)}
     before = params_checksum(params)

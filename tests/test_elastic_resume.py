@@ -12,6 +12,7 @@ import uuid
 
 import pytest
 import torch
+import yaml
 from test_elastic import argv, processes, scenario, start
 
 from geomesh.cli import launch as cli_launch
@@ -63,8 +64,13 @@ def test_sigkill_every_region_then_resume_is_bit_identical(tmp_path, small_corpu
 def test_elastic_run_without_faults_equals_the_static_one(tmp_path, small_corpus, method, strategy, ranks):
     """Membership through torchft changes nothing when no region is lost: the same bits as the static run,
     here for the fp32 all-reduce (the all-gather of payloads, with regions that keep θ whole or shard it, is
-    proved by the resume test above: its resumed elastic run ends as the static one)."""
+    proved by the resume test above: its resumed elastic run ends as the static one). One region is 6x slower
+    (its steps padded with sleep, which changes no bit): both runs book the others' wait for it as
+    straggler_wait (the static barrier; the elastic exchange's first part), not as WAN time."""
     path = scenario(tmp_path, small_corpus, strategy=strategy)
+    data = yaml.safe_load(path.read_text())
+    data["regions"][2]["slowdown"] = 6.0
+    path.write_text(yaml.safe_dump(data))
     runs = {}
     for name, extra in (("elastic", []), ("static", ["--min-regions", "0"])):
         args = cli_launch.build_parser().parse_args([*argv(path, tmp_path / name, 3840, method=method, ranks=ranks),
@@ -72,6 +78,17 @@ def test_elastic_run_without_faults_equals_the_static_one(tmp_path, small_corpus
         result = cli_launch.launch(args, extra_env={"OMP_NUM_THREADS": "1"})
         assert result.code == 0, result.message
         runs[name] = result.summary
+        events = read_events(tmp_path / name / "events.jsonl")
+        rounds = [e for e in events if e["type"] == "round"]
+        waited = {region: sum(e["end"] - e["start"] for e in events if e["type"] == "span" and e["worker"] == region
+                              and e["kind"] == "straggler_wait") for region in ("r0-h100", "r1-a100", "r2-t4")}
+        behind = {region: sum(max(e["compute_s"]) - e["compute_s"][e["members"].index(region)] for e in rounds)
+                  for region in ("r0-h100", "r1-a100")}  # fmt: skip
+        # the slowest region waits for nobody; the others wait for it (elastic regions start their rounds as
+        # torchft's quorum returns to each, up to a quorum tick apart, so their wait is looser than the barrier's)
+        assert waited["r2-t4"] < 0.5 * min(waited["r0-h100"], waited["r1-a100"]), (name, waited)
+        for region, seconds in behind.items():
+            assert seconds > 0 and waited[region] >= (0.5 if name == "static" else 0.2) * seconds, (name, waited, behind)
     assert "elastic" in runs["elastic"] and "elastic" not in runs["static"]
     assert runs["elastic"]["final_val_loss"] == runs["static"]["final_val_loss"]
     a, b = torch.load(tmp_path / "elastic" / "final_params.pt"), torch.load(tmp_path / "static" / "final_params.pt")

@@ -22,6 +22,8 @@ screens it: a bad payload costs its sender's update this round, never the run.
 
 from __future__ import annotations
 
+import math
+
 import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -72,6 +74,16 @@ def compute_idle(compute_s: list[float]) -> float | None:
     if not times or max(times) <= 0:
         return None
     return sum(max(times) - c for c in times) / (len(times) * max(times))
+
+
+def wait_for_slowest_s(infos: list[dict[str, Any]], compute_s: float) -> float:
+    """How long an exchange that no barrier precedes waits for the slowest member: its measured compute
+    (the members' round infos carry theirs) beyond this member's. By compute times, not clock times: the
+    regions' clocks agree only roughly, and the round records measure straggler idle the same way. The
+    caller clips it to the exchange's length (members that started their round later wait less)."""
+    times = [i["compute_s"] for i in infos
+             if isinstance(i.get("compute_s"), (int, float)) and math.isfinite(i["compute_s"])]  # fmt: skip
+    return max(0.0, max(times, default=compute_s) - compute_s)
 
 
 class Exchange(Protocol):

@@ -42,7 +42,7 @@ from ..faults import RoundFaults, corrupt_payload, optimizer_finite, poisoned
 from ..payloads import screen_payload
 from .checkpoints import RunCheckpointer
 from .core import RankRun
-from .exchange import Exchanged, StaticExchange
+from .exchange import Exchanged, StaticExchange, wait_for_slowest_s
 from .plan_loop import PlanLoop
 from .region import lay_out_like
 from .transport import WanShaper, split_gathered, tx_bytes
@@ -144,7 +144,9 @@ class RoundLoop(PlanLoop):
         while True:
             # 1. who trains this round
             view = self.exchange.open_round(first)
-            run._mark("straggler_wait")  # (elastic: waiting for the round's quorum, i.e. the slowest live region)
+            # elastic: the round's quorum, a round trip through the Lighthouse that every live region asks for as
+            # its last exchange ends (so nobody waits there for a slower one's compute: that wait is in the exchange)
+            run._mark("comm_wait" if self.elastic else "straggler_wait")
             first = False
             if view.calibration:
                 self.use_calibration(view.calibration)
@@ -328,6 +330,11 @@ class RoundLoop(PlanLoop):
                 summed = self.combiner.reducible(payload if reason is None else None, device=run.device)
             info = self._info(payload, compute_s, members, reason)
             result = self.exchange.exchange(payload, summed, info, members)
+            if self.elastic:  # no barrier before the exchange (the quorum opened the round): the wait for the
+                # slowest member is inside it: the part its compute outlasted this region's, as a barrier books it
+                waited = wait_for_slowest_s(result.infos, compute_s)
+                run._mark("straggler_wait", until=min(run._now(), comm_start + waited))
+                comm_start = run._cursor
         result = self._share(result)
         run._mark("comm_wait")
         return result, run._cursor - comm_start
