@@ -37,8 +37,9 @@ default corpus, no WAN shaping:
 ``--throttle SHARE`` sets each region's speed by a CPU quota instead (cgroups: every region at SHARE of one
 core from its start; drift: r1 and r2 at SHARE/2 after the change), so that each region's speed is its own:
 two processes that share a core by affinity are coupled (one that ends its round early leaves the core to
-the other), which no per-region speed describes. ``--elastic`` runs each case between elastic regions (torchft quorums, ``reliability.min_regions: 2``) instead
-of static ones; ``--loop-inner-steps`` sets the rounds' length (H of the even plan).
+the other), which no per-region speed describes. ``--elastic`` runs each case between elastic regions
+(torchft quorums, ``reliability.min_regions: 2``) instead of static ones; ``--loop-inner-steps`` sets the
+rounds' length (H of the even plan).
 
 One JSON object per line per case and loop: per round the straggler idle from the round record
 (``straggler_idle_frac``: the members' measured compute, the time the faster wait for the slowest) and from
@@ -256,7 +257,7 @@ def run_loop_case(path: Path, out: Path, tokens: int, extra: list[str], pins: di
     quotas = CpuQuotas(tag) if shares else None
     try:
         if quotas is not None:
-            before, after = shares
+            before = shares[0]
             waiting = set(before)
             while waiting and proc.poll() is None and time.monotonic() - t0 < 60:
                 for region in sorted(waiting):  # as each rank appears (it imports torch for a second or more)
@@ -265,24 +266,22 @@ def run_loop_case(path: Path, out: Path, tokens: int, extra: list[str], pins: di
                         pinned[region] = len(found)
                         waiting.discard(region)
                 time.sleep(0.01)
+        if pins or quotas is not None:
             while (done := rounds_done(out / "events.jsonl")) < at_round and proc.poll() is None:
                 time.sleep(0.01)
             if proc.poll() is None:
-                for region, share in after.items():
-                    quotas.set(region, share)
-                changed_from = rounds_done(out / "events.jsonl") + 1 if done >= at_round else None
-        if pins:
-            while (done := rounds_done(out / "events.jsonl")) < at_round and proc.poll() is None:
-                time.sleep(0.01)
-            if proc.poll() is None:
-                for region, cpus in pins.items():
-                    for pid in rank_pids(tag, region):
-                        for task in Path(f"/proc/{pid}/task").iterdir():  # every thread (as taskset -a)
-                            try:
-                                os.sched_setaffinity(int(task.name), cpus)
-                            except OSError:  # (a thread that has just ended)
-                                pass
-                        pinned[region] = pinned.get(region, 0) + 1
+                if quotas is not None:
+                    for region, share in shares[1].items():
+                        quotas.set(region, share)
+                else:
+                    for region, cpus in pins.items():
+                        for pid in rank_pids(tag, region):
+                            for task in Path(f"/proc/{pid}/task").iterdir():  # every thread (as taskset -a)
+                                try:
+                                    os.sched_setaffinity(int(task.name), cpus)
+                                except OSError:  # (a thread that has just ended)
+                                    pass
+                            pinned[region] = pinned.get(region, 0) + 1
                 changed_from = rounds_done(out / "events.jsonl") + 1 if done >= at_round else None
         stdout, stderr = proc.communicate(timeout=timeout + 60)
     finally:
@@ -365,7 +364,7 @@ def loop_cases(args: argparse.Namespace, out: Path, cases: list[str]) -> list[di
         pins = {"r0-a100": {cpus[1]}, "r1-a100": {cpus[0]}, "r2-a100": {cpus[0]}} if case == "drift" else None
         shares = None
         if args.throttle:  # every region at its own quota of a core; drift: r1 and r2 at half of it after the change
-            names = ("r0-a100", "r1-a100", "r2-a100") if gpus[0] == gpus[1] else ("r0-h100", "r1-a100", "r2-t4")
+            names = [f"r{i}-{g.lower()}" for i, g in enumerate(gpus)]  # (loop_scenario's regions)
             before = dict.fromkeys(names, args.throttle)
             after = {names[1]: args.throttle / 2, names[2]: args.throttle / 2} if case == "drift" else {}
             shares, pins = (before, after), None

@@ -70,6 +70,17 @@ def tiny_scenario(tmp_path, small_corpus):
     return make
 
 
+def bench_script(name: str):
+    """The module of ``bench/<name>.py`` (the bench scripts are files, not a package)."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "bench" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 # A distributed run whose results a test compares bit for bit (with the emulated runtime, or with itself after a
 # resume) keeps its plan: wall-clock measurements of a tiny model on a shared machine would re-plan it at
 # rounds no two runs agree on. The tests of re-planning from measurement turn it back on.

@@ -4,22 +4,13 @@ not make cgroups."""
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
-import uuid
 import sys
+import uuid
 from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def bench_module():
-    spec = importlib.util.spec_from_file_location("bench_distributed", ROOT / "bench" / "distributed.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from conftest import bench_script
 
 
 def quota_of(quotas, group: Path) -> int:
@@ -28,7 +19,7 @@ def quota_of(quotas, group: Path) -> int:
 
 
 def test_a_region_runs_under_its_own_quota_and_the_groups_are_removed():
-    bench = bench_module()
+    bench = bench_script("distributed")
     try:
         quotas = bench.CpuQuotas("test-" + uuid.uuid4().hex)
         quotas.set("probe", 0.5)

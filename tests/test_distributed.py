@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import FIXED_PLAN, tiny_scenario_dict
+from conftest import FIXED_PLAN, bench_script, tiny_scenario_dict
 
 from geomesh.cli import launch as cli_launch
 from geomesh.checkpoint import fingerprint_hash
@@ -505,11 +505,7 @@ def test_gpu_presets_have_their_sizes():
 def test_gpu_check_script_runs_at_cpu_size(tmp_path):
     """bench/gpu_check.py --smoke: FSDP + bf16 + activation checkpointing inside a region of 2 Gloo ranks beside
     DDP in fp32, the codec, and `geomesh profile`, all at a CPU size (on a GPU the same checks run at 125M)."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("gpu_check", Path(__file__).parents[1] / "bench" / "gpu_check.py")
-    gpu_check = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(gpu_check)
+    gpu_check = bench_script("gpu_check")
     assert gpu_check.main(["--smoke", "--out", str(tmp_path)]) == 0
     results = json.loads((tmp_path / "gpu_check.json").read_text())
     fsdp, ddp = results["train"]

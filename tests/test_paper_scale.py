@@ -3,26 +3,19 @@ size on a CPU (the same script, scenario and methods as on a GPU), and the prese
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 import torch
+from conftest import bench_script
 
 from geomesh.compare import tabulate
 from geomesh.config import load_scenario
 from geomesh.models import GPT, model_config
 from geomesh.runtime.emulated import RunError
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
 def load_script():
-    spec = importlib.util.spec_from_file_location("paper_scale", ROOT / "bench" / "paper_scale.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return bench_script("paper_scale")
 
 
 def proxy_params(scenario) -> int:

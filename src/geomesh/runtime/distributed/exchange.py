@@ -23,7 +23,6 @@ screens it: a bad payload costs its sender's update this round, never the run.
 from __future__ import annotations
 
 import math
-
 import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
