@@ -125,7 +125,7 @@ def test_survivors_that_did_not_touch_the_lost_region_are_not_held_to_the_deadli
         wait_for_round(out, proc, 2)
         killed_at = time.monotonic()
         kill_region(tag, "r2-v100")
-        stdout, stderr = proc.communicate(timeout=240)
+        stdout, stderr = launch_output_or_stacks(proc, tag, out, 240)
         took = time.monotonic() - killed_at
     finally:
         proc.kill()
@@ -170,6 +170,29 @@ def test_a_region_dying_mid_round_loses_that_round_s_tokens(tmp_path, small_corp
     assert el["tokens_lost"]["r2-t4"] == one_round and el["rounds_without"]["r2-t4"] == len(rounds) - 1
     # the budget counts tokens that reached θ: the survivors trained more rounds (the last one is shortened)
     assert 7680 <= result.summary["tokens"] < 7680 + one_round
+
+
+def test_a_region_whose_exchange_failed_alone_heals_and_trains_on_with_the_others(tmp_path, small_corpus):
+    """r2-t4's leader loses round 2's exchange after every payload arrived (the test hook; a member dying just
+    after it sent is the real case): the others commit the round without it, so it is behind. It heals at the
+    quorum the others form for round 3 and that quorum is its round 3 too: asking the quorum service for another
+    one would leave it waiting for them and them waiting for it in round 3's exchange."""
+    path = scenario(tmp_path, small_corpus)
+    out = tmp_path / "run"
+    args = cli_launch.build_parser().parse_args([*argv(path, out, 7680), "--timeout", "40"])
+    result = cli_launch.launch(args, extra_env={"OMP_NUM_THREADS": "1", "GEOMESH_TEST_LOSE_EXCHANGE": "r2-t4:2"})
+    assert result.code == 0, result.message
+    assert [r.describe() for r in result.ranks] == ["exit code 0"] * 3
+    events = read_events(out / "events.jsonl")
+    rounds = [e for e in events if e["type"] == "round"]
+    assert [e["round"] for e in rounds] == list(range(1, len(rounds) + 1))
+    # its round-2 payload reached the others: no round went on without it, nothing it trained was lost
+    assert all(e["members"] == ["r0-h100", "r1-a100", "r2-t4"] for e in rounds)
+    assert [(e["type"], e["round"], e["region"]) for e in events if e["type"] in ("leave", "join")] == [
+        ("leave", 3, "r2-t4"), ("join", 3, "r2-t4")]
+    el = result.summary["elastic"]
+    assert el["regions_at_end"] == ["r0-h100", "r1-a100", "r2-t4"] and el["tokens_lost"]["r2-t4"] == 0
+    assert len(set(result.summary["param_checksums"].values())) == 1
 
 
 def test_a_hung_region_misses_the_deadline_and_is_left_out(tmp_path, small_corpus):
@@ -314,6 +337,28 @@ def stderr_or_stacks(procs: dict[str, subprocess.Popen], timeout: float) -> dict
                 + "\n".join(f"===== {name}\n{err}" for name, err in stacks.items()))
 
 
+def launch_output_or_stacks(proc: subprocess.Popen, tag: str, out: Path, timeout: float) -> tuple[str, str]:
+    """The launcher's (stdout, stderr) once it has ended within ``timeout`` seconds. Otherwise the test fails
+    with the stack of every rank still running (``SIGUSR1``, printed into ``out/logs/rank<k>.log``), so that a
+    hung run names the call each rank waits in."""
+    try:
+        return proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        pass
+    for pid in set(processes(tag)) - {proc.pid}:  # the ranks (the launcher's default for SIGUSR1 is to end)
+        try:
+            os.kill(pid, signal.SIGUSR1)
+        except ProcessLookupError:
+            pass
+    time.sleep(2.0)
+    proc.kill()
+    logs = {f.name: f.read_text(errors="replace")[-5000:] for f in sorted((out / "logs").glob("rank*.log"))}
+    events = (out / "events.jsonl").read_text()[-3000:] if (out / "events.jsonl").exists() else ""
+    pytest.fail(f"the launcher still ran after {timeout:g}s; launcher: {proc.communicate()[1][-2000:]}\n"
+                f"events: {events}\n"
+                + "\n".join(f"===== {name}\n{log}" for name, log in logs.items()))
+
+
 def _port() -> int:
     from geomesh.runtime.distributed.transport import free_port
 
@@ -341,7 +386,7 @@ def test_an_overlapped_elastic_run_survives_a_killed_region(tmp_path, small_corp
     try:
         wait_for_round(out, proc, 2)
         kill_region(tag, "r1-a100")
-        stdout, stderr = proc.communicate(timeout=240)
+        stdout, stderr = launch_output_or_stacks(proc, tag, out, 240)
     finally:
         proc.kill()
         kill_all(tag)

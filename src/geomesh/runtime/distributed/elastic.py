@@ -56,6 +56,9 @@ from .transport import WanShaper
 __all__ = ["QuorumExchange", "RegionLayout", "adaptive_deadline_s", "deadline_history", "min_regions_of",
            "region_layout"]
 
+# tests: "REGION:ROUND": that region's leader loses its exchange of that round after the payloads arrived (as
+# when the connection to a dying member breaks late): the others commit the round, it falls behind
+TEST_LOSE_ENV = "GEOMESH_TEST_LOSE_EXCHANGE"
 MEASURED_ROUNDS = 3  # rounds measured before an adaptive deadline replaces the fixed one (the first may warm up)
 MIN_SPREAD = 0.1  # the least spread assumed, as a fraction of the median (see adaptive_deadline_s)
 
@@ -117,6 +120,10 @@ class QuorumExchange(ElasticState):
         self.members: list[int] | None = None  # last round's
         self.written = -1  # records already in events.jsonl (-1: this leader has not written it)
         self.healed_state: dict | None = None
+        # the quorum this region healed at while retrying a failed exchange: the others formed it for their next
+        # collective (the round's quorum, or an overlapped exchange's), so it is this region's next quorum too;
+        # asking the Lighthouse for another would leave both sides waiting for each other
+        self.joined_quorum: dict[str, Any] | None = None
         self.whole: tuple[dict, dict] | None = None  # a sharded θ and momentum, gathered (the leader: _snapshot)
         self.membership: Membership | None = None
         self.launch_members: list[int] | None = None  # overlapped: the members at the last exchange's quorum
@@ -238,6 +245,9 @@ class QuorumExchange(ElasticState):
 
     def _quorum(self, first: bool) -> dict[str, Any]:
         """(leader) Join the round's quorum and learn its members; retried until a header exchange works."""
+        if self.joined_quorum is not None:  # (its state is applied already)
+            ctrl, self.joined_quorum = self.joined_quorum, None
+            return {**ctrl, "healed": False}
         m = self.membership
         startup_until = time.monotonic() + self.run.options.timeout_s
         short_since: float | None = None  # when quorums of too few regions that hold the run's key began
@@ -406,6 +416,9 @@ class QuorumExchange(ElasticState):
                     infos = [{k: v for k, v in e.items() if k != "payload"} for e in envelopes]
                     gathered = {e["region"]: e["payload"] for e in envelopes}
                     sent += self.loop.kit.payload_nbytes
+                if os.environ.get(TEST_LOSE_ENV) == f"{self.names[self.me]}:{run.rounds + 1}":
+                    del os.environ[TEST_LOSE_ENV]  # once
+                    raise ExchangeFailed("test: the connection broke after the payloads arrived")
                 who = sorted(i["region"] for i in infos)
                 WanShaper(self._wan(who), run.options.wan).hold(self.shaper_s(who), since)
                 break
@@ -416,8 +429,9 @@ class QuorumExchange(ElasticState):
                     ctrl = self._quorum(first=False)
                 except MembershipError as err:
                     raise RunError(str(err)) from None
-                if ctrl["healed"]:  # the others finished this round without us
+                if ctrl["healed"]:  # the others finished this round without us, and formed their next quorum
                     state, self.healed_state = self.healed_state, None
+                    self.joined_quorum = ctrl
                     return Exchanged([], None, None, time.perf_counter() - t0, sent, healed_state=state)
                 self._restarted_in_place(ctrl["rejoined"])  # as the region that rejoined records it
                 if summed is not None:  # the sum of a failed all-reduce is undefined: this leader's own again

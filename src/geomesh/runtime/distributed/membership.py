@@ -238,9 +238,15 @@ class Membership:
         """A collective failed: the round is void for torchft, and this leader's group is torn down at once.
         Its peers may still be blocked in the same collective on a link that never touched the lost region
         (a ring's other half); closing our connections fails them now instead of at the round deadline, so
-        every survivor asks for the next quorum together."""
+        every survivor asks for the next quorum together.
+
+        The round's commit vote is cast now (no: torchft counts a commit failure), so that the next quorum is a
+        new one even when its members are the same (a connection that broke while every member lived): the
+        Lighthouse gives a new quorum id only for other members or a member's commit failures, and only a new
+        quorum id re-forms the group torn down here."""
         self.manager.report_error(exc)
         self.pg.abort()
+        self.manager.should_commit(timeout=self.deadline)
 
     def commit(self) -> bool:
         """End the round for torchft (the step count advances); False when the round must not count."""
