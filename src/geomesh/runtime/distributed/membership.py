@@ -246,7 +246,10 @@ class Membership:
         quorum id re-forms the group torn down here."""
         self.manager.report_error(exc)
         self.pg.abort()
-        self.manager.should_commit(timeout=self.deadline)
+        try:
+            self.manager.should_commit(timeout=self.deadline)
+        except Exception:  # noqa: BLE001 - its own manager server; other members still re-form the quorum
+            pass
 
     def commit(self) -> bool:
         """End the round for torchft (the step count advances); False when the round must not count."""
