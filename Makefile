@@ -19,11 +19,12 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q -e ".[dev]"
 	touch $(STAMP)
 
-# two workers, one test file each at a time (module fixtures stay shared; files of tests marked long first),
+# two workers, one test file each at a time (module fixtures stay shared; files of tests marked long first: in
+# collection order, not reordered by their number of tests),
 # then the tests marked serial alone
 # (those that pin CPUs to make a region slow: another test's processes must not share their cores)
 test: $(STAMP)
-	$(PY) -m pytest -q -n 2 --dist loadfile -m "not serial"
+	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder -m "not serial"
 	$(PY) -m pytest -q -m serial
 
 demo: $(STAMP)

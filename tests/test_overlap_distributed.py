@@ -43,6 +43,7 @@ def test_distributed_overlap_equals_emulated_and_every_rank_agrees(tmp_path, sma
     assert sum(e["type"] == "eval" for e in events) == summary["rounds"] + 1  # θ_0, then each update
 
 
+@pytest.mark.long
 def test_distributed_overlap_checkpoints_equal_emulated_and_resume_exactly(tmp_path, small_corpus):
     """--checkpoint-every 2 with overlap: the exchange before each checkpoint is waited for as in the emulated
     runtime (same parameters), and a run whose rank exits after round 3 resumes from round 2 bit for bit."""
