@@ -313,6 +313,16 @@ def kill_all(tag: str) -> None:
             pass
 
 
+def print_stacks(pids) -> None:
+    """Each rank in ``pids`` prints every thread's stack to its output (``SIGUSR1``, geomesh.cli.rank)."""
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGUSR1)
+        except ProcessLookupError:
+            pass
+    time.sleep(2.0)
+
+
 def stderr_or_stacks(procs: dict[str, subprocess.Popen], timeout: float) -> dict[str, str]:
     """Each process's stderr once they have all ended within ``timeout`` seconds (together). Otherwise the
     test fails with the stacks of those still running (``SIGUSR1``: each rank prints every thread's stack), so
@@ -326,9 +336,7 @@ def stderr_or_stacks(procs: dict[str, subprocess.Popen], timeout: float) -> dict
     else:
         return errs
     hung = [name for name, p in procs.items() if p.poll() is None]
-    for name in hung:
-        os.kill(procs[name].pid, signal.SIGUSR1)
-    time.sleep(2.0)
+    print_stacks([procs[name].pid for name in hung])
     stacks = {}
     for name in hung:
         procs[name].kill()
@@ -345,12 +353,7 @@ def launch_output_or_stacks(proc: subprocess.Popen, tag: str, out: Path, timeout
         return proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         pass
-    for pid in set(processes(tag)) - {proc.pid}:  # the ranks (the launcher's default for SIGUSR1 is to end)
-        try:
-            os.kill(pid, signal.SIGUSR1)
-        except ProcessLookupError:
-            pass
-    time.sleep(2.0)
+    print_stacks(set(processes(tag)) - {proc.pid})  # the ranks (the launcher's default for SIGUSR1 is to end)
     proc.kill()
     logs = {f.name: f.read_text(errors="replace")[-5000:] for f in sorted((out / "logs").glob("rank*.log"))}
     events = (out / "events.jsonl").read_text()[-3000:] if (out / "events.jsonl").exists() else ""

@@ -124,6 +124,7 @@ class QuorumExchange(ElasticState):
         # collective (the round's quorum, or an overlapped exchange's), so it is this region's next quorum too;
         # asking the Lighthouse for another would leave both sides waiting for each other
         self.joined_quorum: dict[str, Any] | None = None
+        self.lose_at = os.environ.get(TEST_LOSE_ENV)  # tests: "REGION:ROUND" (see TEST_LOSE_ENV), once
         self.whole: tuple[dict, dict] | None = None  # a sharded θ and momentum, gathered (the leader: _snapshot)
         self.membership: Membership | None = None
         self.launch_members: list[int] | None = None  # overlapped: the members at the last exchange's quorum
@@ -416,8 +417,8 @@ class QuorumExchange(ElasticState):
                     infos = [{k: v for k, v in e.items() if k != "payload"} for e in envelopes]
                     gathered = {e["region"]: e["payload"] for e in envelopes}
                     sent += self.loop.kit.payload_nbytes
-                if os.environ.get(TEST_LOSE_ENV) == f"{self.names[self.me]}:{run.rounds + 1}":
-                    del os.environ[TEST_LOSE_ENV]  # once
+                if self.lose_at == f"{self.names[self.me]}:{run.rounds + 1}":
+                    self.lose_at = None
                     raise ExchangeFailed("test: the connection broke after the payloads arrived")
                 who = sorted(i["region"] for i in infos)
                 WanShaper(self._wan(who), run.options.wan).hold(self.shaper_s(who), since)
