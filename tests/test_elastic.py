@@ -195,6 +195,7 @@ def test_a_region_whose_exchange_failed_alone_heals_and_trains_on_with_the_other
     assert len(set(result.summary["param_checksums"].values())) == 1
 
 
+@pytest.mark.waits
 def test_a_hung_region_misses_the_deadline_and_is_left_out(tmp_path, small_corpus):
     """A region that stops responding before its exchange (its heartbeat goes on, as in a stuck process) holds
     the others only until reliability.round_deadline_s; they re-form the quorum without it and finish."""
@@ -265,6 +266,7 @@ def test_bad_input_is_one_error_line_without_a_hang(tmp_path, small_corpus, caps
         assert code == 2 and len(err) == 1 and says in err[0], err
 
 
+@pytest.mark.waits
 def test_regions_running_different_jobs_stop_with_one_error_each(tmp_path, small_corpus):
     """Two regions started by hand (as two torchruns would) with different seeds: the header exchange over the
     quorum compares a hash of scenario, method, seed and budget; the odd region stops with one line, and the

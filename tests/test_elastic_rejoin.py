@@ -1,5 +1,5 @@
-"""A restarted elastic region rejoins with the live state (a file of its own: its runs mostly sleep, so the
-test runs beside the others' files instead of after them)."""
+"""A restarted elastic region rejoins with the live state (its runs mostly sleep: marked ``waits``, make test runs
+it beside the two workers instead of on one of them)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from test_elastic import kill_all, argv, kill_region, scenario, start, wait_for_
 from geomesh.telemetry import read_events
 
 
-@pytest.mark.long
+@pytest.mark.waits
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_a_restarted_region_rejoins_with_the_live_state(tmp_path, small_corpus, strategy):
     """The killed region is r0-h100, of 2 ranks, the one that writes events.jsonl: r1-a100 takes the file over

@@ -65,6 +65,7 @@ def test_the_quorum_waits_the_floor_for_late_regions_with_adaptive_deadlines():
                                             round_deadline_floor_s=4)) == 4  # fmt: skip
 
 
+@pytest.mark.waits
 def test_an_elastic_run_holds_each_exchange_to_the_measured_deadline_and_drops_a_stalled_region(tmp_path,
                                                                                                 small_corpus):  # fmt: skip
     """3 regions of one rank; r2-t4 stops responding before its exchange of round 5 (its heartbeat goes on).

@@ -181,7 +181,7 @@ def run_regions_by_hand(path: Path, folder: Path, tokens: int, keys: dict[str, s
     return {region: p.returncode for region, p in procs.items()}, errs
 
 
-@pytest.mark.long
+@pytest.mark.waits
 def test_an_outsider_gets_nothing_and_a_second_copy_exits_while_the_run_goes_on(tmp_path, small_corpus,
                                                                                  monkeypatch):  # fmt: skip
     """Two attacks on one live run, one after the other: the outsider on the quorum service (the module
@@ -261,6 +261,7 @@ def test_an_elastic_region_with_another_key_is_rejected_named_and_stops_alone(tm
     assert len(set(summary["param_checksums"].values())) == 1
 
 
+@pytest.mark.waits
 def test_a_region_with_another_key_does_not_count_towards_the_quorum(tmp_path, small_corpus):
     """r0-h100 and r2-t4, with another key, alone (min_regions 2): torchft forms quorums of the two, but neither
     region may train on in them (it would commit rounds alone, and r1-a100 would then have to heal across
