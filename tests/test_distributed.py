@@ -56,10 +56,15 @@ def launch(argv: list[str], env: dict[str, str] | None = None) -> cli_launch.Lau
     return cli_launch.launch(args, extra_env={**RANK_ENV, **(env or {})})
 
 
-def emulated_params(scenario_path: Path, method: str, tokens: int) -> dict[str, torch.Tensor]:
+def emulated_run(scenario_path: Path, method: str, tokens: int) -> tuple[dict[str, torch.Tensor], dict]:
+    """The emulated runtime's final parameters and summary for the same scenario, method and tokens."""
     run = EmulatedRun(load_scenario(scenario_path), get_method(method), RunOptions(tokens=tokens, progress=False))
-    run.run()
-    return run.cluster.global_model.state_dict()
+    summary = run.run()
+    return run.cluster.global_model.state_dict(), summary
+
+
+def emulated_params(scenario_path: Path, method: str, tokens: int) -> dict[str, torch.Tensor]:
+    return emulated_run(scenario_path, method, tokens)[0]
 
 
 def assert_same_params(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], **tol) -> None:
@@ -146,10 +151,8 @@ def test_three_ranks_with_different_plans_end_identical(geomesh_run):
 
 def test_distributed_equals_emulated(geomesh_run):
     scenario, out, summary = geomesh_run
-    expected = emulated_params(scenario, "geomesh", TOKENS)
+    expected, s = emulated_run(scenario, "geomesh", TOKENS)
     assert_same_params(torch.load(out / "final_params.pt"), expected, rtol=1e-5, atol=1e-6)
-    emulated = EmulatedRun(load_scenario(scenario), get_method("geomesh"), RunOptions(tokens=TOKENS, progress=False))
-    s = emulated.run()
     assert summary["tokens"] == s["tokens"] and summary["rounds"] == s["rounds"]
     assert summary["final_val_loss"] == pytest.approx(s["final_val_loss"], rel=1e-5)
     assert summary["plan"] == s["plan"]
@@ -404,14 +407,26 @@ def strategy_runs(tmp_path: Path, small_corpus, method: str, tokens: int, *extra
     return runs
 
 
+FSDP_TOKENS = 5000
+
+
+@pytest.fixture(scope="module")
+def fsdp_region_runs(tmp_path_factory, small_corpus) -> dict:
+    """GeoMesh with region 0 (2 ranks) under ddp and under fsdp, region 1 ddp: shared by the test that compares
+    the two and the one that resumes the fsdp run (its uninterrupted reference)."""
+    return strategy_runs(tmp_path_factory.mktemp("fsdp-region"), small_corpus, "geomesh", FSDP_TOKENS)
+
+
 @pytest.mark.parametrize("method", ["geomesh", "geomesh-overlap"])
-def test_an_fsdp_region_holds_its_shard_of_theta_and_trains_as_ddp(tmp_path, small_corpus, method):
+def test_an_fsdp_region_holds_its_shard_of_theta_and_trains_as_ddp(tmp_path, small_corpus, method, request):
     """θ and the outer momentum of an fsdp region are sharded like its replica (what the planner's memory model
     counts): each of its 2 ranks holds half of them, the region's ranks evaluate θ together, and the run ends
     where the same run with a ddp region ends (1-bit exchange, plain and overlapped: eager starts, rebase, the
     last exchange in 3 fragments taken from the sharded replica)."""
-    split = ("--set", "geomesh.overlap_tail_fragments=3") if method == "geomesh-overlap" else ()
-    runs = strategy_runs(tmp_path, small_corpus, method, 4000, *split)
+    if method == "geomesh":
+        runs = request.getfixturevalue("fsdp_region_runs")
+    else:
+        runs = strategy_runs(tmp_path, small_corpus, method, 4000, "--set", "geomesh.overlap_tail_fragments=3")
     for result, _, _ in runs.values():
         assert result.code == 0, result.message
         assert len(set(result.summary["param_checksums"])) == 1
@@ -428,18 +443,22 @@ def test_an_fsdp_region_holds_its_shard_of_theta_and_trains_as_ddp(tmp_path, sma
 
 
 @pytest.mark.parametrize("region1", ["ddp", "fsdp"])
-def test_an_fsdp_region_resumes_its_sharded_theta_exactly(tmp_path, small_corpus, region1):
+def test_an_fsdp_region_resumes_its_sharded_theta_exactly(tmp_path, small_corpus, region1, request):
     """A rank of the fsdp region exits after round 2; ``--resume`` reads the sharded θ, momentum and AdamW state
     back from the round-2 checkpoint (written whole by the ddp region, or as shards when every region shards)
     and ends bit-identical to the run that was not interrupted."""
-    ref = strategy_runs(tmp_path / "ref", small_corpus, "geomesh", 5000, strategies=("fsdp",), region1=region1)
+    if region1 == "ddp":  # the uninterrupted run is the fsdp run of the shared pair
+        ref = request.getfixturevalue("fsdp_region_runs")
+    else:
+        ref = strategy_runs(tmp_path / "ref", small_corpus, "geomesh", FSDP_TOKENS, strategies=("fsdp",),
+                            region1=region1)  # fmt: skip
     assert ref["fsdp"][0].code == 0, ref["fsdp"][0].message
-    cut = strategy_runs(tmp_path / "cut", small_corpus, "geomesh", 5000, "--checkpoint-every", "1", region1=region1,
-                        env={"GEOMESH_TEST_EXIT_AFTER_ROUND": "1:2"}, strategies=("fsdp",))["fsdp"]  # fmt: skip
+    cut = strategy_runs(tmp_path / "cut", small_corpus, "geomesh", FSDP_TOKENS, "--checkpoint-every", "1",
+                        region1=region1, env={"GEOMESH_TEST_EXIT_AFTER_ROUND": "1:2"}, strategies=("fsdp",))["fsdp"]  # fmt: skip
     ref = ref["fsdp"]
     assert cut[0].code != 0 and not (cut[1] / "summary.json").exists(), cut[0].message
-    resumed = launch([str(cut[2]), "--nproc", "3", "--method", "geomesh", "--out", str(cut[1]), "--tokens", "5000",
-                      "--save-params", "--quiet", "--wan", "none", "--timeout", "60", "--resume"])  # fmt: skip
+    resumed = launch([str(cut[2]), "--nproc", "3", "--method", "geomesh", "--out", str(cut[1]), "--tokens",
+                      str(FSDP_TOKENS), "--save-params", "--quiet", "--wan", "none", "--timeout", "60", "--resume"])  # fmt: skip
     assert resumed.code == 0, resumed.message
     assert resumed.summary["rounds"] == ref[0].summary["rounds"] >= 3
     assert resumed.summary["final_val_loss"] == ref[0].summary["final_val_loss"]
