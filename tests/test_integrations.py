@@ -97,10 +97,16 @@ def test_missing_extras_for_each_feature(monkeypatch, tmp_path):
 
 
 def test_missing_extra_in_the_cli_is_one_error_line(monkeypatch, tmp_path, capsys, small_corpus):
+    from geomesh import integrations
+    from geomesh.cli import eval as eval_command
     from geomesh.integrations import lm_eval_adapter
 
+    # `geomesh eval` imports the adapter when it runs: here, for the first time without lm-eval (the module
+    # loaded with it comes back after the test, in sys.modules and on its package)
     monkeypatch.setitem(sys.modules, "lm_eval", None)
-    code = lm_eval_adapter.main(["default", "--tasks", "x"])
+    monkeypatch.delitem(sys.modules, "geomesh.integrations.lm_eval_adapter")
+    monkeypatch.setattr(integrations, "lm_eval_adapter", lm_eval_adapter)
+    code = eval_command.main(["default", "--tasks", "x"])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and err[0].startswith("error: ") and "geomesh[eval]" in err[0]
 
@@ -572,7 +578,7 @@ def test_lm_eval_runs_a_local_jsonl_task_offline(tmp_path, text_corpus):
 def test_geomesh_eval_command_on_a_transformers_folder(tmp_path, text_corpus, capsys):
     import transformers
 
-    from geomesh.integrations.lm_eval_adapter import main
+    from geomesh.cli.eval import main
     from geomesh.models import build_proxy_model
 
     model = build_proxy_model(ModelConfig(seq_len=32, hf_config=dict(GPT2)), text_corpus.vocab_size, seed=0)
@@ -598,7 +604,7 @@ def test_geomesh_eval_command_on_a_transformers_folder(tmp_path, text_corpus, ca
 
 @needs_lm_eval
 def test_geomesh_eval_command_on_a_scenario_checkpoint(tmp_path, small_corpus, text_corpus):
-    from geomesh.integrations.lm_eval_adapter import main
+    from geomesh.cli.eval import main
     from geomesh.models import build_proxy_model
 
     s_path = tmp_path / "s.yaml"

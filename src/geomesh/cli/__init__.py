@@ -221,12 +221,11 @@ def build_parser() -> argparse.ArgumentParser:
 def _register_optional(sub) -> None:
     """Subcommands that live in their own modules (planner and profiler; local launch of real ranks;
     lm-evaluation-harness tasks)."""
-    from . import launch, plan
-    from ..integrations import lm_eval_adapter
+    from . import eval as eval_command, launch, plan
 
     plan.register(sub)
     launch.register(sub)
-    lm_eval_adapter.register(sub)
+    eval_command.register(sub)
 
 
 def main(argv: list[str] | None = None) -> int:

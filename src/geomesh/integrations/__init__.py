@@ -1,7 +1,7 @@
 """Bridges to outside tools (faces layer), each behind an optional extra (docs/ecosystem.md).
 
-- :mod:`.lm_eval_adapter`: an lm-evaluation-harness ``LM`` for the trained model and the ``geomesh eval``
-  face (extra ``eval``).
+- :mod:`.lm_eval_adapter`: an lm-evaluation-harness ``LM`` for the trained model and what ``geomesh eval``
+  runs (extra ``eval``; its arguments live in :mod:`geomesh.cli.eval`).
 
 The TensorBoard and Weights & Biases sinks are telemetry writers that both runtimes attach, so they live
 beside telemetry (:mod:`geomesh.telemetry_sinks`). The ``transformers`` model adapter lives with the models (:mod:`geomesh.models.hf`), token shards and HF

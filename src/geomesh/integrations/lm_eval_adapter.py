@@ -16,14 +16,14 @@ model's interface (``model(idx) -> (logits, ...)``: the built-in GPT, the transf
 The scoring needs only torch: without lm-eval installed the class is a plain object whose three methods take
 lm-eval ``Instance`` objects or bare argument tuples. :func:`evaluate_tasks` runs lm-eval tasks (local YAML
 tasks through ``include_path``, e.g. a JSONL multiple-choice task with ``dataset_path: json``).
-:func:`main` is ``geomesh eval`` (:func:`register` adds it to the ``geomesh`` parser).
+:func:`cmd_eval` runs ``geomesh eval``, whose arguments live in :mod:`geomesh.cli.eval` (so that the ``geomesh``
+parser is built without importing torch and lm-eval).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -41,7 +41,7 @@ except ImportError:  # pragma: no cover - exercised where lm-eval is not install
     _LMBase = object  # type: ignore[assignment,misc]
     HAVE_LM_EVAL = False
 
-__all__ = ["GeoMeshLM", "TextTokenizer", "evaluate_tasks", "main", "register", "HAVE_LM_EVAL"]
+__all__ = ["GeoMeshLM", "TextTokenizer", "evaluate_tasks", "cmd_eval", "HAVE_LM_EVAL"]
 
 SEPARATORS = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eot_id|>", "<|im_end|>", "[SEP]")
 
@@ -333,25 +333,6 @@ def _model_from_args(args: argparse.Namespace) -> tuple[torch.nn.Module, Any, di
     return model, corpus.tokenizer, facts
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("scenario", nargs="?", help="a scenario: its model is trained now (or loaded with --checkpoint)")
-    p.add_argument("--tasks", required=True, help="comma-separated lm-eval task names")
-    p.add_argument("--include-path", action="append", help="a folder of task YAML files (local tasks)")
-    p.add_argument("--limit", type=float, default=None, help="items per task (a fraction when < 1)")
-    p.add_argument("--num-fewshot", type=int, default=None)
-    p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--out", default=None, help="write the results as JSON here")
-    p.add_argument("--hf-model", default=None, help="a transformers model folder (save_pretrained) instead")
-    p.add_argument("--tokenizer", default=None, help="tokenizer.json or folder (default: the corpus's / model's)")
-    p.add_argument("--checkpoint", default=None, help="a state_dict of the scenario's model (torch.save)")
-    p.add_argument("--method", default="geomesh", help="method to train with when no --checkpoint is given")
-    p.add_argument("--tokens", type=int, default=None, help="token budget of that training run")
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--run-out", default=None, help="run folder of that training run")
-    p.add_argument("--save-checkpoint", default=None, help="save the trained model's state_dict here")
-    p.add_argument("--set", action="append", metavar="FIELD=VALUE", help="override a scenario field")
-
-
 def cmd_eval(args: argparse.Namespace, print_fn: Callable[..., None] = print) -> int:
     require("lm_eval", "geomesh eval (lm-evaluation-harness)")
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
@@ -369,28 +350,3 @@ def cmd_eval(args: argparse.Namespace, print_fn: Callable[..., None] = print) ->
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(results, indent=2, default=str) + "\n")
     return 0
-
-
-def register(sub: Any) -> None:
-    """Add ``eval`` to the ``geomesh`` subcommands (``sub`` from ``add_subparsers``)."""
-    p = sub.add_parser("eval", help="lm-evaluation-harness tasks on a trained model (extra: eval)")
-    add_arguments(p)
-    p.set_defaults(func=cmd_eval)
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``geomesh eval`` on its own: parse ``argv``, run, and turn user errors into one ``error:`` line (2)."""
-    from ..errors import USER_ERRORS
-
-    p = argparse.ArgumentParser(prog="geomesh eval", description=__doc__.splitlines()[0])
-    add_arguments(p)
-    args = p.parse_args(argv)
-    try:
-        return cmd_eval(args)
-    except USER_ERRORS as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())
