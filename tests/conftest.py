@@ -24,6 +24,21 @@ def geomesh_cache(tmp_path_factory) -> Path:
     return cache
 
 
+@pytest.fixture(autouse=True)
+def ranks_from_a_zygote(request, monkeypatch):
+    """Ranks that a launch in this process starts are forked from a process that imported torch once
+    (tests/rank_zygote.py): the same command, without paying torch's import per rank. A test that finds its
+    ranks by their /proc environment (or that watches how they are started) is marked ``exec_ranks``;
+    ``GEOMESH_TEST_EXEC_RANKS=1`` starts every rank the product's way."""
+    if request.node.get_closest_marker("exec_ranks") or os.environ.get("GEOMESH_TEST_EXEC_RANKS") == "1":
+        return
+    import rank_zygote
+
+    from geomesh.cli import ranks
+
+    monkeypatch.setattr(ranks, "start_rank", rank_zygote.start_rank)
+
+
 @pytest.fixture(scope="session")
 def small_corpus(tmp_path_factory) -> list[str]:
     """Two plays from the default corpus: enough text for a real (small) tokenizer and shards."""

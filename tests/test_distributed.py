@@ -334,6 +334,7 @@ def test_a_transformers_llama_on_token_shards_trains_as_in_the_emulated_runtime(
                        rtol=1e-5, atol=1e-6)  # fmt: skip
 
 
+@pytest.mark.exec_ranks  # it watches the launcher's Popen
 def test_ddp_all_reduces_every_step_across_regions(tmp_path, small_corpus, capsys, monkeypatch):
     """`--method ddp`: 2 regions (2 ranks + 1), a gradient all-reduce per step held by the WAN shaper; the same
     parameters as the emulated runtime's DDP; every rank's environment and log lines name its region."""

@@ -97,9 +97,7 @@ def run_ranks(args: argparse.Namespace, cmds: list[list[str]], envs: list[dict[s
     started = time.perf_counter()
     try:
         for k, (cmd, rank_env) in enumerate(zip(cmds, envs)):
-            proc = subprocess.Popen(cmd, env={**rank_env, LIFELINE_ENV: str(lifeline.read_fd)}, stdout=subprocess.PIPE,
-                                    stderr=subprocess.STDOUT, text=True, start_new_session=True, preexec_fn=hook,
-                                    pass_fds=(lifeline.read_fd,))  # fmt: skip
+            proc = start_rank(cmd, {**rank_env, LIFELINE_ENV: str(lifeline.read_fd)}, lifeline.read_fd, hook)
             procs.append(proc)
             t = threading.Thread(target=pump, args=(k, proc), daemon=True)
             t.start()
@@ -127,6 +125,14 @@ def run_ranks(args: argparse.Namespace, cmds: list[list[str]], envs: list[dict[s
             t.join(timeout=5)
         lifeline.close()
     return ranks, False
+
+
+def start_rank(cmd: list[str], env: dict[str, str], lifeline_fd: int, preexec_fn) -> subprocess.Popen:
+    """Start one rank: ``cmd`` in its own session with ``env``, its output (stdout and stderr) on a text pipe,
+    ``lifeline_fd`` inherited. The one place a rank process starts: a test harness may start the same command
+    another way (tests/rank_zygote.py forks it from a process that imported torch once)."""
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True, preexec_fn=preexec_fn, pass_fds=(lifeline_fd,))  # fmt: skip
 
 
 def kill(proc: subprocess.Popen) -> None:
