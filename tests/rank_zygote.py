@@ -111,7 +111,8 @@ class Zygote:
             reply = json.loads(data)
             if "exit" in reply:
                 self.exits[reply["exit"]] = reply["code"]
-            else:
+            else:  # a new child: an exit recorded under its pid was an earlier child's (pids are reused)
+                self.exits.pop(reply["pid"], None)
                 self.started[reply["id"]] = reply["pid"]
 
     def close(self) -> None:
