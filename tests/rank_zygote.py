@@ -33,6 +33,8 @@ import sys
 import threading
 import time
 
+from geomesh.cli.ranks import start_rank as product_start_rank  # bound before the tests replace it
+
 RANK_MODULE = "geomesh.run"
 MAX_MESSAGE = 1 << 20  # a request: the command and its environment
 
@@ -63,7 +65,8 @@ class ForkedRank:
 
 
 class Zygote:
-    """The test process's side: starts the zygote, sends it rank commands, collects exit statuses."""
+    """The test process's side: starts the zygote, sends it rank commands, collects exit statuses (the zygote
+    ends when this process does: its socket reads end-of-file)."""
 
     def __init__(self):
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -115,13 +118,6 @@ class Zygote:
                 self.exits.pop(reply["pid"], None)
                 self.started[reply["id"]] = reply["pid"]
 
-    def close(self) -> None:
-        self.sock.close()  # the zygote ends at end-of-file
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-
 
 _zygote: Zygote | None = None
 _zygote_lock = threading.Lock()
@@ -132,10 +128,7 @@ def start_rank(cmd: list[str], env: dict[str, str], lifeline_fd: int, preexec_fn
     anything else (a rank under ``ip netns exec``) starts as the product starts it."""
     global _zygote
     if not _is_rank_command(cmd):
-        from geomesh.cli import ranks
-
-        return ranks.subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                      start_new_session=True, preexec_fn=preexec_fn, pass_fds=(lifeline_fd,))  # fmt: skip
+        return product_start_rank(cmd, env, lifeline_fd, preexec_fn)
     with _zygote_lock:
         if _zygote is None or _zygote.proc.poll() is not None:
             _zygote = Zygote()
