@@ -29,12 +29,16 @@ TAG_ENV = "GEOMESH_TEST_TAG"
 
 
 def scenario(folder: Path, paths: list[str], slowdown: float = 1.0, faults=None, strategy: str = "ddp",
-             gpus=("H100", "A100", "T4"), rtt_ms: float | None = None, **reliability) -> Path:  # fmt: skip
+             gpus=("H100", "A100", "T4"), rtt_ms: float | None = None, plan_loop: bool = False,
+             **reliability) -> Path:  # fmt: skip
     data = tiny_scenario_dict(paths, gpus)
     if rtt_ms is not None:  # with --wan shaper every exchange is held to it: rounds of a known length
         n = len(gpus)
         data["wan"]["rtt"] = [[0 if i == j else rtt_ms for j in range(n)] for i in range(n)]
-    data["geomesh"].update(FIXED_PLAN)
+    if not plan_loop:  # GeoMesh's plan loop (calibration, re-planning) on: what users run
+        data["geomesh"].update(FIXED_PLAN)
+    else:
+        data["geomesh"].update({"calibrate": True, "replan": True})
     for region in data["regions"]:
         region["slowdown"] = slowdown  # inner steps padded with sleep: longer rounds that cost no CPU
         region["strategy"] = strategy  # fsdp: θ and the outer momentum sharded over the region's ranks

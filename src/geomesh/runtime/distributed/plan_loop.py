@@ -62,13 +62,17 @@ class PlanLoop:
 
     def use_calibration(self, shared: dict[int, dict[str, Any] | None]) -> None:
         """Every rank: plan from the regions' measured profiles (region -> what :meth:`calibrate` returned)."""
-        measured = {self.names[i]: WorkerProfile.from_json(c["profile"]) for i, c in shared.items() if c}
-        if not measured or {n: p.to_json() for n, p in measured.items()} == {
-                n: p.to_json() for n, p in self.calibrated.items()}:  # fmt: skip
+        # A region's calibration enters the run's state once, when it is first seen: the same headers against
+        # the same state give every rank the same decision, a healed region's too (it applies the live state
+        # first). A restarted region measures itself again, but its speed since is the online planner's to
+        # follow from measured rounds: taking the new table on some ranks only would part their plans.
+        new = {i: c for i, c in shared.items() if c and self.names[i] not in self.calibrated}
+        if not new:
             return
-        self.calibrated = measured
-        self.calibration_s.update({self.names[i]: float(c["seconds"]) for i, c in shared.items() if c})
-        self.run.use_measured_profiles(measured)
+        measured = {self.names[i]: WorkerProfile.from_json(c["profile"]) for i, c in new.items()}
+        self.calibrated = {**self.calibrated, **measured}
+        self.calibration_s.update({self.names[i]: float(c["seconds"]) for i, c in new.items()})
+        self.run.use_measured_profiles(self.calibrated)
         self.planned_for = None  # plan (again) from the measured profiles
         self.emit({"type": "calibration", "time": self.run._now(), "seconds": dict(self.calibration_s),
                    "profiles": {n: p.to_json() for n, p in measured.items()}})  # fmt: skip
@@ -115,9 +119,17 @@ class PlanLoop:
         return {"calibrated": {n: p.to_json() for n, p in self.calibrated.items()},
                 "calibration_s": dict(self.calibration_s),
                 "online": self.online.state_dict() if self.online is not None else None,
-                "online_for": [f for f in (self.online.factors if self.online is not None else {})]}  # fmt: skip
+                "online_for": [f for f in (self.online.factors if self.online is not None else {})],
+                # the members the plan in force (the last of the run's plans) was made for: a resumed or healed
+                # region keeps that plan while the members stay, as the uninterrupted run does
+                "planned_for": None if self.planned_for is None else list(self.planned_for)}  # fmt: skip
 
     def load_plan_state(self, state: dict[str, Any]) -> None:
+        """The plan's loop state of :meth:`plan_state` (the run's plans already loaded): the plan in force and the
+        members it was made for, the profiles measured in place, the online planner."""
+        self.plan = self.run.plans[-1] if self.run.plans else None
+        planned_for = state.get("planned_for")  # (older checkpoints: the exchange's guess)
+        self.planned_for = list(planned_for) if planned_for is not None else self.exchange.planned_for_after_resume()
         self.calibrated = {n: WorkerProfile.from_json(p) for n, p in state["calibrated"].items()}
         self.calibration_s = {n: float(s) for n, s in state["calibration_s"].items()}
         self.run.use_measured_profiles(self.calibrated)

@@ -136,8 +136,6 @@ class RoundLoop(PlanLoop):
         if run._resume_from is not None:
             saver.restore(Path(run._resume_from))
             run.clock.resume(run._cursor)  # the clock goes on from the checkpoint's time
-            self.plan = run.plans[-1] if run.plans else None
-            self.planned_for = self.exchange.planned_for_after_resume()
             self.exchange.resumed()
             run._say(f"[{method.name}] resumed from the checkpoint of round {run.rounds} ({run._resume_from})")
         first = True
@@ -148,14 +146,13 @@ class RoundLoop(PlanLoop):
             # its last exchange ends (so nobody waits there for a slower one's compute: that wait is in the exchange)
             run._mark("comm_wait" if self.elastic else "straggler_wait")
             first = False
-            if view.calibration:
-                self.use_calibration(view.calibration)
             # overlapped, a region healed at the quorum of the exchange about to leave joins that exchange at once
             # (with no update: it trained nothing this round), and trains from the next round on
             joined_now = view.healed and self.overlap is not None
-            if view.healed:
+            if view.healed:  # the live state first (its plan loop too), then this round's news, as the others
                 self.exchange.apply_healed(view.state)
-                self.planned_for = None
+            if view.calibration:
+                self.use_calibration(view.calibration)
             if run.tokens_done >= run.budget:
                 break
             r = run.rounds  # 0-based index of this round (fault schedule); round records count from 1
@@ -206,7 +203,6 @@ class RoundLoop(PlanLoop):
                 result, comm_s = self._exchange(payload, members, compute_s)
                 if result.healed_state is not None:  # this region fell behind during the exchange
                     self.exchange.apply_healed(result.healed_state)
-                    self.planned_for = None
                     continue
             wire_after = tx_bytes(run._iface)
             # 5. screen, combine, step (overlapped: the previous round's update, applied inside this round)
@@ -516,8 +512,6 @@ class RoundLoop(PlanLoop):
         self.faults.load_state_dict(state["common"]["faults"])
         self.load_plan_state(state["common"]["plan_loop"])
         self.exchange.load_checkpoint_state(state)
-        self.plan = self.run.plans[-1] if self.run.plans else None
-        self.planned_for = self.exchange.planned_for_after_resume()
 
 
 def run_rounds(run: RankRun) -> dict[str, Any]:
