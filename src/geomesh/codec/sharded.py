@@ -117,11 +117,11 @@ class ShardedExchange:
         bits: the combined shard's bits per element: 1, 2, 4, 8, or 32 (float32: the exact combine).
     """
 
+    # what the combined frame's layout digest names besides its shard (sparse payloads add their own)
+    _digest_kind = ""
+
     def __init__(self, codec: SignCodec, n_shards: int, bits: int = 8):
-        if not isinstance(codec, SignCodec):
-            raise TypeError(f"the sharded exchange needs a SignCodec, got {type(codec).__name__}")
-        if codec.combine_rule != "weighted":
-            raise ValueError("the sharded exchange combines token-weighted sign payloads (combine_rule 'weighted')")
+        self._check_codec(codec)
         if isinstance(n_shards, bool) or not isinstance(n_shards, int) or not 1 <= n_shards <= MAX_SHARDS:
             raise ValueError(f"n_shards must be an int in [1, {MAX_SHARDS}], got {n_shards!r}")
         if bits not in COMBINED_BITS:
@@ -145,9 +145,19 @@ class ShardedExchange:
                     specs.append(TensorSpec(f"{spec.name}[{lo - off}:{hi - off}]", (hi - lo,), spec.dtype))
             m = Manifest(specs) if specs else None
             self.manifests.append(m)
-            self.codecs.append(None if m is None else SignCodec(m, chunk_size=codec.chunk_size, scale=codec.scale,
-                                                                error_feedback=codec.error_feedback, key=codec.key))
+            self.codecs.append(None if m is None else self._shard_codec(m))
         self._digests = [self._combined_digest(k) for k in range(n_shards)]
+
+    def _check_codec(self, codec) -> None:
+        if not isinstance(codec, SignCodec):
+            raise TypeError(f"the sharded exchange needs a SignCodec, got {type(codec).__name__}")
+        if codec.combine_rule != "weighted":
+            raise ValueError("the sharded exchange combines token-weighted sign payloads (combine_rule 'weighted')")
+
+    def _shard_codec(self, manifest: Manifest):
+        """The codec that reads (and checks) the slices of the shard whose tensors are ``manifest``."""
+        c = self.codec
+        return SignCodec(manifest, chunk_size=c.chunk_size, scale=c.scale, error_feedback=c.error_feedback, key=c.key)
 
     # ---- sizes ----------------------------------------------------------------------------
     def numel(self, k: int) -> int:
@@ -228,7 +238,8 @@ class ShardedExchange:
     # ---- step 3: the combined frame -------------------------------------------------------
     def _combined_digest(self, k: int) -> bytes:
         h = hashlib.sha256()
-        h.update(f"geomesh-sharded\0combined;bits={self.bits};shard={k}/{self.n};chunk={self.codec.chunk_size}\0".encode())
+        h.update(f"geomesh-sharded\0combined{self._digest_kind};bits={self.bits};shard={k}/{self.n};"
+                 f"chunk={self.codec.chunk_size}\0".encode())
         m = self.manifests[k]
         h.update(m.canonical() if m is not None else b"")
         return h.digest()[:16]

@@ -129,6 +129,8 @@ class SparseSignCodec(_Codec):
         scale: the 1-bit magnitude per chunk, ``"rms"``, ``"mean"`` or ``"norm"`` (module docstring).
         block: entries per position (a divisor of ``chunk_size`` and ``k``; > 1 needs ``value_bits=1``).
         key: optional HMAC-SHA256 key.
+        layout_tag: a name of the payload's role in the layout digest (empty: a worker's payload; the sharded
+            exchange's combined shards use ``"combined"``, so neither passes for the other).
     """
 
     _kind = KIND_SPARSE
@@ -146,6 +148,7 @@ class SparseSignCodec(_Codec):
         scale: str = "rms",
         block: int = 1,
         key: bytes | None = None,
+        layout_tag: str = "",
     ):
         super().__init__(manifest, key)
         if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or not 2 <= chunk_size < 2**24:
@@ -173,7 +176,11 @@ class SparseSignCodec(_Codec):
         self._flags = (FLAG_ERROR_FEEDBACK if self.error_feedback else 0) | (
             FLAG_TWO_BIT_VALUES if value_bits == 2 else 0)  # fmt: skip
         blocks = f";block={block}" if block > 1 else ""  # single entries keep the layout digest they had
-        self._digest = self._digest_bytes(f"sparse;k={k};value_bits={value_bits}{blocks}")
+        if not isinstance(layout_tag, str) or ";" in layout_tag:
+            raise ValueError(f"layout_tag must be a str without ';', got {layout_tag!r}")
+        role = f";role={layout_tag}" if layout_tag else ""
+        self.layout_tag = layout_tag
+        self._digest = self._digest_bytes(f"sparse;k={k};value_bits={value_bits}{blocks}{role}")
         segments: list[_Segment] = []
         m = 0
         for spec, off in zip(manifest, manifest.offsets):
@@ -229,6 +236,21 @@ class SparseSignCodec(_Codec):
         """Bits one position (of an entry, or of a block of ``block`` entries) costs, averaged over positions."""
         n = sum(s.rows * s.k for s in self._segments)
         return sum(s.rows * (s.k * s.r + s.unary) for s in self._segments) / n if n else 0.0
+
+    def row_fields(self) -> list[tuple[_Segment, list[tuple[int, int]]]]:
+        """Where each segment's fields lie in the bit stream: per segment, (first bit, bits per chunk) of its
+        sign bits, level bits (``value_bits=2``), remainders and unary fields, each row-major over its chunks
+        (the body layout above). Chunk j of segment s holds bits [first + j·width, first + (j+1)·width) of
+        each field: what the sharded exchange cuts a payload's slices from."""
+        out, at = [], 0
+        for s in self._segments:
+            widths = [s.k * s.block] + ([s.k * s.block] if self.value_bits == 2 else []) + [s.k * s.r, s.unary]
+            fields = []
+            for w in widths:
+                fields.append((at, w))
+                at += s.rows * w
+            out.append((s, fields))
+        return out
 
     def bits_per_parameter(self) -> float:
         """Bits of one payload (header and tag included) per element of the manifest."""

@@ -9,10 +9,16 @@ Candidates, for a payload of P parameters over N regions (:class:`~geomesh.netwo
 - ``sharded`` (sign payloads, :mod:`geomesh.codec.sharded`): two direct all-to-alls (the 1-bit slices to
   the shards' owners, then the combined shards, ``bits`` bits per element, back to everyone): four latency
   steps (two of them agreements of N flag bytes), (N−1)/N·(P/8 + bits·P/8) bytes per region, and every
-  region combines one shard of N slices (O(P)).
+  region combines one shard of N slices (O(P));
+- ``sharded`` (sparse sign payloads, :mod:`geomesh.codec.sharded_sparse`): the same steps, each region's
+  slices its entries in each shard and each combined shard re-sparsified by its owner (or float32 with
+  ``bits`` 32, the exact variant): (N−1)/N·(p + c) bytes per region, p a payload and c a combined payload
+  (p, or 4·P bytes exact), against the all-gather's (N−1)·p.
 
-Sign payloads take the cheaper of the all-gather and the sharded exchange; an overlapped round
-(docs/overlap.md) keeps the all-gather, which its fragments use. Pure: numbers in, a choice out.
+Sign and sparse payloads take the cheaper of the all-gather and the sharded exchange by modeled time; two
+candidates whose times are within :data:`SAME_TIME` of each other are the same time, and the one that moves
+fewer bytes wins (the WAN is shared). An overlapped round (docs/overlap.md) keeps the all-gather, which its
+fragments use. Pure: numbers in, a choice out.
 """
 
 from __future__ import annotations
@@ -22,6 +28,9 @@ from dataclasses import dataclass, field
 from ..network import WanModel
 
 EXCHANGE_NAMES = {"all_reduce": "ring all-reduce", "all_gather": "all-gather", "sharded": "sharded exchange"}
+# two exchanges whose modeled times differ by less than this fraction take the same time (the WAN model's own
+# precision is coarser): the one that moves fewer bytes is chosen
+SAME_TIME = 0.01
 
 
 @dataclass(frozen=True)
@@ -33,6 +42,10 @@ class ShardedSizes:
     slice_header: int  # one slice's header (+ its HMAC tag)
     combined_body: float  # all combined shards' bodies (codes + per-chunk ranges) at the timing model's size
     combined_header: int  # one combined frame's header (+ tag)
+    # what the slices and combined shards are, for the plan's reason: "sign" (1-bit slices, combined shards
+    # in bits per element) or "sparse" (sparse slices, combined shards re-sparsified, or float32 when exact)
+    kind: str = "sign"
+    exact: bool = False
 
     def slices(self, n: int) -> float:
         return self.slices_body + n * self.slice_header
@@ -91,8 +104,9 @@ def exchange_costs(wan: WanModel, collective: str, payload_bytes: float,
 
 def choose_exchange(wan: WanModel, collective: str, payload_bytes: float, sharded: ShardedSizes | None = None,
                     forced: str = "auto", overlap: bool = False, bits: int | None = None) -> ExchangeChoice:  # fmt: skip
-    """The exchange of one round: ``forced`` (``all_gather`` or ``sharded``) when a sign method's scenario
-    names one, else the cheapest candidate by modeled time; ``overlap`` keeps the all-gather."""
+    """The exchange of one round: ``forced`` (``all_gather`` or ``sharded``) when a sign or sparse method's
+    scenario names one, else the cheapest candidate by modeled time (of two within :data:`SAME_TIME`, the one
+    with fewer bytes); ``overlap`` keeps the all-gather."""
     costs = exchange_costs(wan, collective, payload_bytes, None if overlap else sharded)
     n = wan.n
     if collective == "all_reduce":
@@ -105,23 +119,40 @@ def choose_exchange(wan: WanModel, collective: str, payload_bytes: float, sharde
         name, why = forced, "geomesh.exchange forces it"
     elif len(costs) == 1:
         name = "all_gather"
-        why = "overlapped rounds all-gather (their last exchange leaves in fragments)" if overlap else (
-            "a single region exchanges nothing")  # fmt: skip
+        why = ("overlapped rounds all-gather (their last exchange leaves in fragments)" if overlap
+               else "a single region exchanges nothing" if n < 2
+               else "these payloads are all-gathered (they are neither sign nor sparse sign payloads: no sharding)")  # fmt: skip
     else:
-        name = min(costs, key=lambda k: (costs[k].seconds, k != "all_gather"))
-        other = "sharded" if name == "all_gather" else "all_gather"
-        a, o = costs[name], costs[other]
-        why = (f"cheapest by the WAN model at {n} regions: {a.seconds:.2f} s against the {EXCHANGE_NAMES[other]}'s "
-               f"{o.seconds:.2f} s")  # fmt: skip
+        ag, sh = costs["all_gather"], costs["sharded"]
+        if abs(ag.seconds - sh.seconds) <= SAME_TIME * max(ag.seconds, sh.seconds):
+            name = "sharded" if sh.received_bytes < ag.received_bytes else "all_gather"
+            other = "sharded" if name == "all_gather" else "all_gather"
+            why = (f"as fast as the {EXCHANGE_NAMES[other]} by the WAN model at {n} regions ({costs[name].seconds:.2f} s "
+                   f"against {costs[other].seconds:.2f} s, within {SAME_TIME:.0%}), with fewer bytes")  # fmt: skip
+        else:
+            name = min(costs, key=lambda k: (costs[k].seconds, k != "all_gather"))
+            other = "sharded" if name == "all_gather" else "all_gather"
+            a, o = costs[name], costs[other]
+            why = (f"cheapest by the WAN model at {n} regions: {a.seconds:.2f} s against the "
+                   f"{EXCHANGE_NAMES[other]}'s {o.seconds:.2f} s")  # fmt: skip
     cost = costs[name]
+    what = _pieces(sharded, bits)
     if name == "sharded":
-        why += (f"; each region receives {_mb(cost.received_bytes)} (the 1-bit slices of its shard, then every "
-                f"shard combined in {bits or '?'} bits) instead of {_mb(costs['all_gather'].received_bytes)} "
-                f"({n - 1} payloads), and combines one shard instead of {n} payloads")  # fmt: skip
+        why += (f"; each region receives {_mb(cost.received_bytes)} ({what}) instead of "
+                f"{_mb(costs['all_gather'].received_bytes)} ({n - 1} payloads), and combines one shard instead of "
+                f"{n} payloads")  # fmt: skip
     elif "sharded" in costs:
-        why += (f"; the all-gather's {n - 1} payloads ({_mb(cost.received_bytes)}) cost less than the sharded "
-                f"exchange's slices and combined shards ({_mb(costs['sharded'].received_bytes)})")  # fmt: skip
+        why += (f"; each region receives {_mb(cost.received_bytes)} ({n - 1} payloads) against the sharded "
+                f"exchange's {_mb(costs['sharded'].received_bytes)} ({what})")  # fmt: skip
     return ExchangeChoice(name, cost, why, costs)
+
+
+def _pieces(sizes: ShardedSizes | None, bits: int | None) -> str:
+    """What the sharded exchange moves, in words."""
+    if sizes is not None and sizes.kind == "sparse":
+        back = "in float32 (exact)" if sizes.exact else "re-sparsified by its owner, with the owner's error feedback"
+        return f"the sparse slices of its shard, then every shard combined {back}"
+    return f"the 1-bit slices of its shard, then every shard combined in {bits or '?'} bits"
 
 
 def _mb(nbytes: float) -> str:
@@ -130,19 +161,25 @@ def _mb(nbytes: float) -> str:
 
 def sharded_sizes(codec, bits: int, params: int) -> ShardedSizes | None:
     """The sharded exchange's bytes for a timing model of ``params`` parameters, measured on ``codec`` (the
-    run's sign codec on the model that trains: its bytes per parameter, headers and tags); None when its
-    payloads cannot be sharded (not a token-weighted sign codec)."""
-    from ..codec import SignCodec
-    from ..codec.sharded import COMBINED_HEADER_NBYTES, ShardedExchange
+    run's sign or sparse codec on the model that trains: its bytes per parameter, headers and tags); None
+    when its payloads cannot be sharded (not a token-weighted sign codec, nor a sparse one)."""
+    from ..codec import SparseSignCodec
+    from ..codec.sharded import COMBINED_HEADER_NBYTES
+    from ..codec.sharded_sparse import shardable, sharded_exchange
 
-    if not isinstance(codec, SignCodec) or codec.combine_rule != "weighted" or codec.manifest.numel == 0:
+    if not shardable(codec):
         return None
-    whole = ShardedExchange(codec, 1, bits)
+    whole = sharded_exchange(codec, 1, bits)
     numel, tag = codec.manifest.numel, 32 if codec.key else 0
-    header = 48 + tag  # a slice is a sign payload of its shard: the payload header (+ tag) each
+    header = 48 + tag  # a slice is a payload of its shard: the payload header (+ tag) each
+    sparse = isinstance(codec, SparseSignCodec)
+    if sparse and whole.resparsify:  # a combined shard is a payload of the shard, as a slice is
+        combined_body, combined_header = whole.combined_nbytes(0) - header, header
+    else:
+        combined_body, combined_header = whole._body_len(0), COMBINED_HEADER_NBYTES + tag
     return ShardedSizes(slices_body=(codec.payload_nbytes() - header) / numel * params, slice_header=header,
-                        combined_body=whole._body_len(0) / numel * params,
-                        combined_header=COMBINED_HEADER_NBYTES + tag)  # fmt: skip
+                        combined_body=combined_body / numel * params, combined_header=combined_header,
+                        kind="sparse" if sparse else "sign", exact=sparse and not whole.resparsify)  # fmt: skip
 
 
 def scenario_exchange(scenario, wan: WanModel, collective: str, payload_bytes: float, codec=None,

@@ -53,6 +53,7 @@ import torch
 import torch.distributed as dist
 
 from ...codec.sharded import ShardedExchange
+from ...codec.sharded_sparse import sharded_exchange
 from ...errors import PayloadError, RunError
 from .frames import Rejected, pack_pieces, split_pieces
 from .transport import SLOT_HEAD, SLOT_HEADER_NBYTES, _slot_tag
@@ -384,7 +385,7 @@ def loop_exchange(loop: Any) -> ShardedExchange | None:
                                overlap=method.overlapped(sc))  # fmt: skip
     if choice.name != "sharded":
         return None
-    return ShardedExchange(loop.combiner, loop.n, sc.geomesh.shard_bits)
+    return sharded_exchange(loop.combiner, loop.n, sc.geomesh.shard_bits)
 
 
 def layout_for(loop: Any, m: int) -> ShardedExchange:
@@ -396,7 +397,7 @@ def layout_for(loop: Any, m: int) -> ShardedExchange:
     if cache is None:
         cache = loop.sharded_layouts = {}
     if m not in cache:
-        cache[m] = ShardedExchange(loop.combiner, m, loop.sc.geomesh.shard_bits)
+        cache[m] = sharded_exchange(loop.combiner, m, loop.sc.geomesh.shard_bits)
     return cache[m]
 
 

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from ...codec import Manifest
-from ...codec.sharded import ShardedExchange
+from ...codec.sharded_sparse import sharded_exchange
 from ...methods.base import OuterLoopMethod, budget_steps
 from ...methods.overlap import fold_remainder, round_compute_s, tail_fragments
 from ...outer import OuterNesterov
@@ -284,12 +284,13 @@ class RoundsLoop(EmulatedCore):
                         live: list[int]) -> Any:  # fmt: skip
         """What combines this round's payloads: the run's codec (every worker combines every payload), or the
         sharded exchange over the live workers (each owner combines its shard of the slices, its combined shard
-        goes to everyone quantised to geomesh.shard_bits; every worker applies the decoded shards)."""
+        goes to everyone quantised to geomesh.shard_bits, or for sparse payloads re-sparsified with the owner's
+        error feedback; every worker applies the decoded shards)."""
         cache = self._combiners
         key = (tuple(live), wan)
         if key not in cache:
             sharded = self._exchange_choice(method, wan, combiner, modeled_payload).name == "sharded"
-            cache[key] = ShardedExchange(combiner, len(live), self.scenario.geomesh.shard_bits) if sharded else combiner
+            cache[key] = sharded_exchange(combiner, len(live), self.scenario.geomesh.shard_bits) if sharded else combiner
         return cache[key]
 
     def _rejoin(self, i: int, worker: Worker, codec: Any, params: dict[str, torch.Tensor]) -> None:

@@ -1,0 +1,165 @@
+"""The sharded exchange of sparse sign payloads (codec/sharded_sparse.py) and the plan's choice for sparse
+methods (planner/exchange.py): exact it is the all-gather's combine bit for bit, slices are the payload's
+own entries, a bad slice is refused, the re-sparsified combine keeps what it drops in the owners' residuals,
+and the plan picks it (and says why) where it is as fast as the all-gather with fewer bytes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from geomesh.codec import Manifest, PayloadError, SignCodec, SparseSignCodec
+from geomesh.codec.sharded import ShardedExchange
+from geomesh.codec.sharded_sparse import ShardedSparseExchange, shardable, sharded_exchange
+
+SHAPES = {"a": (37, 129), "b": (10,), "c": (3 * 256 + 5,), "empty": (0,), "e": (513, 17)}
+KEY = b"k" * 16
+CODECS = {  # geomesh-sparse's blocks, single entries, sparseloco's 2-bit values with equal weights
+    "blocks": dict(chunk_size=256, k=24, block=4),
+    "single": dict(chunk_size=256, k=7),
+    "two-bit": dict(chunk_size=256, k=9, value_bits=2, weighting="equal", ef_decay=0.9),
+}
+
+
+def payloads(codec, n=5, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [codec.encode({k: torch.randn(s, generator=g) for k, s in SHAPES.items()}, tokens=100 * (i + 1))
+            for i in range(n)]  # fmt: skip
+
+
+def flat(tensors):
+    return torch.cat([t.reshape(-1) for t in tensors.values()])
+
+
+@pytest.fixture(params=list(CODECS))
+def codec(request):
+    return SparseSignCodec(Manifest.from_shapes(SHAPES), key=KEY, **CODECS[request.param])
+
+
+@pytest.mark.parametrize("n_shards", [1, 3, 7, 64])
+def test_exact_sharded_sparse_combine_is_the_all_gather_combine(codec, n_shards):
+    p = payloads(codec)
+    ex = sharded_exchange(codec, n_shards, bits=32)
+    assert isinstance(ex, ShardedSparseExchange) and not ex.resparsify
+    got, tokens = ex.combine_with_tokens(p)
+    want, total = codec.combine_with_tokens(p)
+    assert tokens == total == 1500
+    assert torch.equal(flat(got), flat(want))  # bit for bit, not a tolerance
+
+
+def test_a_slice_is_the_payload_s_own_entries_in_its_shard(codec):
+    ex = ShardedSparseExchange(codec, 4)
+    p = payloads(codec)[2]
+    whole = flat(codec.decode(p).tensors)
+    for k, (a, b) in enumerate(ex.bounds):
+        part = ex.codecs[k].decode(ex.slices(p)[k])
+        assert part.tokens == 300 and torch.equal(flat(part.tensors), whole[a:b])
+    # every payload byte goes to one owner: the slices add only their headers and tags
+    assert sum(ex.slice_nbytes(k) for k in range(4)) <= codec.payload_nbytes() + 3 * (48 + 32) + 4
+
+
+def test_a_bad_or_swapped_slice_is_refused(codec):
+    ex = ShardedSparseExchange(codec, 4)
+    sl = ex.slices(payloads(codec)[0])
+    assert ex.screen_slice(1, sl[1]) is None
+    assert ex.screen_slice(1, sl[2]) is not None  # a slot swap: another shard's manifest (or size)
+    bad = bytearray(sl[1])
+    bad[60] ^= 1
+    assert "HMAC" in ex.screen_slice(1, bytes(bad))
+    assert "truncated" in ex.screen_slice(1, sl[1][:-1])
+    assert ex.screen_slice(1, sl[1] + b"x") is not None
+    unsigned = SparseSignCodec(codec.manifest, **{**CODECS["blocks"], "chunk_size": codec.chunk_size})
+    forged = ShardedSparseExchange(unsigned, 4).slices(unsigned.encode(codec.decode(payloads(codec)[0]).tensors, 5))
+    assert ex.screen_slice(1, forged[1]) is not None  # no tag, another layout
+    # a slice whose unary field lies (well signed): its owner reads it as any payload and refuses it
+    s = ex.codecs[1]
+    tokens, body = s._parse(sl[1])
+    raw = bytearray(body)
+    raw[-1] ^= 0x01  # (the last bits of the stream: a unary field, or its padding)
+    lying = s._assemble(tokens, [bytes(raw)])
+    assert ex.screen_slice(1, lying) is not None
+    with pytest.raises(PayloadError):
+        ex.slices(payloads(codec)[0][:-1])  # a damaged payload is refused whole
+
+
+def test_re_sparsified_combine_keeps_what_it_drops_with_the_owner(codec):
+    """Each owner sends its shard's top-k of (its residual + the combined shard) and keeps the rest: over
+    rounds, Σ applied + Σ residuals = Σ exact combines (error feedback at β = 1 loses nothing)."""
+    ex = ShardedSparseExchange(codec, 3, bits=8)
+    exact = ShardedSparseExchange(codec, 3, bits=32)
+    assert ex.resparsify and all(o.error_feedback and o.ef_decay == 1.0 for o in ex.owners if o is not None)
+    applied = want = 0
+    for r in range(3):
+        p = payloads(codec, seed=r)
+        upd, tokens = ex.combine_with_tokens(p)
+        assert tokens == 1500
+        applied = applied + flat(upd)
+        want = want + flat(exact.combine(p))
+        # what a region receives from an owner is a payload of the shard: as sparse as a slice
+        assert all(ex.combined_nbytes(k) == ex.slice_nbytes(k) for k in range(3))
+    left = torch.cat([flat(o.residual) if o.residual else torch.zeros(ex.numel(k)) for k, o in enumerate(ex.owners)])
+    torch.testing.assert_close(applied + left, want, rtol=1e-5, atol=1e-5)
+    assert left.abs().sum() > 0  # it really dropped entries
+    # owner state: saved and loaded (a fresh layout then continues identically)
+    again = ShardedSparseExchange(codec, 3, bits=8)
+    again.load_owner_state(ex.owner_state())
+    p = payloads(codec, seed=9)
+    assert torch.equal(flat(again.combine(p)), flat(ex.combine(p)))
+
+
+def test_combined_shards_and_slices_never_pass_for_each_other(codec):
+    ex = ShardedSparseExchange(codec, 3, bits=8)
+    values, tokens = ex.combine_shard(0, [s[0] for s in map(ex.slices, payloads(codec))])
+    frame = ex.encode_combined(0, values, tokens)
+    got, t = ex.decode_combined(0, frame)
+    assert t == tokens == 1500 and got.numel() == values.numel()
+    with pytest.raises(PayloadError, match="digest|manifest|size|truncated|oversized"):
+        ex.decode_combined(0, ex.slices(payloads(codec)[0])[0])
+    assert ex.screen_slice(0, frame) is not None
+    with pytest.raises(PayloadError):
+        ex.decode_combined(1, frame)
+    for cut in (frame[:-1], frame + b"\0", frame[:10]):
+        with pytest.raises(PayloadError):
+            ex.decode_combined(0, cut)
+    bad = bytearray(frame)
+    bad[60] ^= 0xFF
+    with pytest.raises(PayloadError, match="HMAC"):
+        ex.decode_combined(0, bytes(bad))
+    with pytest.raises(ValueError, match="not finite|NaN"):
+        ex.encode_combined(0, torch.full_like(values, float("nan")), tokens)
+
+
+def test_what_can_be_sharded_and_bad_arguments():
+    m = Manifest.from_shapes(SHAPES)
+    assert shardable(SparseSignCodec(m)) and shardable(SignCodec(m)) and not shardable(SignCodec(m, combine_rule="majority"))
+    assert isinstance(sharded_exchange(SignCodec(m), 2), ShardedExchange)
+    with pytest.raises(TypeError, match="SparseSignCodec"):
+        ShardedSparseExchange(SignCodec(m), 2)
+    with pytest.raises(ValueError, match="bits"):
+        ShardedSparseExchange(SparseSignCodec(m), 2, bits=3)
+    with pytest.raises(ValueError, match="combined"):
+        ShardedSparseExchange(SparseSignCodec(m, layout_tag="combined"), 2)
+    with pytest.raises(ValueError, match="shard"):
+        ShardedSparseExchange(SparseSignCodec(m), 2).load_owner_state({"7": {}})
+
+
+def test_the_plan_picks_the_sharded_exchange_for_geomesh_sparse_and_says_why():
+    from geomesh.config import load_scenario
+    from geomesh.methods import get_method
+    from geomesh.methods.base import proxy_manifest
+    from geomesh.planner.exchange import scenario_exchange
+
+    def choice(method, **over):
+        s = load_scenario("default", over)
+        m, man = get_method(method), proxy_manifest(s)
+        return scenario_exchange(s, s.wan_model(), m.collective, m.modeled_payload_bytes(s, man), m.make_codec(man, s))
+
+    c = choice("geomesh-sparse")
+    ag, sh = c.candidates["all_gather"], c.candidates["sharded"]
+    assert c.name == "sharded" and "re-sparsified" in c.reason and "4 regions" in c.reason
+    assert sh.seconds <= ag.seconds * 1.01 and sh.received_bytes < 0.55 * ag.received_bytes
+    exact = choice("geomesh-sparse", **{"geomesh.shard_bits": 32})  # float32 shards back: 4 bytes a parameter
+    assert exact.name == "all_gather" and "float32" in exact.reason
+    assert choice("geomesh").name == "all_gather"  # 1-bit GeoMesh keeps the all-gather at 4 regions
+    q = choice("diloco-int8")
+    assert q.name == "all_gather" and "no sharding" in q.reason
