@@ -221,10 +221,11 @@ def build_parser() -> argparse.ArgumentParser:
 def _register_optional(sub) -> None:
     """Subcommands that live in their own modules (planner and profiler; local launch of real ranks;
     lm-evaluation-harness tasks)."""
-    from . import eval as eval_command, launch, plan
+    from . import eval as eval_command, hosts, launch, plan
 
     plan.register(sub)
     launch.register(sub)
+    hosts.register(sub)
     eval_command.register(sub)
 
 

@@ -50,7 +50,7 @@ from ..checkpoint_state import run_fingerprint
 from .elastic_state import ElasticState, Records
 from .exchange import Exchanged, RoundView, compute_idle
 from .layout import RegionLayout, min_regions_of, region_layout
-from .membership import LIGHTHOUSE_ENV, ExchangeFailed, Membership, MembershipError
+from .membership import LIGHTHOUSE_ENV, ExchangeFailed, Membership, MembershipError, group_store_host
 from .transport import WanShaper
 
 __all__ = ["QuorumExchange", "RegionLayout", "adaptive_deadline_s", "deadline_history", "min_regions_of",
@@ -194,7 +194,7 @@ class QuorumExchange(ElasticState):
             self.membership = Membership(
                 region=self.me, name=self.names[self.me], lighthouse=lighthouse, min_regions=self.min_regions,
                 deadline_s=self.deadline_s, quorum_timeout_s=run.options.timeout_s, state_dict=self.state_dict,
-                load_state_dict=self.load_state_dict, store_addr=os.environ.get("MASTER_ADDR", "127.0.0.1"),
+                load_state_dict=self.load_state_dict, store_addr=group_store_host(lighthouse, self.names[self.me]),
                 store_port=int(os.environ.get("MASTER_PORT", "29500")), names=self.names,
             )  # fmt: skip
         except MembershipError as exc:

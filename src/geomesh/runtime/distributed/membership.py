@@ -46,6 +46,7 @@ membership, recovery and the reconfigured process group, and the exchange is an 
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import json
 import os
 import socket
@@ -107,6 +108,30 @@ def start_lighthouse(min_regions: int, deadline_s: float, bind: str = "127.0.0.1
 
     return LighthouseServer(bind=bind, min_replicas=int(min_regions), join_timeout_ms=int(deadline_s * 1000),
                             quorum_tick_ms=100, heartbeat_timeout_ms=int(heartbeat_timeout_s * 1000))  # fmt: skip
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(bind_address(host)).is_loopback
+    except (MembershipError, ValueError):
+        return False
+
+
+def group_store_host(lighthouse: str, region: str) -> str:
+    """The address the other regions' leaders reach this region's group store at (torchft hands it to the
+    quorum: the cross-region Gloo group meets at the store of one member). ``GEOMESH_ADVERTISE_HOST`` when
+    set (torchrun's store listens on every interface), else ``MASTER_ADDR``. With the quorum service on
+    another host, a loopback address here is a wrong deployment that would cost every region a store timeout
+    and a traceback a round later: it is refused now, in one line."""
+    host = os.environ.get(ADVERTISE_ENV) or os.environ.get("MASTER_ADDR") or "127.0.0.1"
+    service = lighthouse.split("://", 1)[-1].rstrip("/").rpartition(":")[0].strip("[]")
+    if _is_loopback(host) and service and not _is_loopback(service):
+        raise MembershipError(f"region {region} on host {socket.gethostname()}: the other regions would reach its "
+                              f"group at {host} ({ADVERTISE_ENV} or MASTER_ADDR), a loopback address, while the "
+                              f"quorum service is at {service}; set {ADVERTISE_ENV} to this host's address on the "
+                              f"network the regions share (or start torchrun with --local-addr / "
+                              f"--rdzv-endpoint on that address)")  # fmt: skip
+    return host
 
 
 def check_reachable(address: str, timeout_s: float) -> None:

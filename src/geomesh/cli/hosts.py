@@ -1,0 +1,202 @@
+"""``geomesh hosts SCENARIO --method NAME --out DIR``: a scenario on the hosts test bed (one host per region).
+
+Every region runs as a team deploys it (:mod:`geomesh.runtime.distributed.hosts`): its own network namespace,
+address and folder (``DIR/<region>/``), its own ``torchrun ... -m geomesh.run`` command, the quorum service
+alone on a host of its own, links shaped in the kernel from the scenario's WAN. Host-level faults, each at the
+end of a round (as a live host's records count them):
+
+- ``--lose REGION@ROUND`` the host is lost (every process killed) and started again with its folder;
+  ``REGION@ROUND:wipe`` with its folder deleted; ``REGION@ROUND:gone`` not started again;
+- ``--partition REGION@ROUND:SECONDS`` the host cut off from every other host for that long;
+- ``--bandwidth REGION@ROUND:FACTOR`` the host's links at FACTOR × their bandwidth from then on.
+
+Prints one line per host (exit status, rounds, θ's checksum) and the run's summary (from the host that wrote
+it). Exit status 0 when every host ended with 0 (hosts not started again excepted) and one checksum.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import RunError
+
+
+@dataclass
+class HostFault:
+    kind: str  # lose | partition | bandwidth
+    region: str
+    at_round: int
+    arg: str
+    done: bool = False
+
+
+def parse_fault(kind: str, text: str) -> HostFault:
+    region, sep, rest = text.partition("@")
+    at, _, arg = rest.partition(":")
+    if not sep or not region or not at.isdigit():
+        raise RunError(f"--{kind} {text!r}: expected REGION@ROUND" + ("[:wipe|:gone]" if kind == "lose" else
+                                                                      ":SECONDS" if kind == "partition" else ":FACTOR"))  # fmt: skip
+    if kind == "lose" and arg not in ("", "wipe", "gone"):
+        raise RunError(f"--lose {text!r}: after the round, :wipe (its folder deleted) or :gone (not restarted)")
+    if kind != "lose":
+        try:
+            if float(arg) <= 0:
+                raise ValueError
+        except ValueError:
+            raise RunError(f"--{kind} {text!r}: expected a positive number after the round") from None
+    return HostFault(kind, region, int(at), arg)
+
+
+def register(sub) -> None:
+    p = sub.add_parser("hosts", help="run a scenario on the hosts test bed: one network namespace, address, folder "
+                                     "and torchrun per region (root, iproute2)")  # fmt: skip
+    p.add_argument("scenario")
+    p.add_argument("--method", required=True)
+    p.add_argument("--out", required=True, help="the bed's folder: DIR/<region>/ is each host's own folder")
+    p.add_argument("--ranks-per-region", default="1", help="ranks on each region's host: N, or N0,N1,...")
+    p.add_argument("--tokens", type=int, default=None)
+    p.add_argument("--min-regions", type=int, default=None, help="elastic regions (default: all but one, at least 1)")
+    p.add_argument("--timeout", type=float, default=60.0, help="each rank's quorum/startup timeout (s)")
+    p.add_argument("--run-timeout", type=float, default=900.0, help="the whole run's limit (s)")
+    p.add_argument("--no-calibrate", action="store_true")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--lose", action="append", default=[], metavar="REGION@ROUND[:wipe|:gone]")
+    p.add_argument("--partition", action="append", default=[], metavar="REGION@ROUND:SECONDS")
+    p.add_argument("--bandwidth", action="append", default=[], metavar="REGION@ROUND:FACTOR")
+    p.add_argument("--json", action="store_true", help="print the result as one JSON object")
+    p.set_defaults(func=cmd_hosts)
+
+
+def _rounds(folder: Path) -> int:
+    from ..telemetry import read_events
+
+    try:
+        return max([e["round"] for e in read_events(folder / "run" / "events.jsonl") if e["type"] == "round"],
+                   default=0)  # fmt: skip
+    except (OSError, ValueError, KeyError):
+        return 0
+
+
+def cmd_hosts(args: argparse.Namespace) -> int:
+    from ..config import load_scenario, parse_overrides
+    from ..methods import get_method
+    from ..runtime.distributed.hosts import HostsBed, wait_all
+    from ..runtime.distributed.membership import join_timeout_s
+    from ..runtime.distributed.transport import NetnsError, netns_unavailable_reason
+
+    sc = load_scenario(args.scenario, parse_overrides(args.set))
+    get_method(args.method)  # an unknown method: one line, before anything starts
+    names = [r.name for r in sc.regions]
+    faults = [parse_fault(k, t) for k in ("lose", "partition", "bandwidth") for t in getattr(args, k)]
+    for f in faults:
+        if f.region not in names:
+            raise RunError(f"--{f.kind} {f.region}@...: no region {f.region!r} (the scenario's: {', '.join(names)})")
+    counts = [int(c) for c in str(args.ranks_per_region).split(",")]
+    counts = counts * len(names) if len(counts) == 1 else counts
+    if len(counts) != len(names) or min(counts) < 1:
+        raise RunError(f"--ranks-per-region {args.ranks_per_region}: one count, or one per region ({len(names)})")
+    reason = netns_unavailable_reason()
+    if reason:
+        raise RunError(f"the hosts test bed cannot run here: {reason}")
+    min_regions = args.min_regions or sc.reliability.min_regions or max(1, len(names) - 1)
+    out = Path(args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    env = {k: v for k, v in os.environ.items() if k not in ("GEOMESH_REGION", "MASTER_ADDR", "MASTER_PORT")}
+    key_env = sc.reliability.hmac_key_env
+    extra_sets = []
+    if not key_env and not sc.reliability.hmac_key_file:  # hosts apart need a run key: the recipe's
+        key_env = "GEOMESH_RUN_KEY"
+        extra_sets = [f"reliability.hmac_key_env={key_env}"]
+    if not env.get(key_env):
+        env[key_env] = secrets.token_hex(32)  # the run key every host holds (and no one else)
+    bed = HostsBed(sc.wan_model(), names, out)
+    try:
+        bed.setup()
+    except NetnsError as exc:
+        bed.close()
+        raise RunError(f"the hosts test bed: {exc}") from None
+    try:
+        bed.start_quorum(min_regions, join_timeout_s(sc.reliability))
+        run_argv = [str(Path(args.scenario).resolve()) if Path(args.scenario).exists() else args.scenario,
+                    "--method", args.method, "--min-regions", str(min_regions), "--timeout", f"{args.timeout:g}",
+                    "--wan", "none" if bed.delay_in_kernel else "latency", "--quiet", "--save-params"]  # fmt: skip
+        run_argv += ["--tokens", str(args.tokens)] if args.tokens else []
+        run_argv += ["--no-calibrate"] if args.no_calibrate else []
+        for s in [*args.set, *extra_sets]:
+            run_argv += ["--set", s]
+        hosts = [bed.add_host(i, counts[i], run_argv, env) for i in range(len(names))]
+        time.sleep(0.5)  # (the quorum service binds first)
+        for h in hosts:
+            h.start()
+        started = time.monotonic()
+        log: list[dict] = []
+
+        def tick() -> None:
+            done = max(_rounds(h.folder) for h in hosts)
+            for f in faults:
+                if f.done or done < f.at_round:
+                    continue
+                f.done = True
+                i = names.index(f.region)
+                if f.kind == "lose":
+                    bed.lose(i, wipe=f.arg == "wipe", restart=f.arg != "gone")
+                elif f.kind == "partition":
+                    bed.partition_for(i, float(f.arg))
+                else:
+                    bed.set_bandwidth(i, float(f.arg))
+                log.append({"kind": f.kind, "region": f.region, "after_round": done, "arg": f.arg,
+                            "time_s": round(time.monotonic() - started, 2)})  # fmt: skip
+
+        finished = wait_all(hosts, args.run_timeout, tick)
+    finally:
+        ends = {h.name: (h.proc.poll() if h.proc is not None else None) for h in bed.hosts}
+        gone = {f.region for f in faults if f.kind == "lose" and f.arg == "gone"}
+        bed.close()
+    return _report(out, bed, ends, gone, log, finished, args.json)
+
+
+def _report(out: Path, bed, ends: dict, gone: set, log: list, finished: bool, as_json: bool) -> int:
+    summaries = [h.folder / "run" / "summary.json" for h in bed.hosts]
+    found = [p for p in summaries if p.exists()]
+    summary = json.loads(max(found, key=lambda p: p.stat().st_mtime).read_text()) if found else None
+    checksums = (summary or {}).get("param_checksums") or {}
+    result = {"hosts": {h.name: {"address": h.address, "folder": str(h.folder), "exit": ends[h.name],
+                                 "starts": h.starts, "rounds": _rounds(h.folder), "log": str(h.log)}
+                        for h in bed.hosts},
+              "delay": "netem" if bed.delay_in_kernel else "the ranks' shaper (no sch_netem in this kernel)",
+              "faults": log, "finished": finished, "summary_from": str(max(found, key=lambda p: p.stat().st_mtime))
+              if found else None, "param_checksums": checksums}  # fmt: skip
+    (out / "hosts.json").write_text(json.dumps(result, indent=2))
+    ok = finished and summary is not None and len(set(checksums.values())) == 1 and all(
+        code == 0 for name, code in ends.items() if name not in gone)  # fmt: skip
+    if as_json:
+        print(json.dumps({**result, "ok": ok}))
+    else:
+        for name, h in result["hosts"].items():
+            print(f"{name:<16} {h['address']:<12} exit {h['exit']}  starts {h['starts']}  rounds {h['rounds']:>3}  "
+                  f"checksum {checksums.get(name, '-')}")  # fmt: skip
+        for f in log:
+            print(f"fault: {f['kind']} {f['region']} after round {f['after_round']} ({f['arg'] or 'restarted'}) "
+                  f"at {f['time_s']} s")  # fmt: skip
+        if summary is not None:
+            el = summary.get("elastic") or {}
+            print(f"rounds {summary.get('rounds')}  tokens {summary.get('tokens')}  final val loss "
+                  f"{summary.get('final_val_loss')}  straggler idle {summary.get('straggler_idle_pct')}%  WAN idle "
+                  f"{summary.get('wan_idle_pct')}%  leaves {el.get('leaves')}  joins {el.get('joins')}  "
+                  f"(summary: {result['summary_from']})")  # fmt: skip
+        print(f"link delay: {result['delay']}; every host's folder under {out}")
+    if not ok:
+        why = "the run did not end in time" if not finished else "no host wrote a summary" if summary is None else (
+            "the hosts hold different parameters" if len(set(checksums.values())) > 1 else
+            "a host exited non-zero (its log: " + ", ".join(
+                h["log"] for n, h in result["hosts"].items() if h["exit"] != 0 and n not in gone) + ")")  # fmt: skip
+        print(f"error: {why}", file=sys.stderr)
+        return 1
+    return 0

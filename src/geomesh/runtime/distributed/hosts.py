@@ -1,0 +1,239 @@
+"""The hosts test bed: a scenario's regions run as a team deploys them, one host per region, on one machine.
+
+Each region is a *host*: its own Linux network namespace with its own address (``10.215.0.<i+2>``), its own
+folder (standing for its disk: nothing is shared between hosts), and its own command, the one
+docs/distributed.md gives for a cluster: ``torchrun --nnodes 1 --nproc-per-node K --rdzv-backend c10d
+--rdzv-endpoint ADDR:29500 -m geomesh.run SCENARIO ...`` with ``GEOMESH_REGION``, ``TORCHFT_LIGHTHOUSE``,
+``GEOMESH_ADVERTISE_HOST`` and the run key in its environment. The quorum service runs alone on a host of its
+own (``10.215.0.1``, ``python -m geomesh.runtime.distributed.membership``). Hosts meet through a bridge in a
+hub namespace; each host's egress to every other region's host is rate-limited to the scenario's link
+bandwidth (``htb``, a class per destination) and delayed by half the link's RTT where the kernel has
+``sch_netem`` (elsewhere the ranks' shaper adds the latency only: ``--wan latency``).
+
+Host-level faults: a host lost (every process of it killed, SIGKILL to its process group), started again with
+its folder kept or deleted; a link partitioned for a while (the host's port on the bridge down: every packet
+to and from it dropped); a host's link bandwidth changed mid-run. :mod:`geomesh.cli.hosts` is the face
+(``geomesh hosts``). Needs root and iproute2 (:func:`~.transport.netns_unavailable_reason` says why not).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ...network import WanModel
+from .membership import ADVERTISE_ENV, LIGHTHOUSE_ENV
+from .transport import NetnsError, _ip, _tc, netem_available
+
+QUORUM_PORT = 29510
+RDZV_PORT = 29500
+
+
+def host_address(slot: int) -> str:
+    """Slot 0 is the quorum service's host; region i is slot i + 1."""
+    return f"10.215.0.{slot + 1}"
+
+
+@dataclass
+class Host:
+    """One region's host: its namespace, address, folder and the command that starts it."""
+
+    region: int
+    name: str
+    ns: str
+    address: str
+    folder: Path
+    argv: list[str]
+    env: dict[str, str]
+    proc: subprocess.Popen | None = None
+    log: Path | None = None
+    starts: int = 0
+
+    def start(self) -> None:
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.starts += 1
+        self.log = self.folder / f"host-{self.starts}.log"
+        with open(self.log, "w") as out:  # (the child keeps its own descriptor)
+            self.proc = subprocess.Popen(["ip", "netns", "exec", self.ns, *self.argv], env=self.env, cwd=self.folder,
+                                         stdout=out, stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+
+    def kill(self) -> None:
+        """Every process of the host (torchrun and its ranks: one session)."""
+        if self.proc is not None and self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.proc.wait()
+
+
+@dataclass
+class HostsBed:
+    """Namespaces, links and hosts for one run (a context manager; ``close`` removes everything)."""
+
+    wan: WanModel
+    names: list[str]
+    root: Path
+    lan_gbps: float = 10.0
+    tag: str = field(default_factory=lambda: uuid.uuid4().hex[:6])
+    namespaces: list[str] = field(default_factory=list)
+    delay_in_kernel: bool = False
+    hosts: list[Host] = field(default_factory=list)
+    quorum: subprocess.Popen | None = None
+    _timers: list[threading.Timer] = field(default_factory=list)
+
+    @property
+    def hub(self) -> str:
+        return f"gm{self.tag}hub"
+
+    def ns(self, slot: int) -> str:
+        return f"gm{self.tag}h{slot}"
+
+    def port(self, slot: int) -> str:
+        return f"gm{self.tag}p{slot}"  # the host's end on the bridge (in the hub)
+
+    @property
+    def lighthouse(self) -> str:
+        return f"http://{host_address(0)}:{QUORUM_PORT}"
+
+    def __enter__(self) -> HostsBed:
+        try:
+            self.setup()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- the network --------------------------------------------------------------------------------
+    def setup(self) -> None:
+        if len(self.names) > 250:
+            raise NetnsError(f"{len(self.names)} regions: at most 250 hosts on one machine")
+        _ip("netns", "add", self.hub)
+        self.namespaces.append(self.hub)
+        _ip("-n", self.hub, "link", "add", "br0", "type", "bridge")
+        _ip("-n", self.hub, "link", "set", "br0", "up")
+        for slot in range(len(self.names) + 1):
+            ns = self.ns(slot)
+            _ip("netns", "add", ns)
+            self.namespaces.append(ns)
+            _ip("-n", ns, "link", "add", "eth0", "type", "veth", "peer", "name", self.port(slot), "netns", self.hub)
+            _ip("-n", self.hub, "link", "set", self.port(slot), "master", "br0")
+            _ip("-n", self.hub, "link", "set", self.port(slot), "up")
+            _ip("-n", ns, "addr", "add", f"{host_address(slot)}/24", "dev", "eth0")
+            _ip("-n", ns, "link", "set", "eth0", "up")
+            _ip("-n", ns, "link", "set", "lo", "up")
+        self.delay_in_kernel = netem_available(self.ns(1), "eth0")
+        for i in range(len(self.names)):
+            self._shape(i)
+
+    def _rate(self, a: int, b: int, factor: float = 1.0) -> str:
+        return f"{max(int(self.wan.bandwidth_Bps[a][b] * 8 * factor), 8000)}bit"
+
+    def _shape(self, a: int) -> None:
+        """Region ``a``'s egress: the quorum host at LAN speed (the default class), every other region's host
+        at the link's bandwidth (and half its RTT where netem exists)."""
+        ns = self.ns(a + 1)
+        _tc(ns, "qdisc", "add", "dev", "eth0", "root", "handle", "1:", "htb", "default", "1")
+        _tc(ns, "class", "add", "dev", "eth0", "parent", "1:", "classid", "1:1", "htb", "rate", f"{self.lan_gbps}gbit")
+        for b in range(len(self.names)):
+            if b == a:
+                continue
+            cls = f"1:{b + 10:x}"
+            _tc(ns, "class", "add", "dev", "eth0", "parent", "1:", "classid", cls, "htb", "rate", self._rate(a, b),
+                "burst", "15k")  # fmt: skip
+            if self.delay_in_kernel:
+                _tc(ns, "qdisc", "add", "dev", "eth0", "parent", cls, "netem", "delay",
+                    f"{self.wan.rtt_s[a][b] / 2 * 1000:.3f}ms", "limit", "100000")  # fmt: skip
+            _tc(ns, "filter", "add", "dev", "eth0", "protocol", "ip", "parent", "1:", "prio", "1", "u32", "match",
+                "ip", "dst", f"{host_address(b + 1)}/32", "flowid", cls)  # fmt: skip
+
+    def set_bandwidth(self, region: int, factor: float) -> None:
+        """Region ``region``'s links to every other region at ``factor`` × the scenario's bandwidth (egress of
+        both ends)."""
+        for a in range(len(self.names)):
+            for b in range(len(self.names)):
+                if a != b and region in (a, b):
+                    _tc(self.ns(a + 1), "class", "change", "dev", "eth0", "parent", "1:", "classid", f"1:{b + 10:x}",
+                        "htb", "rate", self._rate(a, b, factor), "burst", "15k")  # fmt: skip
+
+    def partition(self, region: int, up: bool) -> None:
+        """Cut region ``region``'s host off (its port on the bridge down: every packet to or from it is dropped),
+        or join it again."""
+        _ip("-n", self.hub, "link", "set", self.port(region + 1), "up" if up else "down")
+
+    def partition_for(self, region: int, seconds: float) -> None:
+        self.partition(region, up=False)
+        timer = threading.Timer(seconds, self.partition, args=(region,), kwargs={"up": True})
+        timer.daemon = True
+        timer.start()
+        self._timers.append(timer)
+
+    # ---- the processes ------------------------------------------------------------------------------
+    def start_quorum(self, min_regions: int, deadline_s: float) -> None:
+        argv = [sys.executable, "-m", "geomesh.runtime.distributed.membership", "--min-regions", str(min_regions),
+                "--host", host_address(0), "--port", str(QUORUM_PORT), "--deadline", f"{deadline_s:g}"]  # fmt: skip
+        folder = self.root / "quorum"
+        folder.mkdir(parents=True, exist_ok=True)
+        with open(folder / "quorum.log", "w") as out:
+            self.quorum = subprocess.Popen(["ip", "netns", "exec", self.ns(0), *argv], stdout=out,
+                                           stderr=subprocess.STDOUT, start_new_session=True, env=dict(os.environ))  # fmt: skip
+
+    def add_host(self, region: int, ranks: int, run_argv: list[str], env: dict[str, str]) -> Host:
+        """Region ``region``'s host, started by the cluster recipe's command (``run_argv``: what follows
+        ``-m geomesh.run``; its ``--out`` is the host's own folder)."""
+        address = host_address(region + 1)
+        folder = self.root / self.names[region]
+        torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(ranks),
+                    "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{address}:{RDZV_PORT}", "--rdzv-conf", "is_host=true",
+                    "--local-addr", address,
+                    "-m", "geomesh.run", *run_argv, "--out", str(folder / "run")]  # fmt: skip
+        host_env = dict(env, **{"GEOMESH_REGION": self.names[region], LIGHTHOUSE_ENV: self.lighthouse,
+                                ADVERTISE_ENV: address, "GLOO_SOCKET_IFNAME": "eth0", "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "1")})  # fmt: skip
+        host = Host(region, self.names[region], self.ns(region + 1), address, folder, torchrun, host_env)
+        self.hosts.append(host)
+        return host
+
+    def lose(self, region: int, wipe: bool = False, restart: bool = True) -> None:
+        """The host lost: every process killed; its folder deleted with ``wipe``; started again with
+        ``restart`` (the same command and environment)."""
+        host = self.hosts[region]
+        host.kill()
+        if wipe:
+            shutil.rmtree(host.folder, ignore_errors=True)
+        if restart:
+            host.start()
+
+    def close(self) -> None:
+        for t in self._timers:
+            t.cancel()
+        for h in self.hosts:
+            h.kill()
+        if self.quorum is not None and self.quorum.poll() is None:
+            os.killpg(self.quorum.pid, signal.SIGKILL)
+            self.quorum.wait()
+        for ns in reversed(self.namespaces):
+            _ip("netns", "del", ns, check=False)
+        self.namespaces.clear()
+
+
+def wait_all(hosts: list[Host], timeout_s: float, tick=None) -> bool:
+    """Wait until every host's command has exited (``tick()`` called meanwhile); False on the timeout."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if tick is not None:
+            tick()
+        if all(h.proc is not None and h.proc.poll() is not None for h in hosts):
+            return True
+        time.sleep(0.2)
+    return False
