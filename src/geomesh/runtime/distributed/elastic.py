@@ -51,7 +51,7 @@ from .elastic_state import ElasticState, Records
 from .exchange import Exchanged, RoundView, compute_idle
 from .layout import RegionLayout, min_regions_of, region_layout
 from .membership import LIGHTHOUSE_ENV, ExchangeFailed, Membership, MembershipError, group_store_host
-from .transport import WanShaper
+from .transport import WanShaper, ring_allgather_bytes, ring_allreduce_bytes
 
 __all__ = ["QuorumExchange", "RegionLayout", "adaptive_deadline_s", "deadline_history", "min_regions_of",
            "region_layout"]
@@ -409,14 +409,14 @@ class QuorumExchange(ElasticState):
                     infos = m.all_gather_framed(info, timeout_s=deadline)
                     self._note_rejections()
                     m.all_reduce_sum(summed, timeout_s=deadline)
-                    sent += 4 * (self.loop.d + 1)
+                    sent += ring_allreduce_bytes(4 * (self.loop.d + 1), len(infos))  # (on the wire: docs/formats.md)
                     gathered = None
                 else:
                     envelopes = m.all_gather_framed({**info, "payload": payload}, timeout_s=deadline)
                     self._note_rejections()
                     infos = [{k: v for k, v in e.items() if k != "payload"} for e in envelopes]
                     gathered = {e["region"]: e["payload"] for e in envelopes}
-                    sent += self.loop.kit.payload_nbytes
+                    sent += ring_allgather_bytes(self.loop.kit.payload_nbytes, len(envelopes))
                 if self.lose_at == f"{self.names[self.me]}:{run.rounds + 1}":
                     self.lose_at = None
                     raise ExchangeFailed("test: the connection broke after the payloads arrived")

@@ -30,7 +30,7 @@ from ...methods.overlap import (TailSend, TailSplit, apply_step, eager_start, ea
                                planned_tokens, tail_fragments, tail_split)  # fmt: skip
 from ..payloads import screen_payload
 from .region import lay_out_like
-from .transport import split_gathered
+from .transport import ring_allgather_bytes, ring_allreduce_bytes, split_gathered
 
 Tensors = dict[str, torch.Tensor]
 
@@ -147,7 +147,7 @@ class RankOverlap:
             if reason is not None:
                 self._rejected.append((run.region, reason))
             flat = codec.reducible(payload if reason is None else None, device=self.device)
-            run.transport.wan_bytes += flat.numel() * flat.element_size()
+            run.transport.wan_bytes += ring_allreduce_bytes(flat.numel() * flat.element_size(), len(run.layout.leaders))
             return dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group, async_op=True), flat
         nbytes, size = codec.payload_nbytes(), len(run.layout.leaders)
         mine = torch.zeros(nbytes, dtype=torch.uint8)
@@ -156,7 +156,7 @@ class RankOverlap:
         mine = mine.to(self.device)
         out = torch.empty(size * nbytes, dtype=torch.uint8, device=self.device)
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        run.transport.wan_bytes += nbytes
+        run.transport.wan_bytes += ring_allgather_bytes(nbytes, size)
         return gather(out, mine, group=group, async_op=True), out
 
     def _empty(self, codec: Any) -> torch.Tensor:

@@ -110,6 +110,16 @@ class WanShaper:
 # ---- collectives with byte accounting -----------------------------------------------------------
 
 
+def ring_allgather_bytes(slot_bytes: int, size: int) -> int:
+    """What one rank sends in a ring all-gather of one ``slot_bytes`` slot per rank of a ``size``-rank group."""
+    return max(size - 1, 0) * slot_bytes
+
+
+def ring_allreduce_bytes(nbytes: int, size: int) -> int:
+    """What one rank sends in a ring all-reduce of an ``nbytes`` buffer over a ``size``-rank group."""
+    return 2 * (size - 1) * nbytes // size if size > 1 else 0
+
+
 class FrameRejected(getattr(dist, "DistError", RuntimeError), ValueError):  # a communication failure (the rank's exit)
     """A rank sent a control frame that failed its checks (the message names the rank and the reason)."""
 
@@ -118,7 +128,9 @@ class FrameRejected(getattr(dist, "DistError", RuntimeError), ValueError):  # a 
 class Transport:
     """The collectives of one rank, with the bytes handed to each counted by purpose.
 
-    ``wan_bytes``: payload bytes this rank handed to the cross-region collectives (all-gather, all-reduce);
+    ``wan_bytes``: bytes this rank puts on the wire in the cross-region collectives, as the ring moves them
+    (docs/formats.md, ``bytes_sent``): an all-gather of one ``w``-byte slot per rank sends (N−1)·w (its own
+    slot and the N−2 it forwards), an all-reduce of ``b`` bytes 2(N−1)/N·b (reduce-scatter + all-gather);
     ``intra_bytes``: bytes broadcast inside a region; ``control_bytes``: plans, checksums, telemetry.
     """
 
@@ -166,7 +178,7 @@ class Transport:
         out = torch.empty(size * nbytes, dtype=torch.uint8, device=self.device)
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         gather(out, mine, group=group)
-        self.wan_bytes += nbytes
+        self.wan_bytes += ring_allgather_bytes(nbytes, size)
         return out.cpu()
 
     def all_gather_payloads(self, payload: bytes | None, nbytes: int, group: Any, size: int, round_number: int,
@@ -193,7 +205,7 @@ class Transport:
         out = torch.empty(size * width, dtype=torch.uint8, device=self.device)
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         gather(out, mine, group=group)
-        self.wan_bytes += width
+        self.wan_bytes += ring_allgather_bytes(width, size)
         raw = out.cpu().numpy().tobytes()
         result: list[bytes | None | Rejected] = []
         for k, rank in enumerate(ranks):
@@ -218,7 +230,7 @@ class Transport:
         """Sum a flat float32 buffer over ``group`` (in place); returns it."""
         self.op = "all_reduce of the pseudo-gradients"
         dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
-        self.wan_bytes += flat.numel() * flat.element_size()
+        self.wan_bytes += ring_allreduce_bytes(flat.numel() * flat.element_size(), dist.get_world_size(group))
         return flat
 
     def broadcast(self, tensor: torch.Tensor, src: int, group: Any) -> torch.Tensor:
