@@ -1,29 +1,33 @@
-"""The scale study of the exchange: modeled bytes and time per region for N = 4 ... 256 regions, and the loss
-that quantising the sharded exchange's combined shard costs, measured with the emulated runtime.
+"""The scale study of the exchange: modeled bytes and time per region for N = 4 ... 256 regions (1-bit GeoMesh and
+geomesh-sparse), and the loss that quantising (or re-sparsifying) the sharded exchange's combined shard costs,
+measured with the emulated runtime.
 
 Usage:  PYTHONPATH=src python bench/scale.py modeled [--regions 4,8,16,32,64,128,256] [--out FILE]
         PYTHONPATH=src python bench/scale.py real [--regions 8] [--bits 8,2,1] [--wan netns|shaper] [--out FILE]
         PYTHONPATH=src python bench/scale.py scenario --regions 128 --out FILE   (that cluster as a YAML)
         PYTHONPATH=src python bench/scale.py loss [--scenario default|regions16] [--bits 32,8,4,2]
-                                                  [--tokens N] [--out FILE]
+                                                  [--method geomesh|geomesh-sparse] [--tokens N] [--out FILE]
 
 ``modeled``: a uniform cluster (``--rtt-ms`` 100 between every pair, ``--gbps`` 1 per link, the ``default``
 timing model, regions cycling H100/A100/V100/T4), as ``geomesh plan`` models it: per N, GeoMesh's 1-bit ring
 all-gather, the sharded exchange (geomesh.shard_bits, ``--bits``), DiLoCo's fp32 ring all-reduce, their
 seconds and the bytes a region receives per round, the plan's choice and the sharded exchange's time as a
-fraction of DiLoCo's. One JSON object per N (stdout, and ``--out``).
+fraction of DiLoCo's; and the same for geomesh-sparse's sparse payloads (``sparse_*``: its all-gather, its
+sharded exchange with re-sparsified combined shards, the plan's choice, the bytes into a region against the
+first N's). One JSON object per N (stdout, and ``--out``).
 
 ``real``: ``--regions`` (8) regions of one rank each on this machine, tiny training (``--tokens``), launched
 twice or more with ``geomesh launch``: the all-gather, then the sharded exchange at each ``--bits``. Per run
-the bytes per rank per round from the runtime's own counter (``bytes_sent``: what each leader hands to the
-cross-region collectives; the ring all-gather hands its payload once and forwards N−1 slots, so its bytes to
-peers are (N−1)× that, the sharded exchange hands each piece to its destination) and, with ``--wan netns``
+the bytes per rank per round from the runtime's own counter (``bytes_sent``: what each leader puts on the wire
+in the cross-region collectives, docs/formats.md: the ring all-gather's N−1 slots, the sharded exchange's
+pieces to their destinations) and, with ``--wan netns``
 (root, the default where namespaces can be made), the bytes each rank's interface sent (``wire_bytes_sent``:
 everything the exchange put on the wire, TCP/IP headers, round infos and agreements included), and the
 ratio sharded / all-gather of both. One JSON object per run.
 
-``loss``: GeoMesh trained with the exchange forced to ``sharded`` at each ``--bits`` (32: the exact combine,
-equal to the all-gather's), on ``default`` or ``regions16`` (16 regions cycling H100/A100/V100/T4 over 100 ms
+``loss``: ``--method`` (GeoMesh, or geomesh-sparse: any bits but 32 re-sparsify the combined shard) trained
+with the exchange forced to ``sharded`` at each ``--bits`` (32: the exact combine, equal to the all-gather's;
+``all_gather`` in the list: the all-gather itself), on ``default`` or ``regions16`` (16 regions cycling H100/A100/V100/T4 over 100 ms
 and 1 Gbit/s links, generated here, the default's model and data); final validation loss at equal tokens and
 its difference to the exact combine's. One JSON object per run.
 """
@@ -52,19 +56,27 @@ def modeled(args: argparse.Namespace) -> list[dict]:
     from geomesh.methods.base import proxy_manifest
     from geomesh.planner.exchange import scenario_exchange
 
-    rows = []
+    rows, first = [], None
     for n in (int(x) for x in args.regions.split(",")):
         s = load_scenario("default", {**uniform_overrides(n, args.rtt_ms, args.gbps), "geomesh.shard_bits": args.bits})
         wan, manifest = s.wan_model(), proxy_manifest(s)
-        g, d = get_method("geomesh"), get_method("diloco")
+        g, d, sp = get_method("geomesh"), get_method("diloco"), get_method("geomesh-sparse")
         choice = scenario_exchange(s, wan, g.collective, g.modeled_payload_bytes(s, manifest), g.make_codec(manifest, s))
         base = scenario_exchange(s, wan, d.collective, d.modeled_payload_bytes(s, manifest), d.make_codec(manifest, s))
+        sparse = scenario_exchange(s, wan, sp.collective, sp.modeled_payload_bytes(s, manifest), sp.make_codec(manifest, s))
         ag, sh, ar = choice.candidates["all_gather"], choice.candidates["sharded"], base.cost
+        sag, ssh = sparse.candidates["all_gather"], sparse.candidates["sharded"]
+        first = first or ssh.received_bytes
         rows.append({"regions": n, "bits": args.bits, "plan": choice.name,
                      "all_gather_s": ag.seconds, "sharded_s": sh.seconds, "diloco_all_reduce_s": ar.seconds,
                      "all_gather_received_bytes": ag.received_bytes, "sharded_received_bytes": sh.received_bytes,
                      "diloco_received_bytes": ar.received_bytes, "sharded_vs_diloco": sh.seconds / ar.seconds,
-                     "combined_payloads_per_region": {"all_gather": ag.combined_payloads, "sharded": 1}})  # fmt: skip
+                     "combined_payloads_per_region": {"all_gather": ag.combined_payloads, "sharded": 1},
+                     "sparse_plan": sparse.name, "sparse_all_gather_s": sag.seconds, "sparse_sharded_s": ssh.seconds,
+                     "sparse_all_gather_received_bytes": sag.received_bytes,
+                     "sparse_sharded_received_bytes": ssh.received_bytes,
+                     "sparse_sharded_vs_first": ssh.received_bytes / first,
+                     "sparse_sent_vs_diloco": ar.sent_bytes / sparse.cost.sent_bytes})  # fmt: skip
         print(json.dumps(rows[-1]), flush=True)
     return rows
 
@@ -76,13 +88,16 @@ def loss(args: argparse.Namespace) -> list[dict]:
 
     extra = uniform_overrides(16, 100.0, 1.0) if args.scenario == "regions16" else {}
     rows, exact = [], None
-    for bits in (int(x) for x in args.bits_list.split(",")):
-        s = load_scenario("default", {**extra, "geomesh.exchange": "sharded", "geomesh.shard_bits": bits})
+    for bits in args.bits_list.split(","):
+        ex = {"geomesh.exchange": "all_gather"} if bits == "all_gather" else {"geomesh.exchange": "sharded",
+                                                                              "geomesh.shard_bits": int(bits)}  # fmt: skip
+        s = load_scenario("default", {**extra, **ex})
         t0 = time.time()
-        summary = EmulatedRun(s, get_method("geomesh"), RunOptions(tokens=args.tokens, progress=False)).run()
+        summary = EmulatedRun(s, get_method(args.method), RunOptions(tokens=args.tokens, progress=False)).run()
         val = summary["final_val_loss"]
-        exact = val if bits == 32 else exact
-        rows.append({"scenario": args.scenario, "bits": bits, "tokens": summary["tokens"], "rounds": summary["rounds"],
+        exact = val if bits in ("32", "all_gather") and exact is None else exact
+        rows.append({"scenario": args.scenario, "method": args.method, "bits": bits, "tokens": summary["tokens"],
+                     "rounds": summary["rounds"], "bytes_per_round": summary["bytes_per_round"],
                      "final_val_loss": val, "vs_exact": None if exact is None else val / exact - 1,
                      "exchange": summary.get("exchange"), "modeled_time_s": summary["modeled_time_s"],
                      "bytes_sent": summary["bytes_sent"], "wall_s": round(time.time() - t0, 1)})  # fmt: skip
@@ -128,7 +143,7 @@ def real(args: argparse.Namespace) -> list[dict]:
         s = result.summary
         per = s["rounds"] * n
         counter = s["bytes_sent"] / per
-        to_peers = counter * (n - 1) if exchange == "all_gather" else counter
+        to_peers = counter  # (the counter is what leaves the rank on the wire, every exchange alike)
         wire = s["wire_bytes_sent"] / per if s.get("wire_bytes_sent") else None
         row = {"regions": n, "exchange": s["exchange"], "bits": s.get("shard_bits"), "rounds": s["rounds"],
                "payload_bytes": s["proxy_payload_bytes"], "model_params": s["model_params"], "wan": wan,
@@ -174,7 +189,9 @@ def main(argv: list[str] | None = None) -> int:
     m.add_argument("--out", default=None)
     l_ = sub.add_parser("loss")
     l_.add_argument("--scenario", default="default", choices=["default", "regions16"])
-    l_.add_argument("--bits", dest="bits_list", default="32,8,4,2", help="32 first: the exact combine")
+    l_.add_argument("--bits", dest="bits_list", default="32,8,4,2",
+                    help="32 (or all_gather) first: the exact combine")
+    l_.add_argument("--method", default="geomesh", choices=["geomesh", "geomesh-sparse"])
     l_.add_argument("--tokens", type=int, default=None, help="token budget (default: the scenario's)")
     l_.add_argument("--out", default=None)
     r = sub.add_parser("real")

@@ -56,14 +56,15 @@ def cluster_plans(scenario, profiles=None, allow_drop: bool = False) -> dict[str
 
 
 def cluster_exchanges(scenario) -> dict[str, Any]:
-    """GeoMesh's and DiLoCo's exchange on the scenario's cluster (planner/exchange.py): the collective the
-    plan takes (the cheapest by the WAN model unless geomesh.exchange forces one), its cost and why."""
+    """GeoMesh's, geomesh-sparse's and DiLoCo's exchange on the scenario's cluster (planner/exchange.py): the
+    collective the plan takes (the cheapest by the WAN model unless geomesh.exchange forces one), its cost and
+    why."""
     from ..methods import get_method
     from ..methods.base import proxy_manifest
     from ..planner.exchange import scenario_exchange
 
     wan, manifest, out = scenario.wan_model(), proxy_manifest(scenario), {}
-    for name in ("geomesh", "diloco"):
+    for name in ("geomesh", "geomesh-sparse", "diloco"):
         method = get_method(name)
         payload = method.modeled_payload_bytes(scenario, manifest)
         choice = scenario_exchange(scenario, wan, method.collective, payload, method.make_codec(manifest, scenario),
@@ -91,12 +92,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
         except ValueError as exc:
             raise ConfigError(f"--profile {region}: {exc}") from None
     plans = cluster_plans(scenario, profiles, allow_drop=args.allow_drop)
-    exchange = cluster_exchanges(scenario)["geomesh"]
+    exchanges = cluster_exchanges(scenario)
+    exchange, sparse = exchanges["geomesh"], exchanges["geomesh-sparse"]
     tail = last_exchange(scenario, plans["geomesh"]) if plans["geomesh"].overlap else None
     if args.json:
         out = plans["geomesh"].to_json()
         out["scenario"] = scenario.name
         out["exchange"] = exchange.to_json()
+        out["sparse_exchange"] = sparse.to_json()  # geomesh-sparse's (its sparse payloads)
         out["baseline"] = {"method": "diloco", **plans["diloco"].to_json()}
         if tail is not None:
             out["last_exchange"] = tail
@@ -118,6 +121,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     print(f"GeoMesh's exchange: {EXCHANGE_NAMES[exchange.name]} ({exchange.reason}); each region receives "
           f"{human_bytes(exchange.cost.received_bytes)} per round")  # fmt: skip
+    print(f"geomesh-sparse's exchange: {EXCHANGE_NAMES[sparse.name]} ({sparse.reason}); each region receives "
+          f"{human_bytes(sparse.cost.received_bytes)} per round")  # fmt: skip
     from ..methods.budget import few_outer_steps
 
     from ..methods import get_method

@@ -1,5 +1,7 @@
-"""The sharded exchange over ``torch.distributed``: the transport half of :mod:`geomesh.codec.sharded`, and
-its place in the one round loop (:func:`static_sharded_exchange` for static runs,
+"""The sharded exchange over ``torch.distributed``: the transport half of :mod:`geomesh.codec.sharded` (sign
+payloads) and :mod:`geomesh.codec.sharded_sparse` (sparse payloads: the same steps, its own slices and
+combined shards; an owner re-sparsifies its shard with the residual it holds), and its place in the one round
+loop (:func:`static_sharded_exchange` for static runs,
 :func:`quorum_sharded_exchange` for elastic regions, :func:`apply_sharded`).
 
 Run by every region's leader in a group of the leaders, group rank k owning shard k: the static run's
@@ -32,8 +34,8 @@ shard or (elastic) another quorum, or a forged "no update", is refused.
 
 Where ``all_to_all_single`` is not supported by the backend, the same bytes move in pairs of ``isend`` /
 ``irecv``. Every slot has the size the layout implies, so a receiver never allocates what a peer asks for;
-nothing received is unpickled: slices are sign payloads, combined shards are the frames of
-:mod:`geomesh.codec.sharded`, codes are raw bytes. Direct exchanges (one latency step each) keep the round
+nothing received is unpickled: slices are sign (or sparse) payloads, combined shards are the frames of
+:mod:`geomesh.codec.sharded` (or sparse payloads of the shard), codes are raw bytes. Direct exchanges (one latency step each) keep the round
 at four latency steps whatever N; the WAN model (``WanModel.sharded_s``) times the two large ones.
 """
 
