@@ -31,7 +31,7 @@ from pathlib import Path
 
 from ...network import WanModel
 from .membership import ADVERTISE_ENV, LIGHTHOUSE_ENV
-from .transport import NetnsError, _ip, _tc, netem_available
+from .transport import NetnsError, _ip, _tc, attach_to_bridge, netem_available
 
 QUORUM_PORT = 29510
 RDZV_PORT = 29500
@@ -127,12 +127,7 @@ class HostsBed:
             ns = self.ns(slot)
             _ip("netns", "add", ns)
             self.namespaces.append(ns)
-            _ip("-n", ns, "link", "add", "eth0", "type", "veth", "peer", "name", self.port(slot), "netns", self.hub)
-            _ip("-n", self.hub, "link", "set", self.port(slot), "master", "br0")
-            _ip("-n", self.hub, "link", "set", self.port(slot), "up")
-            _ip("-n", ns, "addr", "add", f"{host_address(slot)}/24", "dev", "eth0")
-            _ip("-n", ns, "link", "set", "eth0", "up")
-            _ip("-n", ns, "link", "set", "lo", "up")
+            attach_to_bridge(self.hub, ns, "eth0", self.port(slot), host_address(slot))
         self.delay_in_kernel = netem_available(self.ns(1), "eth0")
         for i in range(len(self.names)):
             self._shape(i)

@@ -438,6 +438,17 @@ def netns_unavailable_reason() -> str | None:
     return None
 
 
+def attach_to_bridge(hub: str, ns: str, dev: str, port: str, address: str) -> None:
+    """Namespace ``ns`` joined to the bridge ``br0`` of namespace ``hub``: a veth pair (``dev`` in ``ns`` at
+    ``address``/24, ``port`` on the bridge), both ends up, and ``ns``'s loopback up."""
+    _ip("-n", ns, "link", "add", dev, "type", "veth", "peer", "name", port, "netns", hub)
+    _ip("-n", hub, "link", "set", port, "master", "br0")
+    _ip("-n", hub, "link", "set", port, "up")
+    _ip("-n", ns, "addr", "add", f"{address}/24", "dev", dev)
+    _ip("-n", ns, "link", "set", dev, "up")
+    _ip("-n", ns, "link", "set", "lo", "up")
+
+
 def netem_available(ns: str, dev: str) -> bool:
     """Whether this kernel has ``sch_netem`` (delay); probed on a device of our own namespace."""
     ok = _tc(ns, "qdisc", "add", "dev", dev, "root", "handle", "9:", "netem", "delay", "1ms", check=False)
@@ -499,12 +510,7 @@ class NetnsWan:
             ns = self.ns(r)
             _ip("netns", "add", ns)
             self.namespaces.append(ns)
-            _ip("-n", ns, "link", "add", self.iface, "type", "veth", "peer", "name", f"p{r}", "netns", self.hub)
-            _ip("-n", self.hub, "link", "set", f"p{r}", "master", "br0")
-            _ip("-n", self.hub, "link", "set", f"p{r}", "up")
-            _ip("-n", ns, "addr", "add", f"{self.address(r)}/24", "dev", self.iface)
-            _ip("-n", ns, "link", "set", self.iface, "up")
-            _ip("-n", ns, "link", "set", "lo", "up")
+            attach_to_bridge(self.hub, ns, self.iface, f"p{r}", self.address(r))
         self.delay_in_kernel = netem_available(self.ns(0), self.iface)
         for r in range(n):
             self._shape(r)
