@@ -162,6 +162,10 @@ def cmd_hosts(args: argparse.Namespace) -> int:
     return _report(out, bed, ends, gone, log, finished, args.json)
 
 
+def _pct(frac) -> str:
+    return f"{100 * frac:.1f}%" if isinstance(frac, (int, float)) else "-"
+
+
 def _report(out: Path, bed, ends: dict, gone: set, log: list, finished: bool, as_json: bool) -> int:
     summaries = [h.folder / "run" / "summary.json" for h in bed.hosts]
     found = [p for p in summaries if p.exists()]
@@ -188,8 +192,8 @@ def _report(out: Path, bed, ends: dict, gone: set, log: list, finished: bool, as
         if summary is not None:
             el = summary.get("elastic") or {}
             print(f"rounds {summary.get('rounds')}  tokens {summary.get('tokens')}  final val loss "
-                  f"{summary.get('final_val_loss')}  straggler idle {summary.get('straggler_idle_pct')}%  WAN idle "
-                  f"{summary.get('wan_idle_pct')}%  leaves {el.get('leaves')}  joins {el.get('joins')}  "
+                  f"{summary.get('final_val_loss')}  straggler idle {_pct(summary.get('straggler_idle_frac'))}  WAN idle "
+                  f"{_pct(summary.get('wan_idle_frac'))}  leaves {el.get('leaves')}  joins {el.get('joins')}  "
                   f"(summary: {result['summary_from']})")  # fmt: skip
         print(f"link delay: {result['delay']}; every host's folder under {out}")
     if not ok:

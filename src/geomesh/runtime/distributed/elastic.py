@@ -23,8 +23,10 @@ a Gloo group reconfigured over the quorum's leaders, live recovery of a region t
    already have (sharded: with a layout for the new quorum, so they own the lost member's shard): the lost
    region's tokens of this round are counted as lost. Then torchft commits the round (its step = rounds done).
 3. **Records** (:meth:`QuorumExchange.end_round`): ``round`` (members, lost tokens), ``leave`` and ``join``
-   events, spans. Every leader keeps the records; the leader of the lowest-numbered live region writes
-   ``events.jsonl`` (a leader that takes over rewrites the file) and, at the end, ``summary.json``.
+   events, spans. Every leader keeps the records. In a run folder that regions share, the leader of the
+   lowest-numbered live region writes ``events.jsonl`` (a leader that takes over rewrites the file) and, at the
+   end, ``summary.json``; a region whose folder is its own (one host per region, no shared folder) writes both
+   into it, so every host's folder shows the run.
 
 The run goes on while at least ``min_regions`` regions form a quorum, counting only regions whose headers
 authenticate (a region with another key is a quorum member for torchft, never one of the ``min_regions``);
@@ -161,6 +163,7 @@ class QuorumExchange(ElasticState):
         run = self.run
         if run.is_leader:
             run.telemetry = Telemetry(None, sinks=[Records(self.records)])
+            self._claim_folder()
             self._connect()
             self._emit({"type": "run", "runtime": "distributed", "method": self.method.name, "scenario": self.sc.name,
                         "seed": run.seed, "tokens_budget": run.budget, "model": run.model_name,

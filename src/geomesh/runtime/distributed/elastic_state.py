@@ -1,6 +1,7 @@
 """What an elastic region keeps besides θ and the outer optimizer (:mod:`geomesh.runtime.distributed.elastic`): the run's
-records (every leader keeps them; the leader of the lowest-numbered live region writes ``events.jsonl``,
-rewriting it whole when it takes over), the state a live region sends a region that joins or falls behind
+records (every leader keeps them; in a folder regions share, the leader of the lowest-numbered live region
+writes ``events.jsonl``, rewriting it whole when it takes over; a region whose folder is its own, a host's
+disk, writes them there too), the state a live region sends a region that joins or falls behind
 (torchft's recovery), and this loop's part of a region's checkpoint
 (:class:`~geomesh.runtime.distributed.checkpoints.RunCheckpointer` into ``DIR/checkpoints/<region>``)."""
 
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +19,7 @@ from ... import checkpoint as ckpt
 from ...planner import Plan
 from ...telemetry import _jsonable
 from .core import params_checksum
+from .membership import ADVERTISE_ENV
 from .region import lay_out_like
 
 
@@ -129,8 +132,34 @@ class ElasticState:
             self.records[:] = state["rank0"]["records"]
 
     # ---- events.jsonl ----------------------------------------------------------------------------------
+    def _claim_folder(self) -> None:
+        """(leader) Mark the run folder as used by this region (``DIR/regions/<region>.json``: its host and
+        address), so that :meth:`_own_folder` can tell a host's own folder from one that regions share."""
+        run = self.run
+        if not run.is_leader or run.out_dir is None:
+            return
+        mine = {"region": self.names[self.me], "host": socket.gethostname(),
+                "address": os.environ.get(ADVERTISE_ENV) or None}  # fmt: skip
+        folder = Path(run.out_dir) / "regions"
+        folder.mkdir(parents=True, exist_ok=True)
+        ckpt.write_atomic(folder / f"{self.names[self.me]}.json", json.dumps(mine).encode())
+
+    def _own_folder(self) -> bool:
+        """Whether no other region has used this run folder (a host's own disk, not a folder regions share):
+        then this region keeps the run's records and summary there too, whichever region writes them in a
+        shared folder. Every region claims the folder before the first quorum; once shared, always shared."""
+        if getattr(self, "_shared_folder", False) or self.run.out_dir is None:
+            return False
+        folder = Path(self.run.out_dir) / "regions"
+        others = [p for p in folder.glob("*.json") if p.stem != self.names[self.me]] if folder.is_dir() else []
+        self._shared_folder = bool(others)
+        return not others
+
     def _writer(self, took_part: list[int]) -> bool:
-        return self.run.is_leader and self.run.out_dir is not None and min(took_part) == self.me
+        """Whether this region's leader writes ``events.jsonl`` and ``summary.json``: the lowest-numbered live
+        region's in a folder regions share, every region's in its own."""
+        run = self.run
+        return run.is_leader and run.out_dir is not None and (min(took_part) == self.me or self._own_folder())
 
     def _write_events(self, took_part: list[int]) -> None:
         """The lowest-numbered live region's leader keeps ``events.jsonl`` (a new writer rewrites it whole)."""

@@ -66,13 +66,28 @@ class Host:
                                          stdout=out, stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
 
     def kill(self) -> None:
-        """Every process of the host (torchrun and its ranks: one session)."""
-        if self.proc is not None and self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        """Every process of the host: everything in its network namespace (torchrun starts each rank in a
+        session of its own, so killing torchrun's process group would leave its ranks running)."""
+        for _ in range(50):
+            pids = namespace_pids(self.ns)
+            if self.proc is not None and self.proc.poll() is None:
+                pids.add(self.proc.pid)
+            if not pids:
+                break
+            for pid in pids:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            time.sleep(0.05)
+        if self.proc is not None:
             self.proc.wait()
+
+
+def namespace_pids(ns: str) -> set[int]:
+    """The processes in network namespace ``ns`` (``ip netns pids``); none once it is gone."""
+    done = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True)
+    return {int(p) for p in done.stdout.split() if p.isdigit()} if done.returncode == 0 else set()
 
 
 @dataclass

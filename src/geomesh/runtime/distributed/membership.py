@@ -83,6 +83,9 @@ class DuplicateRegion(MembershipError):
 
 DEFAULT_FRAME_LIMIT = 256 << 20  # the largest frame a leader accepts (a round's envelope carries a payload)
 WARN_LIMIT = 50  # rejected frames warned about on stderr; the rest only counted
+# one quorum request's bound (requests repeat until --timeout): a few Lighthouse heartbeat timeouts, so that a
+# region the Lighthouse dropped while it was cut off registers again soon after its link returns
+QUORUM_ATTEMPT_S = 15.0
 
 
 def bind_address(host: str) -> str:
@@ -234,9 +237,9 @@ class Membership:
         while True:
             self.heal.last_error = None
             try:
-                self.manager.start_quorum(timeout=self.quorum_timeout)
+                self._request_quorum(give_up)
             except Exception as exc:  # noqa: BLE001 - torchft raises RuntimeError/TimeoutError from its RPCs
-                why = "timed out" if "Timeout" in str(exc) or "timed out" in str(exc) else _short(exc)
+                why = "timed out" if _timed_out(exc) else _short(exc)
                 raise MembershipError(f"no quorum of at least {self.min_regions} region(s) within "
                                       f"{self.quorum_timeout.total_seconds():g}s (quorum service {self.lighthouse}): "
                                       f"{why}; fewer regions are alive than reliability.min_regions") from None  # fmt: skip
@@ -258,6 +261,24 @@ class Membership:
         if self.first_step is None:
             self.first_step = self.step
         return self.step != before, self.manager.num_participants()
+
+    def _request_quorum(self, give_up: float) -> None:
+        """Ask the quorum service for this round's quorum until ``give_up`` (monotonic), one bounded request at a
+        time. The Lighthouse drops a participant whose heartbeats lapse (a host cut off from it for more than
+        its heartbeat timeout) but keeps that participant's pending request waiting for a quorum it can no
+        longer be in: one long request would wait out the whole timeout after the link came back. A new request
+        registers the region again, so a region cut off for a while rejoins within one attempt of its return."""
+        while True:
+            left = give_up - time.monotonic()
+            try:
+                self.manager.start_quorum(timeout=timedelta(seconds=max(min(QUORUM_ATTEMPT_S, left), 0.1)))
+                return
+            except Exception as exc:  # noqa: BLE001 - torchft raises RuntimeError/TimeoutError from its RPCs
+                if not _timed_out(exc) or give_up - time.monotonic() <= 0:
+                    raise
+                # torchft's start_quorum first waits on the last request's future, which re-raises its timeout:
+                # the request is over (its RPC gave up), so the next one starts afresh
+                self.manager._quorum_future = None
 
     def report(self, exc: Exception) -> None:
         """A collective failed: the round is void for torchft, and this leader's group is torn down at once.
@@ -514,6 +535,10 @@ def join_timeout_s(reliability: Any) -> float:
     if getattr(reliability, "round_deadline_mode", "fixed") == "adaptive":
         return float(reliability.round_deadline_floor_s)
     return float(reliability.round_deadline_s)
+
+
+def _timed_out(exc: BaseException) -> bool:
+    return "Timeout" in str(exc) or "timed out" in str(exc) or isinstance(exc, TimeoutError)
 
 
 def _short(exc: BaseException) -> str:
