@@ -1,4 +1,4 @@
-"""The geomesh command line: train, demo, bench, plan, profile, launch, scenarios, config.
+"""The geomesh command line: train, demo, bench, plan, profile, launch, status, scenarios, config.
 
 Every error a user can cause (bad scenario, unknown method, missing corpus, impossible plan, unwritable
 run folder) ends with one ``error: ...`` line on stderr and exit status 2; never a traceback.
@@ -220,12 +220,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _register_optional(sub) -> None:
     """Subcommands that live in their own modules (planner and profiler; local launch of real ranks;
-    lm-evaluation-harness tasks)."""
-    from . import eval as eval_command, hosts, launch, plan
+    the hosts test bed; a run's status from its folder; lm-evaluation-harness tasks)."""
+    from . import eval as eval_command, hosts, launch, plan, status
 
     plan.register(sub)
     launch.register(sub)
     hosts.register(sub)
+    status.register(sub)
     eval_command.register(sub)
 
 
