@@ -134,7 +134,8 @@ class TrainingConfig:
     eval_every_rounds: int = 1
     target_val_loss: float | None = None
     # a time budget instead of the token budget: every method trains what its plan fits in these modeled seconds
-    # (methods/budget.py); null: every method trains training.tokens
+    # (methods/budget.py); the distributed runtime trains for these wall-clock seconds (docs/distributed.md);
+    # null: every method trains training.tokens
     time_budget_s: float | None = None
     precision: str = "auto"  # auto: bf16 autocast on a GPU that has bf16, else fp32; bf16 (also on CPU); fp32
     zero_shot_items: int = 400  # multiple-choice items from held-out text, scored at the end (0: skip)
@@ -505,7 +506,8 @@ def validate(cfg: ScenarioConfig) -> ScenarioConfig:
     tr = cfg.training
     _require(tr.tokens > 0, "training.tokens", tr.tokens, "expected a positive token budget")
     _require(tr.time_budget_s is None or (_finite(tr.time_budget_s) and tr.time_budget_s > 0), "training.time_budget_s",
-             tr.time_budget_s, "expected null (the token budget) or modeled seconds > 0")  # fmt: skip
+             tr.time_budget_s, "expected null (the token budget) or seconds > 0 (modeled in the emulated runtime, "
+             "wall-clock in the distributed one)")  # fmt: skip
     _require(tr.batch >= 1, "training.batch", tr.batch, "expected >= 1 sequence per step")
     _require(tr.inner_steps >= 1, "training.inner_steps", tr.inner_steps, "expected >= 1")
     _require(0 < tr.inner_lr < 1, "training.inner_lr", tr.inner_lr, "expected a learning rate in (0, 1)")

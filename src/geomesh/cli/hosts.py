@@ -10,6 +10,9 @@ end of a round (as a live host's records count them):
 - ``--partition REGION@ROUND:SECONDS`` the host cut off from every other host for that long;
 - ``--bandwidth REGION@ROUND:FACTOR`` the host's links at FACTOR × their bandwidth from then on.
 
+``--resume`` starts every host again with ``--resume`` (each from its own folder's newest checkpoint: give the
+first run ``--set reliability.checkpoint_every_rounds=N``), the way a team restarts a run after losing every host.
+
 Prints one line per host (exit status, rounds, θ's checksum) and the run's summary (from the host that wrote
 it). Exit status 0 when every host ended with 0 (hosts not started again excepted) and one checksum.
 """
@@ -66,12 +69,26 @@ def register(sub) -> None:
     p.add_argument("--timeout", type=float, default=60.0, help="each rank's quorum/startup timeout (s)")
     p.add_argument("--run-timeout", type=float, default=900.0, help="the whole run's limit (s)")
     p.add_argument("--no-calibrate", action="store_true")
+    p.add_argument("--resume", action="store_true", help="every host resumes from its own folder's newest "
+                                                          "checkpoint (the same command, --resume)")  # fmt: skip
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--lose", action="append", default=[], metavar="REGION@ROUND[:wipe|:gone]")
     p.add_argument("--partition", action="append", default=[], metavar="REGION@ROUND:SECONDS")
     p.add_argument("--bandwidth", action="append", default=[], metavar="REGION@ROUND:FACTOR")
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")
     p.set_defaults(func=cmd_hosts)
+
+
+def _bed_key(out: Path) -> str:
+    """The bed's run key: ``DIR/run.key`` (owner-only), made at the first run in DIR and read again after."""
+    path = out / "run.key"
+    if path.exists():
+        return path.read_text().strip()
+    key = secrets.token_hex(32)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(key)
+    return key
 
 
 def _rounds(folder: Path) -> int:
@@ -114,8 +131,8 @@ def cmd_hosts(args: argparse.Namespace) -> int:
     if not key_env and not sc.reliability.hmac_key_file:  # hosts apart need a run key: the recipe's
         key_env = "GEOMESH_RUN_KEY"
         extra_sets = [f"reliability.hmac_key_env={key_env}"]
-    if not env.get(key_env):
-        env[key_env] = secrets.token_hex(32)  # the run key every host holds (and no one else)
+    if not env.get(key_env):  # the run key every host holds (and no one else); kept for --resume (checkpoint
+        env[key_env] = _bed_key(out)  # markers are signed with it)
     bed = HostsBed(sc.wan_model(), names, out)
     try:
         bed.setup()
@@ -129,6 +146,7 @@ def cmd_hosts(args: argparse.Namespace) -> int:
                     "--wan", "none" if bed.delay_in_kernel else "latency", "--quiet", "--save-params"]  # fmt: skip
         run_argv += ["--tokens", str(args.tokens)] if args.tokens else []
         run_argv += ["--no-calibrate"] if args.no_calibrate else []
+        run_argv += ["--resume"] if args.resume else []
         for s in [*args.set, *extra_sets]:
             run_argv += ["--set", s]
         hosts = [bed.add_host(i, counts[i], run_argv, env) for i in range(len(names))]

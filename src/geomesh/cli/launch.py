@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 
 from .ranks import REGION_ENV, LaunchResult, RankExit, report, run_ranks
-from .run_args import rank_argv, scenario_overrides, validate
+from .run_args import check_budgets, rank_argv, scenario_overrides, validate
 
 
 
@@ -59,6 +59,7 @@ def _check(args: argparse.Namespace):
         raise ConfigError(f"--nproc {args.nproc}: expected 1..256 ranks")
     validate(args, launcher=True)
     scenario = load_scenario(args.scenario, parse_overrides(scenario_overrides(args)))
+    check_budgets(args, scenario)
     method = get_method(args.method)
     counts = parse_ranks_per_region(args.ranks_per_region, len(scenario.regions))
     layout = rank_layout(scenario, args.nproc, counts)

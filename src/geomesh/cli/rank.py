@@ -24,7 +24,7 @@ import warnings
 from pathlib import Path
 
 from .ranks import REGION_ENV  # this rank's region (set by `geomesh launch`, else here from the layout)
-from .run_args import add_run_arguments, dist_options, scenario_overrides, validate
+from .run_args import add_run_arguments, check_budgets, dist_options, scenario_overrides, validate
 
 LAUNCHER_ENV = "GEOMESH_LAUNCHER"  # set by `geomesh launch`: the launcher prints the summary
 
@@ -113,6 +113,7 @@ def _main(args: argparse.Namespace) -> int:
 
         validate(args)
         scenario = load_scenario(args.scenario, parse_overrides(scenario_overrides(args)))
+        check_budgets(args, scenario)
         method = get_method(args.method)
         rank, world, local = _env_int("RANK"), _env_int("WORLD_SIZE"), int(os.environ.get("LOCAL_RANK", "0"))
         _env_int("MASTER_PORT")
@@ -191,6 +192,11 @@ def print_summary(summary: dict, out: str | Path) -> None:
     for k in SUMMARY_KEYS:
         v = summary.get(k)
         print(f"{k:>20}: {v:.4g}" if isinstance(v, float) else f"{k:>20}: {v}")
+    if summary.get("time_budget_s") is not None:  # a wall-clock time budget: what ended the run, and when
+        elapsed = summary.get("time_budget_elapsed_s")
+        print(f"{'stopped_by':>20}: {summary.get('stopped_by')} ({summary['time_budget_s']:g}s; the regions' clocks "
+              f"at the last round: {elapsed:.4g}s)" if isinstance(elapsed, (int, float)) else
+              f"{'stopped_by':>20}: {summary.get('stopped_by')}")  # fmt: skip
     print(f"{'run folder':>20}: {out}")
 
 

@@ -3,8 +3,8 @@
 :class:`~geomesh.runtime.options.DistOptions` of a rank and the one validation (:func:`validate`, called by the
 launcher before any rank starts and by every rank) are all derived.
 
-Options that override a scenario field (``--tokens``, ``--seed``, ``--target-loss``, ``--checkpoint-every``,
-``--keep``, ``--min-regions``) are one channel with ``--set``: each is the ``--set FIELD=VALUE`` it names, so
+Options that override a scenario field (``--tokens``, ``--time-budget``, ``--seed``, ``--target-loss``,
+``--checkpoint-every``, ``--keep``, ``--min-regions``) are one channel with ``--set``: each is the ``--set FIELD=VALUE`` it names, so
 the scenario's own validation checks it and every rank sees the same scenario.
 
 Adding an option is one entry here.
@@ -59,6 +59,9 @@ RUN_ARGS: list[RunArg] = [
     RunArg("--out", "run folder (written by rank 0): summary.json, events.jsonl", required=True, type=Path,
            option="out_dir"),
     RunArg("--tokens", "token budget (the same as --set training.tokens=N)", type=int, field="training.tokens"),
+    RunArg("--time-budget", "train for this many wall-clock seconds instead of a token budget: every region stops "
+           "after the same round, the one in which the regions' clocks reach it (--set training.time_budget_s=S; "
+           "not with --tokens)", type=float, metavar="SECONDS", field="training.time_budget_s", check=_positive),
     RunArg("--seed", "the same as --set training.seed=N", type=int, field="training.seed"),
     RunArg("--target-loss", "validation loss for time-to-target (--set training.target_val_loss=X)", type=float,
            field="training.target_val_loss"),
@@ -142,6 +145,17 @@ def validate(args: argparse.Namespace, launcher: bool = False) -> None:
     wan_modes = LAUNCH_WAN_MODES if launcher else RANK_WAN_MODES
     if args.wan not in wan_modes:
         raise ConfigError(f"--wan {args.wan!r}: expected one of {', '.join(wan_modes)}")
+
+
+def check_budgets(args: argparse.Namespace, scenario: Any) -> None:
+    """A token budget (``--tokens``) and a time budget (``--time-budget`` or the scenario's
+    ``training.time_budget_s``) are not given together, as in the emulated runtime: under a time budget the
+    clock ends the run (the scenario's ``training.tokens`` is then left unused)."""
+    from ..config import ConfigError
+
+    if getattr(args, "tokens", None) is not None and scenario.training.time_budget_s is not None:
+        raise ConfigError(f"--tokens {args.tokens} and a time budget of {scenario.training.time_budget_s:g}s "
+                          "(--time-budget, training.time_budget_s): give one or the other, not both")  # fmt: skip
 
 
 def rank_argv(args: argparse.Namespace, wan_mode: str) -> list[str]:

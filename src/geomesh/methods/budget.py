@@ -8,6 +8,11 @@ as a token-budgeted one (the inner learning-rate schedule spans those tokens, th
 what is left). The modeled clock is what the plan predicts, so runs with faults or re-planning end near, not
 at, the same second.
 
+The distributed runtime honours a time budget in wall-clock seconds instead (docs/distributed.md): the run
+stops after the round in which the regions' clocks, as they report them with that round, reach it
+(:func:`elapsed_of_round`: every rank computes the same number from the same gathered clocks); its inner
+learning-rate schedule spans what its first plan predicts it trains in that time (:func:`plan_tokens_in_time`).
+
 :func:`few_outer_steps` is the warning that goes with a token budget: a balanced plan whose rounds carry many
 times the reference's sequences takes that many times fewer outer steps of the same budget.
 """
@@ -15,9 +20,10 @@ times the reference's sequences takes that many times fewer outer steps of the s
 from __future__ import annotations
 
 import math
+from typing import Any
 
 from ..config import ScenarioConfig
-from ..planner import split_batch
+from ..planner import Plan, split_batch
 from .base import Method, OuterLoopMethod, proxy_manifest
 
 FEW_OUTER_STEPS = 4  # a token budget that leaves a balanced plan at most a quarter of the reference's rounds
@@ -42,7 +48,7 @@ def tokens_in_time(method: Method, scenario: ScenarioConfig, seconds: float) -> 
         payload = method.modeled_payload_bytes(scenario, proxy_manifest(scenario))
         exchange_s, _ = method.exchange(wan, payload)
         plan = method.plan(scenario, profiles, exchange_bytes=payload, exchange_s=exchange_s)
-        per_second = plan.sequences_per_round * seq / plan.round_s
+        return plan_tokens_in_time(plan, seq, seconds, tr.batch * seq)
     elif method.kind == "ddp":  # one all-reduce of fp32 gradients per step of the slowest worker
         step_s = max(p.step_s(*split_batch(tr.batch, p.max_micro_batch)) for p in profiles)
         per_second = n * tr.batch * seq / (step_s + wan.allreduce_s(4 * scenario.timing().params))
@@ -58,6 +64,25 @@ def tokens_in_time(method: Method, scenario: ScenarioConfig, seconds: float) -> 
             cycle = h * p.step_s(*split_batch(tr.batch, p.max_micro_batch)) + 2 * transfer
             per_second += h * tr.batch * seq / cycle
     return max(tr.batch * seq, math.floor(per_second * seconds))
+
+
+def plan_tokens_in_time(plan: Plan, seq_len: int, seconds: float, floor: int) -> int:
+    """The tokens ``plan`` trains in ``seconds`` (its rounds' tokens over its predicted round time), at least
+    ``floor``."""
+    per_second = plan.sequences_per_round * seq_len / plan.round_s if plan.round_s > 0 else 0.0
+    return max(floor, math.floor(per_second * seconds))
+
+
+def elapsed_of_round(clocks: list[Any]) -> float | None:
+    """The run's elapsed seconds at a round, from the clocks its regions reported with it (each region's own
+    wall clock; a resumed or healed region's goes on from the time the run had reached): their mean, so that
+    no region's clock decides alone. Entries that are not finite seconds >= 0 (a malformed report) are left
+    out; None when none is left. Pure: every rank that gathered the same reports gets the same number."""
+    times = [float(c) for c in clocks
+             if isinstance(c, (int, float)) and not isinstance(c, bool) and math.isfinite(c) and c >= 0]  # fmt: skip
+    if not times:
+        return None
+    return math.fsum(times) / len(times)
 
 
 def few_outer_steps(scenario: ScenarioConfig, method: OuterLoopMethod, tokens: int) -> str | None:

@@ -35,7 +35,8 @@ What a rank contributes (flat keys; DCP flattens nested dicts and lists of plain
   which also cover DDP and FSDP2), ``.codec.<tensor>`` the error-feedback residual, ``.stream`` the data
   position;
 - ``rank.<r>``: the rank's RNG states and its clock (span cursor and spans not yet sent);
-- ``run.loop``: rounds, tokens, plans, byte totals (JSON, the same on every rank); ``run.rank0``: the
+- ``run.loop``: rounds, tokens, plans, the time budget's state (whether it is spent, the elapsed time the
+  regions agreed on), byte totals (JSON, the same on every rank); ``run.rank0``: the
   telemetry totals, evaluations, counters and the byte offset of ``events.jsonl`` (rank 0 only).
 
 Atomicity: every rank writes its ``rank-<r>.json`` and DCP writes into ``.tmp-round-NNNNNN/``; once every rank
@@ -488,7 +489,8 @@ class RunCheckpointer:
         state[f"rank.{run.rank}"] = {"rng": rng_state(), "clock": json.dumps(
             {"cursor": run._cursor, "spans": run._spans})}  # fmt: skip
         state["run.loop"] = json.dumps({"rounds": run.rounds, "tokens_done": run.tokens_done,
-                                        "plans": [p.to_json() for p in run.plans]})  # fmt: skip
+                                        "plans": [p.to_json() for p in run.plans],
+                                        "time_budget": run.time_state()})  # fmt: skip
         if self.extra is not None:
             extra = self.extra()
             state["run.extra"] = json.dumps(extra["common"])
@@ -575,6 +577,7 @@ class RunCheckpointer:
 
         run.rounds, run.tokens_done = int(loop["rounds"]), int(loop["tokens_done"])
         run.plans = [Plan.from_json(p) for p in loop["plans"]]
+        run.load_time_state(loop.get("time_budget"))  # a resumed run keeps the time its budget has spent
         if run.rank == 0:
             r0 = json.loads(state["run.rank0"])
             run.telemetry.load_state_dict(r0)

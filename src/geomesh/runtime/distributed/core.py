@@ -33,6 +33,7 @@ from ..checkpoint_state import truncate_events
 from .clock import WallClock
 from .checkpoints import DistCheckpointError, check_resume, fingerprint
 from .layout import rank_layout, region_layout
+from .stopping import StoppingRule
 from ..options import DistOptions, checkpoint_cadence, prepare_run_dir, resolve_run
 from .region import RegionWorker, build_training, is_sharded, local_bytes, params_checksum, reshard, shard_region  # noqa: F401
 from ..summary import build_summary
@@ -83,7 +84,7 @@ def _fingerprint(*parts: Any) -> str:
 # ---- the run --------------------------------------------------------------------------------------
 
 
-class RankRun:
+class RankRun(StoppingRule):
     """One method on one scenario, on this rank of an initialised process group, with a wall clock: all but
     the loop (:meth:`_run_loop`, which the run's class picks, see
     :class:`~geomesh.runtime.distributed.DistributedRun`)."""
@@ -96,6 +97,7 @@ class RankRun:
         self.method = method
         self.options = options or DistOptions()
         self.seed, self.budget, self.target = resolve_run(self.options, scenario)
+        self._init_stopping(scenario)  # the token or wall-clock time budget (.stopping)
         self.rank = dist.get_rank()
         self.world = dist.get_world_size()
         self.backend = dist.get_backend()
@@ -473,7 +475,7 @@ class RankRun:
             time.sleep(3600)
         os._exit(17)
 
-    def _prepare_resume(self) -> str:
+    def _prepare_resume(self) -> str | None:
         """Every rank checks the newest complete checkpoint's files against its marker (sizes, SHA-256, the
         run key's tag) before anything in it is read, and the ranks agree on the verdict: a damaged one is
         skipped by all of them for the previous intact one (rank 0 warns). Rank 0 then checks that it belongs
@@ -489,6 +491,12 @@ class RankRun:
         key = payload_key(self.scenario)
         rounds = self._on_rank0("listing the checkpoints to resume from",
                                 lambda: [r for r, _, _ in list_complete(directory)])  # fmt: skip
+        if not rounds and self.options.elastic_region is not None:  # a host whose folder is gone: it heals
+            if self.rank == 0:
+                print(f"warning: region {self.scenario.regions[self.layout.region_of(0)].name}: no checkpoint in "
+                      f"{directory} to resume from; it starts afresh and receives the live state from the others",
+                      file=sys.stderr, flush=True)  # fmt: skip
+            return None
 
         def everywhere(intact_here: bool) -> bool:
             self.transport.op = "agreeing on the checkpoint to resume from"
@@ -560,6 +568,7 @@ class RankRun:
             modeled.append("WAN latency (application-level shaper; the link rate is real)")
         if any(r.slowdown > 1 for r in self.scenario.regions):
             modeled.append("compute slowdown (inner steps padded with sleep to `slowdown` x their time)")
+        modeled += self._stopping_modeled()
         return build_summary(
             method=self.method.name, scenario=self.scenario, runtime="distributed", status=None, seed=self.seed,
             tokens=self.tokens_done, rounds=self.rounds, time_s=self._end_s, target=self.target,
@@ -585,6 +594,7 @@ class RankRun:
                 "param_checksums": self.final_checksums,  # per rank: crc32 of strided samples of θ at the end
                 # per rank: bytes of θ and the outer momentum it holds (1/size of them in an fsdp region)
                 "outer_state_bytes_per_rank": self.outer_state_bytes,
+                **self._stopping_fields(),  # what ended the run (stopped_by, the time budget)
             },
             extra=extra,
         )  # fmt: skip

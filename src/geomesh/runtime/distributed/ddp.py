@@ -12,7 +12,9 @@ the sum inside their region. Spans per step, as for a round: ``compute`` (forwar
 (the leaders' barrier), ``comm_wait`` (all-reduce, shaper hold, broadcast), ``other`` (the step, checksum,
 telemetry, evaluation). With ``--checkpoint-every N`` every N steps are a DCP checkpoint (the replica and
 AdamW state of each region, data positions, RNG, clock; θ is the replica), and ``--resume`` continues bit for
-bit, as for the round-based methods.
+bit, as for the round-based methods. Under a time budget (``--time-budget``) each region's clock rides with its
+gradient as one more float of the all-reduce: the step at which the regions' mean clock reaches the budget is
+the last, on every rank.
 """
 
 from __future__ import annotations
@@ -82,7 +84,8 @@ def run_ddp(run: RankRun) -> dict[str, Any]:
         run._say(f"[ddp] resumed from the checkpoint of step {run.rounds} ({run._resume_from})")
     step_tokens = n * tr.batch * seq
     model.train()
-    while run.tokens_done < run.budget:
+    timed = run.time_budget_s is not None
+    while not run.budget_spent():
         run._mark("other")
         step_start = run._cursor
         worker.optimizer.zero_grad(set_to_none=True)
@@ -95,6 +98,8 @@ def run_ddp(run: RankRun) -> dict[str, Any]:
         sent_before, wire_before = run.transport.wan_bytes, tx_bytes(run._iface)
         comm_start = run._cursor
         flat = _flat_grads(model, run.device)
+        if timed:  # this region's clock rides with the gradient: every rank gets the sum of the regions' clocks
+            flat = torch.cat([flat, torch.tensor([run._now()], dtype=torch.float32, device=flat.device)])
         if run.is_leader:
             run.transport.barrier(run.leaders_group, what=f"the straggler barrier of step {run.rounds + 1}")
             run._mark("straggler_wait")
@@ -107,14 +112,18 @@ def run_ddp(run: RankRun) -> dict[str, Any]:
         run._mark("comm_wait")
         comm_s = run._cursor - comm_start
         wire_after = tx_bytes(run._iface)
+        clocks = None
+        if timed:
+            clocks, flat = [float(flat[-1]) / n], flat[:-1]  # the regions' mean clock (the same on every rank)
         # every rank holds the same summed gradient: skip a non-finite step everywhere, else step everywhere
         finite = bool(torch.isfinite(flat).all())
         if finite:
             _set_grads(model, flat)
-            worker.apply_step(inner_lr(run.tokens_done, run.budget, tr))
+            worker.apply_step(inner_lr(run.tokens_done, run.lr_tokens, tr))
         worker.optimizer.zero_grad(set_to_none=True)
         run.tokens_done += step_tokens
         run.rounds += 1
+        run.agree_elapsed(clocks)  # the time budget: the step at which the regions' mean clock reaches it is the last
         params = {k: p.detach() for k, p in model.named_parameters()}
         run._mark("other")
         info = run._round_info(params_checksum(params), compute_s, comm_s, sent_before, wire_before, wire_after,
@@ -125,8 +134,8 @@ def run_ddp(run: RankRun) -> dict[str, Any]:
             if not finite:
                 run.telemetry.emit({"type": "warning", "round": run.rounds, "worker": "all",
                                     "message": "non-finite gradient; the all-reduced step is skipped"})  # fmt: skip
-            run._record_round(infos, names)
-            if run.rounds % tr.inner_steps == 0 or run.tokens_done >= run.budget:
+            run._record_round(infos, names, **({"elapsed_s": run.time_elapsed_s} if timed else {}))
+            if run.rounds % tr.inner_steps == 0 or run.budget_spent():
                 run.global_model.load_state_dict(model.state_dict())
                 run._evaluate(run._now())
         if every > 0 and run.rounds % every == 0:

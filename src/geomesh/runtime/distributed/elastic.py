@@ -131,6 +131,7 @@ class QuorumExchange(ElasticState):
         self.membership: Membership | None = None
         self.launch_members: list[int] | None = None  # overlapped: the members at the last exchange's quorum
         self.my_calibration: dict[str, Any] | None = None  # this region's step times measured in place
+        self.pending_resume: dict[str, Any] | None = None  # resumed, until the first quorum agrees on the round
         run.keeps_records = run.is_leader
 
     # the loop's state this component reads (θ, the outer optimizer, the encoder, the faults)
@@ -179,11 +180,6 @@ class QuorumExchange(ElasticState):
         """This region's calibration travels with its quorum header, so every member learns the others'."""
         self.my_calibration = mine
 
-    def resumed(self) -> None:
-        if self.membership is not None:
-            self.membership.set_step(self.run.rounds)
-        self._snapshot()
-
     def planned_for_after_resume(self) -> list[int] | None:
         return None  # the first quorum after a resume plans its members
 
@@ -209,25 +205,34 @@ class QuorumExchange(ElasticState):
         Overlapped rounds take their quorum where the exchange leaves (:meth:`launch_quorum`, so no quorum
         reconfigures the group while an exchange is in flight); a round starts with the last one's members."""
         run = self.run
-        if self.loop.overlap is not None and not first and self.launch_members is not None:
-            return RoundView(members=list(self.launch_members))
+        if self.loop.overlap is not None and not first:
+            # (the leader took it: its region's ranks learn it from the leader, as every quorum)
+            launched = list(self.launch_members) if run.is_leader and self.launch_members is not None else None
+            if run.world > 1:
+                launched = run.transport.broadcast_json(launched, run.leader, run.region_group,
+                                                        what="the overlapped round's members")  # fmt: skip
+            if launched is not None:
+                return RoundView(members=launched)
         view = None
         if run.is_leader:
             ctrl = self._quorum(first)
             state = self.healed_state if ctrl["healed"] else None
             self.healed_state = None
             view = RoundView(members=ctrl["members"], healed=ctrl["healed"], state=state,
-                             rejoined=ctrl["rejoined"], calibration=ctrl["calibration"])  # fmt: skip
+                             rejoined=ctrl["rejoined"], calibration=ctrl["calibration"],
+                             resume_round=ctrl.get("resume_round"))  # fmt: skip
         if run.world == 1:
             return view
         run.wait_for_leader("the round's quorum", self.leader_wait_s())
         head = run.transport.broadcast_json(
             {"members": view.members, "healed": view.healed, "rejoined": view.rejoined,
-             "calibration": {str(k): v for k, v in view.calibration.items()}} if run.is_leader else None,
+             "calibration": {str(k): v for k, v in view.calibration.items()},
+             "resume_round": view.resume_round} if run.is_leader else None,
             run.leader, run.region_group, what="the round's quorum")  # fmt: skip
         state = self.share_state(view.state if run.is_leader else None) if head["healed"] else None
         return RoundView(members=head["members"], healed=head["healed"], state=state, rejoined=head["rejoined"],
-                         calibration={int(k): v for k, v in head["calibration"].items()})  # fmt: skip
+                         calibration={int(k): v for k, v in head["calibration"].items()},
+                         resume_round=head.get("resume_round"))  # fmt: skip
 
     def leader_wait_s(self) -> float:
         """How long a region's ranks may wait for their leader's quorum or exchange: the startup wait and the
@@ -247,8 +252,10 @@ class QuorumExchange(ElasticState):
         self.launch_members = list(ctrl["members"])
         return list(ctrl["members"])
 
-    def _quorum(self, first: bool) -> dict[str, Any]:
-        """(leader) Join the round's quorum and learn its members; retried until a header exchange works."""
+    def _quorum(self, first: bool, retry: bool = False) -> dict[str, Any]:
+        """(leader) Join the round's quorum and learn its members; retried until a header exchange works.
+        ``retry``: the survivors of a failed exchange, among themselves only (a shrink-only quorum); fewer than
+        ``min_regions`` of them is ``{"short": True}`` at once (the round cannot be completed)."""
         if self.joined_quorum is not None:  # (its state is applied already)
             ctrl, self.joined_quorum = self.joined_quorum, None
             return {**ctrl, "healed": False}
@@ -256,11 +263,12 @@ class QuorumExchange(ElasticState):
         startup_until = time.monotonic() + self.run.options.timeout_s
         short_since: float | None = None  # when quorums of too few regions that hold the run's key began
         while True:
-            healed, _ = m.quorum()
+            healed, _ = m.quorum(shrink_only=retry)
             try:
                 wait = first and not healed and time.monotonic() < startup_until
                 headers = m.all_gather_framed({"region": self.me, "hash": self.job_hash, "wait": wait,
-                                               "healed": healed, "calibration": self.my_calibration})  # fmt: skip
+                                               "healed": healed, "calibration": self.my_calibration,
+                                               "resume": self.pending_resume})  # fmt: skip
             except ExchangeFailed as exc:
                 m.report(exc)
                 continue
@@ -277,6 +285,8 @@ class QuorumExchange(ElasticState):
             # torchft counts every quorum member towards min_regions, a region with another key too: a round of
             # fewer regions that prove the key would commit a step the missing ones must then heal across (and
             # let the odd one train on alone). Such a quorum is not one: ask again, up to --timeout.
+            if len(members) < self.min_regions and retry and not healed:
+                return {"short": True, "members": members, "healed": False, "rejoined": [], "calibration": {}}
             if len(members) < self.min_regions:
                 short_since = time.monotonic() if short_since is None else short_since
                 if time.monotonic() - short_since > self.run.options.timeout_s:
@@ -286,6 +296,13 @@ class QuorumExchange(ElasticState):
                                    f"whose frames do not authenticate: {odd})")  # fmt: skip
                 time.sleep(0.3)
                 continue
+            # regions resumed together: every member (a resumed one, or one whose folder was lost) takes the round
+            # every resumed member holds, then asks again (where one behind it heals)
+            resuming = [h for h in headers if isinstance(h.get("resume"), dict) and not h.get("healed")]
+            self.pending_resume = None
+            if resuming and not healed:
+                return {"members": members, "healed": False, "rejoined": [], "calibration": {},
+                        "resume_round": self._agreed_resume_round(resuming)}  # fmt: skip
             # regions that were behind and received a live region's state at this quorum
             return {"members": members, "healed": healed,
                     "rejoined": sorted(h["region"] for h in headers if h["healed"]),
@@ -430,7 +447,15 @@ class QuorumExchange(ElasticState):
                 m.report(exc)
                 self._say(f"exchange failed ({exc}); re-forming the quorum without the lost region(s)")
                 try:
-                    ctrl = self._quorum(first=False)
+                    ctrl = self._quorum(first=False, retry=True)
+                    if ctrl.get("short"):  # too few survivors: the round is void, and its quorum (where regions
+                        # that came back meanwhile may join, healed from us) is the next round's
+                        self._say(f"round {run.rounds + 1}: fewer than {self.min_regions} of its regions finished "
+                                  f"its exchange; the round is void")  # fmt: skip
+                        ctrl = self._quorum(first=False)
+                        if not ctrl["healed"]:
+                            self.joined_quorum = ctrl
+                            return Exchanged([], None, None, time.perf_counter() - t0, sent, void=True)
                 except MembershipError as err:
                     raise RunError(str(err)) from None
                 if ctrl["healed"]:  # the others finished this round without us, and formed their next quorum
@@ -471,33 +496,6 @@ class QuorumExchange(ElasticState):
         return float(min(self.deadline_s, base + self.shaper_s(members)))
 
     # ---- 3. records ---------------------------------------------------------------------------------------
-    def _restarted_in_place(self, rejoined: list[int]) -> None:
-        """``leave`` and ``join`` records for regions that came back behind the others while still members: their
-        processes died and were restarted before any quorum formed without them (every leader, the rejoined
-        one included, records them at the same point of the same round, so their records stay the same)."""
-        run = self.run
-        for i in rejoined:
-            if self.members is None or i not in self.members:
-                continue  # a region absent from the last round: _membership_events records its join
-            self.stats["leaves"] += 1
-            self.stats["joins"] += 1
-            self._emit({"type": "leave", "round": run.rounds + 1, "time": run._now(), "region": self.names[i],
-                        "reason": "restarted (or fell behind) and healed before a quorum formed without it"})  # fmt: skip
-            self._emit({"type": "join", "round": run.rounds + 1, "time": run._now(), "region": self.names[i]})
-
-    def _membership_events(self, members: list[int]) -> None:
-        """``leave``/``join`` records when the quorum differs from the last round's."""
-        run = self.run
-        if self.members is not None:
-            for i in sorted(set(self.members) - set(members)):
-                self.stats["leaves"] += 1
-                self._emit({"type": "leave", "round": run.rounds + 1, "time": run._now(), "region": self.names[i],
-                            "reason": "not in the round's quorum (died, hung or late)"})  # fmt: skip
-            for i in sorted(set(members) - set(self.members)):
-                self.stats["joins"] += 1
-                self._emit({"type": "join", "round": run.rounds + 1, "time": run._now(), "region": self.names[i]})
-        self.members = list(members)
-
     def end_round(self, result: Exchanged, members: list[int], outcome: dict[str, Any], lost: dict[int, int],
                   planned: dict[int, int], compute_s: float, comm_s: float, round_number: int | None = None,
                   **_: Any) -> None:  # fmt: skip

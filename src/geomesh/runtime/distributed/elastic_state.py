@@ -75,7 +75,7 @@ class ElasticState:
                     "records": list(self.records), **tel.state_dict(), "run_totals": dict(run.totals),
                     "stats": json.loads(json.dumps(self.stats)), "faults": self.faults.state_dict(),
                     "streams": dict(self.streams), "members": list(self.members or []), "now": run._now(),
-                    "plan_loop": self.loop.plan_state()},
+                    "plan_loop": self.loop.plan_state(), "time_budget": run.time_state()},
         }  # fmt: skip
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -100,6 +100,7 @@ class ElasticState:
         self.members = list(s["members"])
         run.worker.slowdown = self.sc.regions[self.me].slowdown * self.faults.speed(self.me)
         run.clock.resume(float(s["now"]))  # this region's clock joins the others'
+        run.load_time_state(s.get("time_budget"))  # (the time budget spent: it stops with them)
         self.written = -1  # the records are the live region's now: rewrite events.jsonl if this one writes it
         run._cursor = float(s["now"])
         run._spans = []
@@ -116,6 +117,39 @@ class ElasticState:
             run.worker.stream.load_state_dict(mine)
 
     # ---- this component's part of the region's checkpoint (one folder per region) --------------------------
+    def resumed(self) -> None:
+        """Resumed from this region's own newest checkpoint. The rounds its folder holds go with its first quorum
+        header, and torchft's step stays 0 until the members agree (:meth:`_agreed_resume_round`): a step of its
+        own would make torchft heal the regions whose newest checkpoint is older from the one that got further,
+        with a fresh AdamW, so the run would part from the uninterrupted one."""
+        from .checkpoints import list_complete
+
+        held = [r for r, _, _ in list_complete(self.run._checkpoint_dir())]
+        self.pending_resume = {"loaded": self.run.rounds, "rounds": held}
+        self._snapshot()
+
+    def resumed_at_round(self) -> None:
+        """The loop loaded the agreed round: torchft's step is the rounds done, and the records are rewritten."""
+        if self.membership is not None:
+            self.membership.set_step(self.run.rounds)
+        self.written = -1
+        self._snapshot()
+
+    @staticmethod
+    def _agreed_resume_round(resuming: list[dict[str, Any]]) -> int:
+        """The newest round whose checkpoint every resumed member holds, from their quorum headers (every leader
+        computes it from the same headers). With none in common, the newest any of them loaded: the others are
+        healed from it (the run goes on; it is no longer bit for bit the uninterrupted one)."""
+        held, loaded = [], [0]
+        for h in resuming:
+            rounds, got = h["resume"].get("rounds"), h["resume"].get("loaded")
+            if isinstance(rounds, list) and all(type(r) is int and r >= 0 for r in rounds):
+                held.append(set(rounds))
+            if type(got) is int and got >= 0:
+                loaded.append(got)
+        common = set.intersection(*held) if held else set()
+        return max(common) if common else max(loaded)
+
     def checkpoint_state(self) -> dict[str, Any]:
         """What every rank of the region stores (plain JSON)."""
         return json.loads(json.dumps({"stats": self.stats, "streams": self.streams, "members": self.members}))
@@ -132,6 +166,33 @@ class ElasticState:
             self.records[:] = state["rank0"]["records"]
 
     # ---- events.jsonl ----------------------------------------------------------------------------------
+    def _restarted_in_place(self, rejoined: list[int]) -> None:
+        """``leave`` and ``join`` records for regions that came back behind the others while still members: their
+        processes died and were restarted before any quorum formed without them (every leader, the rejoined
+        one included, records them at the same point of the same round, so their records stay the same)."""
+        run = self.run
+        for i in rejoined:
+            if self.members is None or i not in self.members:
+                continue  # a region absent from the last round: _membership_events records its join
+            self.stats["leaves"] += 1
+            self.stats["joins"] += 1
+            self._emit({"type": "leave", "round": run.rounds + 1, "time": run._now(), "region": self.names[i],
+                        "reason": "restarted (or fell behind) and healed before a quorum formed without it"})  # fmt: skip
+            self._emit({"type": "join", "round": run.rounds + 1, "time": run._now(), "region": self.names[i]})
+
+    def _membership_events(self, members: list[int]) -> None:
+        """``leave``/``join`` records when the quorum differs from the last round's."""
+        run = self.run
+        if self.members is not None:
+            for i in sorted(set(self.members) - set(members)):
+                self.stats["leaves"] += 1
+                self._emit({"type": "leave", "round": run.rounds + 1, "time": run._now(), "region": self.names[i],
+                            "reason": "not in the round's quorum (died, hung or late)"})  # fmt: skip
+            for i in sorted(set(members) - set(self.members)):
+                self.stats["joins"] += 1
+                self._emit({"type": "join", "round": run.rounds + 1, "time": run._now(), "region": self.names[i]})
+        self.members = list(members)
+
     def _claim_folder(self) -> None:
         """(leader) Mark the run folder as used by this region (``DIR/regions/<region>.json``: its host and
         address), so that :meth:`_own_folder` can tell a host's own folder from one that regions share."""

@@ -43,6 +43,9 @@ class RoundView:
     state: dict[str, Any] | None = None  # that state (the loop applies it on every rank of the region)
     rejoined: list[int] = field(default_factory=list)  # regions healed at this quorum
     calibration: dict[int, Any] = field(default_factory=dict)  # region -> its step times measured in place
+    # elastic regions resumed together: the newest round whose checkpoint every resumed member holds (each
+    # region loads it, then asks for the quorum again, where a region with none heals from them)
+    resume_round: int | None = None
 
 
 @dataclass
@@ -55,6 +58,9 @@ class Exchanged:
     comm_s: float  # seconds the collective took on this leader (the shaper's hold included)
     wan_bytes: int  # bytes this leader handed to the collective
     healed_state: dict[str, Any] | None = None  # elastic: this region fell behind during the exchange
+    # elastic: fewer than min_regions of the round's members survived its exchange and no one else may join it
+    # mid-round: nobody applies the round (its tokens are lost), the next one starts from the same θ
+    void: bool = False
     # the sharded exchange (runtime/distributed/sharded.py): the leaders' combined update (flat float32) and
     # what the exchange decided (accepted senders, lost shards, suspects); None: payloads were gathered
     update: torch.Tensor | None = None
@@ -63,7 +69,7 @@ class Exchanged:
     def to_json(self) -> dict[str, Any]:
         """The non-tensor part, as the leader shares it inside its region."""
         return {"infos": self.infos, "comm_s": self.comm_s, "wan_bytes": self.wan_bytes,
-                "healed_state": self.healed_state, "sharded": self.sharded}  # fmt: skip
+                "healed_state": self.healed_state, "sharded": self.sharded, "void": self.void}  # fmt: skip
 
 
 def compute_idle(compute_s: list[float]) -> float | None:
@@ -123,6 +129,9 @@ class StaticExchange:
         run._start_clock()
 
     def resumed(self) -> None:
+        pass
+
+    def resumed_at_round(self) -> None:  # (elastic regions only: a static world resumes one checkpoint)
         pass
 
     def share_calibration(self, mine: dict[str, Any] | None) -> None:
@@ -220,14 +229,18 @@ class StaticExchange:
         checksum = params_checksum(loop.params) if not loop.outvoted else None  # (a region standing aside)
         run._mark("other")
         parts = payload if split is not None else (payload,)
+        clock = {"elapsed_s": run._now()} if run.time_budget_s is not None else {}  # (the time budget's rule)
         info = run._round_info(checksum, compute_s, comm_s, sent_before, wire_before, wire_after,
                                proxy_bytes=sum(len(p) for p in parts if p is not None) if run.is_leader else 0,
-                               dropped=False)  # fmt: skip
+                               dropped=False, **clock)  # fmt: skip
         infos = run._gather_checked(info, "round", "global parameters")
+        # every region's clock came with its report: the leaders agree on the run's elapsed time, then their ranks
+        run.agree_elapsed([i.get("elapsed_s") for i in infos] if infos is not None else None, in_region=True)
         if run.rank == 0:
             run._record_round(infos, loop.names, members=[loop.names[i] for i in outcome["took_part"]],
                               tokens_lost={loop.names[i]: t for i, t in lost.items()},
-                              straggler_idle_frac=compute_idle([i["compute_s"] for i in infos]))  # fmt: skip
+                              straggler_idle_frac=compute_idle([i["compute_s"] for i in infos]),
+                              **({"elapsed_s": run.time_elapsed_s} if clock else {}))  # fmt: skip
 
     def finish(self) -> dict[str, Any]:
         run, loop = self.run, self.loop

@@ -60,7 +60,10 @@ class Host:
     def start(self) -> None:
         self.folder.mkdir(parents=True, exist_ok=True)
         self.starts += 1
-        self.log = self.folder / f"host-{self.starts}.log"
+        n = self.starts
+        while (self.folder / f"host-{n}.log").exists():  # (a resumed bed keeps the logs of the first start)
+            n += 1
+        self.log = self.folder / f"host-{n}.log"
         with open(self.log, "w") as out:  # (the child keeps its own descriptor)
             self.proc = subprocess.Popen(["ip", "netns", "exec", self.ns, *self.argv], env=self.env, cwd=self.folder,
                                          stdout=out, stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip

@@ -122,6 +122,32 @@ class RoundLoop(PlanLoop):
             self.run.telemetry.emit(record)
 
     # ---- the run ----------------------------------------------------------------------------------------
+    def _resume_at(self, round_index: int, saver) -> None:
+        """(elastic regions resumed together) Load the checkpoint of ``round_index``, the newest round every
+        resumed region holds, where this region loaded a newer one: a region that got further before the hosts
+        were lost steps back, so that no region is healed across rounds it never trained (a heal starts a fresh
+        AdamW: the run would part from the uninterrupted one)."""
+        run = self.run
+        if run._resume_from is None:  # its folder held no checkpoint: it stays behind and heals at the next quorum
+            return
+        if round_index != run.rounds:
+            from .checkpoints import list_complete, verify
+
+            found = {r: (p, m) for r, p, m in list_complete(run._checkpoint_dir())}
+            if round_index not in found:  # none in common: this one is behind and heals at the next quorum
+                return
+            path, marker = found[round_index]
+            try:
+                verify(path, marker, saver.key)
+            except Exception as exc:  # noqa: BLE001 - DistCheckpointError/CheckpointError: one line
+                raise RunError(f"--resume: {exc}") from None
+            was = run.rounds
+            saver.restore(path)
+            run.clock.resume(run._cursor)
+            run._say(f"[{self.method.name}] region {self.names[self.me]}: resumed from round {round_index}, the "
+                     f"newest every resumed region holds (its own newest: {was})")  # fmt: skip
+        self.exchange.resumed_at_round()
+
     def run_loop(self) -> dict[str, Any]:
         run, method, tr = self.run, self.method, self.tr
         every, keep = run._checkpoint_cadence()
@@ -142,6 +168,9 @@ class RoundLoop(PlanLoop):
         while True:
             # 1. who trains this round
             view = self.exchange.open_round(first)
+            if view.resume_round is not None:
+                self._resume_at(view.resume_round, saver)
+                continue
             # elastic: the round's quorum, a round trip through the Lighthouse that every live region asks for as
             # its last exchange ends (so nobody waits there for a slower one's compute: that wait is in the exchange)
             run._mark("comm_wait" if self.elastic else "straggler_wait")
@@ -153,7 +182,7 @@ class RoundLoop(PlanLoop):
                 self.exchange.apply_healed(view.state)
             if view.calibration:
                 self.use_calibration(view.calibration)
-            if run.tokens_done >= run.budget:
+            if run.budget_spent():
                 break
             r = run.rounds  # 0-based index of this round (fault schedule); round records count from 1
             # 2. faults and plan
@@ -179,12 +208,12 @@ class RoundLoop(PlanLoop):
                 self.planned_for = list(members)
             plan = self.plan
             entries = {i: plan.worker(self.names[i]) for i in members}
-            rs = round_steps([entries[i] for i in members], self.seq, run.tokens_done, run.budget, plan,
+            rs = round_steps([entries[i] for i in members], self.seq, run.tokens_done, run.token_cap, plan,
                              overlapped=self.overlap is not None)  # fmt: skip
             steps = dict(zip(members, rs.steps))
             planned = {i: entries[i].batch * steps[i] * self.seq for i in members}
             checkpoint_due = saver is not None and every > 0 and (run.rounds + 1) % every == 0  # after this round
-            last = run.tokens_done + rs.tokens >= run.budget
+            last = run.tokens_done + rs.tokens >= run.token_cap  # (a time budget: known once the round is reported)
             # 3. inner steps
             run._mark("other")
             round_start = run._cursor
@@ -204,6 +233,10 @@ class RoundLoop(PlanLoop):
                 if result.healed_state is not None:  # this region fell behind during the exchange
                     self.exchange.apply_healed(result.healed_state)
                     continue
+                if result.void:  # too few of the round's members finished its exchange: nobody applies it
+                    run.tokens_lost += planned.get(self.me, 0)
+                    self.faults.count_lost(r, {self.me: planned[self.me]} if self.me in planned else {})
+                    continue
             wire_after = tx_bytes(run._iface)
             # 5. screen, combine, step (overlapped: the previous round's update, applied inside this round)
             outcome = self._apply(result, members) if self.overlap is None else None
@@ -212,13 +245,16 @@ class RoundLoop(PlanLoop):
                 run.tokens_done += rs.tokens  # (the update of these tokens is formed when the exchange arrives)
                 if self.elastic:
                     self._planned_in_flight.append(planned)
-                if run.tokens_done >= run.budget or checkpoint_due:
+                if run.budget_spent() or checkpoint_due:
                     # the last round's exchange (nothing is left to hide it under), or one a checkpoint must not
                     # hold: waited for now
                     self.overlap.drain()
                     comm_s += self.overlap.take_waited()
                 if self.elastic:  # the exchanges that arrived during this round: their rounds' records now
                     self._record_arrived(compute_s, comm_s)
+                    if run.time_up:  # the time budget is spent: the exchange in flight is the run's last
+                        self.overlap.drain()
+                        self._record_arrived(compute_s, comm_s + self.overlap.take_waited())
                     self._end_of_round(tr, saver, every, keep, checkpoint_due)
                     continue
                 outcome = self._overlap_outcome(members)
@@ -233,6 +269,11 @@ class RoundLoop(PlanLoop):
             self.exchange.end_round(result, members, outcome, lost, planned, compute_s, comm_s, payload=payload,
                                     split=split, sent_before=sent_before, wire_before=wire_before,
                                     wire_after=wire_after)  # fmt: skip
+            if self.elastic:  # the members' clocks came with the round's exchange (static: with its report)
+                run.agree_elapsed([i.get("elapsed_s") for i in result.infos])
+            if self.overlap is not None and run.time_up:  # the time budget is spent: the exchange in flight is
+                self.overlap.drain()  # the run's last (nothing is left to hide it under)
+                self._warn(self._overlap_outcome(members))
             self._end_of_round(tr, saver, every, keep, checkpoint_due)
             # the round's buffers (the payloads, a dense sum, the update: several bytes per parameter on a
             # leader) are not held through the next round's compute peak
@@ -243,7 +284,7 @@ class RoundLoop(PlanLoop):
         """Evaluation on its cadence (overlapped: when the update arrives), a checkpoint when due, test hooks."""
         run = self.run
         if self.overlap is None and run.evaluates and (run.rounds % tr.eval_every_rounds == 0
-                                                        or run.tokens_done >= run.budget):  # fmt: skip
+                                                        or run.budget_spent()):  # fmt: skip
             run._evaluate(run._now())
         if checkpoint_due:
             run._save_checkpoint(saver, keep)
@@ -261,6 +302,7 @@ class RoundLoop(PlanLoop):
             self._warn(outcome, number)
             self.exchange.end_round(result, members or outcome["took_part"], outcome, lost, planned, compute_s,
                                     comm_s, round_number=number)  # fmt: skip
+            self.run.agree_elapsed([i.get("elapsed_s") for i in result.infos])  # (the clocks it carried)
         self.overlap.arrived.clear()
 
     # ---- the parts of a round ----------------------------------------------------------------------------
@@ -270,7 +312,7 @@ class RoundLoop(PlanLoop):
         run, method = self.run, self.method
         wp, h = entries[self.me], steps[self.me]
         run.worker.follow_plan(wp)
-        lr_at = rs.lr_at(h, run.budget, self.tr)
+        lr_at = rs.lr_at(h, run.lr_tokens, self.tr)
         split = None
         with poisoned(run.worker, "nan" in once):
             if self.overlap is not None:
@@ -309,6 +351,8 @@ class RoundLoop(PlanLoop):
         info = {"region": self.me, "active": self.me in members, "compute_s": compute_s, "sent": payload is not None,
                 "rejected": reason, "plan": self.plan.digest() if self.plan is not None else None}  # fmt: skip
         info.update(self.exchange.info_fields())
+        if self.elastic and run.time_budget_s is not None:  # this region's clock, for the time budget's rule
+            info["elapsed_s"] = run._now()
         return info
 
     def _exchange(self, payload: bytes | None, members: list[int], compute_s: float) -> tuple[Exchanged, float]:
@@ -371,6 +415,9 @@ class RoundLoop(PlanLoop):
             run.wait_for_leader("the round's exchange", self.exchange.leader_wait_s())
         head = run.transport.broadcast_json(result.to_json() if run.is_leader else None, run.leader,
                                             run.region_group, what="the round's exchange")  # fmt: skip
+        if head.get("void"):
+            return Exchanged(infos=[], payloads=None, summed=None, comm_s=head["comm_s"], wan_bytes=head["wan_bytes"],
+                             void=True)  # fmt: skip
         if head["healed_state"] is not None or (run.is_leader and result.healed_state is not None):
             state = self.exchange.share_state(result.healed_state if run.is_leader else None)
             return Exchanged(infos=head["infos"], payloads=None, summed=None, comm_s=head["comm_s"],
