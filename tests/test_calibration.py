@@ -10,8 +10,10 @@ import torch
 
 from geomesh.hardware import WorkerProfile
 from geomesh.methods import get_method
+from geomesh.planner.settle import table_noise
 from geomesh.profiler import (CALIBRATION_STEP_LIMIT, DEFAULT_REPEATS, Calibration, calibrate_worker,
                               default_micro_batches, linear_fit)
+from geomesh.profiler import timing_noise
 from geomesh.runtime.distributed.region import RegionWorker, build_training
 
 STEPS = 4
@@ -69,6 +71,8 @@ def test_the_measured_profile_plans_the_region(tiny_scenario):
     assert profile.max_micro_batch == worker.max_proxy_micro_batch  # on CPU the worker's own bound
     assert profile.extra["seq_len"] == sc.model.seq_len and profile.extra["calibration_s"] == result.seconds
     assert "peak_memory_bytes" not in profile.extra  # CUDA only
+    # how far one timed step is from the line: the planner's measure of what the table can tell apart
+    assert 0 <= profile.extra["table_noise"] < 1 and table_noise(profile) == profile.extra["table_noise"]
     # as a `geomesh profile` file would be: it round-trips and plans the region in place of the cost model
     assert WorkerProfile.from_json(profile.to_json()).table == profile.table
     profiles = sc.worker_profiles({sc.regions[1].name: profile})
@@ -82,6 +86,10 @@ def test_default_candidates_and_bad_arguments(tiny_scenario):
     assert default_micro_batches(6) == [1, 4, 6]
     assert default_micro_batches(64) == [1, 32, 64]
     assert default_micro_batches(64, cap=8) == [1, 4, 8]
+    # the reference batch (training.batch) measured too, where the plan's micro-batches go beyond it
+    assert default_micro_batches(47, 64, reference=4) == [1, 4, 47]
+    assert default_micro_batches(60, 64, reference=32) == [1, 32, 60]
+    assert default_micro_batches(4, 64, reference=4) == [1, 2, 4] and default_micro_batches(64, 8, 16) == [1, 4, 8]
     worker = region_worker(tiny_scenario())
     with pytest.raises(ValueError, match="positive integers"):
         calibrate_worker(worker, [0, 2])
@@ -105,6 +113,13 @@ def test_the_planner_sees_the_measured_times_as_a_line():
     flat = linear_fit({1: 0.02, 8: 0.02})  # no growth measured at all: still a positive cost per sequence
     assert flat[8] > flat[1] > 0
     assert linear_fit({4: 0.5}) == {4: 0.5}
+
+
+def test_the_table_noise_is_one_steps_dispersion_around_the_table():
+    line = {1: 0.01, 16: 0.04}
+    assert timing_noise({1: [0.01, 0.01], 16: [0.04, 0.04]}, line) == 0.0
+    noisy = {1: [0.01 * 1.05, 0.01 / 1.05], 16: [0.04 * 1.05, 0.04 / 1.05]}
+    assert timing_noise(noisy, line) == pytest.approx(1.4826 * math.log(1.05))
 
 
 def test_the_line_ignores_a_slow_step():

@@ -85,12 +85,14 @@ def profile_device(scenario: ScenarioConfig, device: str, batches: list[int], *,
         return t1 - t0, time.perf_counter() - t1
 
     table: dict[int, float] = {}
+    samples: dict[int, list[float]] = {}
     opt_times: list[float] = []
     for b in batches:
         for _ in range(WARMUP_STEPS):
             timed_step(b)
         runs = [timed_step(b) for _ in range(max(repeats, 1))]
-        table[b] = statistics.median(r[0] for r in runs)
+        samples[b] = [r[0] for r in runs]
+        table[b] = statistics.median(samples[b])
         opt_times += [r[1] for r in runs]
     cap = _probe_max_micro_batch(forward_backward, vocab, seq, device, batches[-1]) if device == "cuda" else max(batches)
     return WorkerProfile(
@@ -98,7 +100,8 @@ def profile_device(scenario: ScenarioConfig, device: str, batches: list[int], *,
         step_overhead_s=statistics.median(opt_times), source="measured",
         extra={"device": device, "model": model_name(scenario.model, model), "seq_len": seq,
                "params": sum(p.numel() for p in model.parameters()), "precision": str(dtype or torch.float32),
-               "activation_checkpointing": activation_checkpointing, "repeats": repeats, "warmup": WARMUP_STEPS},
+               "activation_checkpointing": activation_checkpointing, "repeats": repeats, "warmup": WARMUP_STEPS,
+               "table_noise": timing_noise(samples, table)},
     )  # fmt: skip
 
 
@@ -137,13 +140,19 @@ class Calibration:
     steps: int  # training steps it ran (every one of them undone)
 
 
-def default_micro_batches(batch: int, cap: int | None = None) -> list[int]:
-    """The micro-batches a calibration measures: powers of two up to the reference batch (``training.batch``,
-    the batch DiLoCo's plan uses; and at most ``cap``), that batch itself, at most :data:`DEFAULT_CANDIDATES`:
-    1 and the largest (the plan interpolates between them and extrapolates from the last two)."""
+def default_micro_batches(batch: int, cap: int | None = None, reference: int | None = None) -> list[int]:
+    """The micro-batches a calibration measures: powers of two up to ``batch`` (the reference batch
+    ``training.batch``, the batch DiLoCo's plan uses, or the largest micro-batch a plan may give; and at most
+    ``cap``), that batch itself, at most :data:`DEFAULT_CANDIDATES`: 1 and the largest (the plan interpolates
+    between them and extrapolates from the last two). ``reference`` (``training.batch`` when ``batch`` is
+    larger) is measured too, in place of the next-to-largest: the planning rule's round is made of steps of
+    it and the slowest region runs it, so its time is measured, not read off a line."""
     top = max(1, min(batch, cap) if cap is not None else batch)
     points = sorted({1 << k for k in range(top.bit_length()) if 1 << k <= top} | {top})
-    return points if len(points) <= DEFAULT_CANDIDATES else [points[0], *points[1 - DEFAULT_CANDIDATES :]]
+    chosen = points if len(points) <= DEFAULT_CANDIDATES else [points[0], *points[1 - DEFAULT_CANDIDATES :]]
+    if reference is not None and 1 <= reference <= top and reference not in chosen:
+        chosen = sorted({*chosen[: DEFAULT_CANDIDATES - 2], reference, chosen[-1]})
+    return chosen
 
 
 def calibrate_worker(worker: Worker, micro_batches: Sequence[int] | None = None, *, warmup_steps: int = 1,
@@ -244,8 +253,10 @@ def calibrate_worker(worker: Worker, micro_batches: Sequence[int] | None = None,
     if on_cuda:
         extra["peak_memory_bytes"] = {str(m): b for m, b in peaks.items()}
     extra["measured_table"] = {str(m): s for m, s in table.items()}
+    fitted = linear_fit(samples)
+    extra["table_noise"] = timing_noise(samples, fitted)
     profile = WorkerProfile(name=worker.name, gpu=torch.cuda.get_device_name(device) if on_cuda else "cpu",
-                            gpu_count=size, max_micro_batch=cap, table=linear_fit(samples),
+                            gpu_count=size, max_micro_batch=cap, table=fitted,
                             step_overhead_s=statistics.median(step_times), source="measured", extra=extra)  # fmt: skip
     return Calibration(profile=profile, seconds=seconds, steps=steps)
 
@@ -270,6 +281,17 @@ def linear_fit(table: Mapping[int, float | Sequence[float]]) -> dict[int, float]
     b = max(statistics.median(slopes), 1e-3 * my / max(xs))  # a time that does not grow is noise, not a free batch
     a = max(statistics.median(t - b * m for m, t in points), 0.0)
     return {m: a + b * m for m in xs}
+
+
+def timing_noise(samples: Mapping[int, Sequence[float]], table: Mapping[int, float]) -> float:
+    """How far one timed step may be from the profile's ``table`` (relative): the robust dispersion (1.4826 ×
+    the median absolute log-ratio) of every timed step around the table's time at its micro-batch. The
+    planner takes it as the uncertainty of the table's times (``extra["table_noise"]``): regions whose
+    tables differ by less than their noise can tell are planned alike (:mod:`geomesh.planner.settle`). One
+    step's dispersion rather than that of a median of several: a line through two or three candidates is
+    known at the micro-batches between them no better than that."""
+    residuals = [abs(math.log(t / table[m])) for m, ts in samples.items() if m in table for t in ts if t > 0]
+    return 1.4826 * statistics.median(residuals) if residuals else 0.0
 
 
 def _candidates(given: Sequence[int] | None, batch: int, cap: int | None) -> list[int]:

@@ -91,9 +91,16 @@ Impossible input raises :class:`PlanError` (a ``ValueError``) naming the worker 
 a worker whose ``max_micro_batch`` is 0 (the model fits no micro-batch; with ``allow_drop=True`` it is left
 out with a warning and listed in ``Plan.dropped``), duplicate names, min > max, or an unreachable target.
 
+With ``noise_k`` > 0 (wall-clock measurements) the online planner's plan *settles* (:mod:`.settle`): workers
+that measure alike within their noise are planned as one (the same plan whatever GPU each declared), the table
+is corrected at the batches the plan runs (a factor per batch where a re-plan found the table wrong), the first
+``warmup_rounds`` of a worker are not its speed, and a re-plan that moves no work (the same plan, a speed every
+worker shares, another (b, H) as balanced) is none.
+
 Modules: :mod:`.plan` (constraints, plans, candidate batches, the uniform plan and the reference round),
 :mod:`.search` (the balanced plan: the rule's fill and the sequence target's search), :mod:`.online`
-(re-planning from measurements). The planner is an algorithm layer: it imports only ``geomesh.hardware``
+(re-planning from measurements), :mod:`.settle` (measured profiles as the planner sees them: alike workers
+pooled, tables corrected where measured). The planner is an algorithm layer: it imports only ``geomesh.hardware``
 (worker profiles) and ``geomesh.errors``.
 """
 

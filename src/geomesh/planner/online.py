@@ -1,6 +1,7 @@
 """Online re-planning (beyond the paper): :func:`replan` re-plans from one set of measured compute times, and
-:class:`OnlinePlanner` keeps smoothed per-worker speed factors and re-plans when one drifts. Pure: the caller
-passes the measurements in."""
+:class:`OnlinePlanner` keeps smoothed per-worker speed factors and re-plans when one drifts; with noisy
+wall-clock measurements (``noise_k``) its plan settles (alike workers planned alike, the table corrected where
+the plan runs, warm-up ignored, no re-plan that moves no work). Pure: the caller passes the measurements in."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from collections.abc import Mapping, Sequence
 from ..hardware import WorkerProfile
 from .plan import Plan, PlanConstraints, WorkerPlan, scaled_profiles
 from .search import plan_balanced
+from .settle import ALIKE_FLOOR, alike_groups, comparison_batches, corrected, correction_at, pooled, table_noise
 
 # ----------------------------------------------------------------------------------------------------
 # online re-planning
@@ -61,8 +63,11 @@ def replan(
 
 NOISE_WINDOW = 12  # recent observed factors per worker that measure its round-to-round dispersion
 NOISE_MIN_CHANGES = 3  # round-to-round changes before a dispersion is trusted (a worker's own, or all workers')
+NOISE_TRUSTED = 6  # (noise-aware) own round-to-round changes after which the measured noise alone sets the bands
 SPREAD_MIN_ROUNDS = 3  # rounds since the plan a worker needs before its drift is compared with the others'
 _MAD_TO_SIGMA = 1.4826  # a normal distribution's σ per median absolute deviation
+DEADBAND_FLOOR = 0.01  # (noise-aware) a re-plan that gains less than this (straggler idle, round length) is none
+SHAPE_BATCHES = 8  # (noise-aware) the batches a worker's table is corrected at (the most recently measured)
 
 
 def _changes(history: Sequence[float]) -> list[float]:
@@ -99,24 +104,33 @@ class OnlinePlanner:
     some worker's |f − f_assumed| / f_assumed exceeds ``threshold``, f_assumed being the factor the current
     plan was made with; otherwise ``None``. The caller's profiles are copied, never changed.
 
+    ``warmup_rounds``: each worker's first measurements (start-up: allocators, kernels, caches, a first
+    exchange) are not its speed; that many are skipped (counted in :attr:`warmed`, for every worker alike
+    from the same inputs). A worker new to the planner warms up again; :meth:`adopt` and the state carry it.
+
     ``noise_k`` > 0 makes both decisions aware of the measurements' noise, for wall-clock measurements (the
     distributed runtime: shared hosts, short rounds), where one round's time can be tens of percent off the
     next one's. Each worker's relative round-to-round dispersion σ is measured from its last
     :data:`NOISE_WINDOW` observations, and from all workers' pooled (:meth:`noise`: the larger counts). Then
     a worker's factor is the geometric mean of its observations since its speed last changed (at most
-    :data:`NOISE_WINDOW`), not a smoothed value, and:
+    :data:`NOISE_WINDOW`, each over its table's shape at its batch), not a smoothed value, and:
 
-    - an observation further than ``max(threshold, noise_k·σ)`` from f (in log, as σ) is held back instead of
-      folded in: a single such round is an outlier (a descheduled process) and is dropped when the next
-      observation is back within the noise; two in a row on the same side are a change of speed: the older
-      observations are forgotten and f jumps to the two's mean at once (one re-plan to the new speed, not a
-      chain of re-plans half-way there);
+    - an observation further than ``max(threshold, noise_k·σ)`` from the factor at its batch (in log, as σ) is
+      held back instead of folded in: a single such round is an outlier (a descheduled process) and is dropped
+      when the next observation is back within the noise. Two in a row on the same side at a batch the level
+      measured are a change of speed: the older observations are forgotten and f jumps to the two's mean at
+      once (one re-plan to the new speed, not a chain of re-plans half-way there). Two in a row at a batch the
+      level never measured (a re-plan moved the worker there) are the table's error there, not a change of
+      speed: the table is corrected at that batch (its *shape*, :attr:`shape`: a ratio per batch, log-linear
+      between them and the nearest beyond, :func:`~geomesh.planner.settle.correction_at`), kept across
+      changes of speed, so a plan that moves a worker between batches predicts each from what was measured
+      there, not from one factor applied to a table that is wrong at one of them;
     - a re-plan needs evidence: the mean of the n observations since the current plan (the last
       :data:`NOISE_WINDOW` of them) must differ from the factor that plan assumed (itself the mean of n_a
-      observations) by more than ``max(threshold, noise_k·σ·√(1/n + 1/max(n_a, n)))`` (in log): noise alone
-      does not re-plan the run round after round (the plan is held: a deadband), while a bias that one round
-      cannot show is shown by several. The worker that passes it starts a new level from those n
-      observations;
+      observations) by more than ``max(threshold, noise_k·σ·√(1/n + 1/max(n_a, n)))`` (in
+      log): noise alone does not re-plan the run round after round (the plan is held: a deadband), while a
+      bias that one round cannot show is shown by several. The worker that passes it starts a new level from
+      those n observations;
     - a plan is also remade when a worker's level holds twice the observations its assumption was made from
       and says otherwise by more than ``threshold`` (the better estimate: after 2, 4, 8 rounds of a level,
       then no more), so an early plan made from one noisy round is not kept for long;
@@ -126,7 +140,17 @@ class OnlinePlanner:
       each) differ by more than ``max(threshold, noise_k·σ·√(1/n₁ + 1/n₂))``: noise that every worker shares
       (the host's) cancels in the difference, a bias between them does not. Every worker measured since the
       plan then starts a new level from those rounds, so the next plan is made from each worker's time at
-      the (b, H) it runs now.
+      the (b, H) it runs now;
+    - workers that measure alike are planned as one (:func:`~geomesh.planner.settle.alike_groups`): step
+      times within ``noise_k·√(u_i² + u_j²)`` of each other, u being a worker's relative uncertainty
+      (:meth:`uncertainty`: σ/√n from its n observations, its calibration's before any), get the same plan,
+      whatever GPU each declared;
+    - workers that a plan made apart and that now measure alike are planned as one again when their work per
+      round differs by more than ``threshold`` (in log);
+    - and a new plan that those rules ask for is adopted only when it moves the work (:meth:`settles`): under
+      the current estimates its straggler idle is lower than the plan in force's, or its round's compute
+      differs, by more than :data:`DEADBAND_FLOOR`. Otherwise (the same plan, a speed every worker shares,
+      another lattice point as balanced) the plan in force is kept and its assumptions brought up to date.
 
     Until :data:`NOISE_MIN_CHANGES` round-to-round changes are known σ is unknown and ``threshold`` alone
     counts. ``noise_k = 0`` (the default) keeps the plain rules (the emulated runtime's modeled times carry
@@ -136,8 +160,9 @@ class OnlinePlanner:
     being smoothed with the profile's 1.0. For profiles of another model than the one that trains (a user's
     loop planned with the scenario's timing model), where 1.0 is no evidence and smoothing towards it would
     take many rounds to forget it. :meth:`state_dict` / :meth:`load_state_dict` carry the factors, the
-    observations the noise and the levels are measured from, the held-back ones, those since the plan and
-    the current plan (JSON values), so a resumed run re-plans as the uninterrupted one.
+    observations the noise and the levels are measured from (with their batches), the held-back ones, those
+    since the plan, the tables' shapes, the warm-up rounds skipped, the workers planned as one, and the
+    current plan (JSON values), so a resumed or healed run re-plans as the uninterrupted one.
     """
 
     def __init__(
@@ -149,6 +174,7 @@ class OnlinePlanner:
         threshold: float = 0.1,
         first_measurement_sets_factor: bool = False,
         noise_k: float = 0.0,
+        warmup_rounds: int = 0,
     ):
         if not 0.0 <= smoothing < 1.0:
             raise ValueError(f"smoothing={smoothing!r}: must be in [0, 1)")
@@ -156,12 +182,15 @@ class OnlinePlanner:
             raise ValueError(f"threshold={threshold!r}: must be > 0")
         if not (isinstance(noise_k, (int, float)) and math.isfinite(noise_k) and noise_k >= 0.0):
             raise ValueError(f"noise_k={noise_k!r}: must be >= 0")
+        if isinstance(warmup_rounds, bool) or not isinstance(warmup_rounds, int) or warmup_rounds < 0:
+            raise ValueError(f"warmup_rounds={warmup_rounds!r}: must be an integer >= 0")
         constraints.validate()
         self.profiles = scaled_profiles(profiles, {})
         self.constraints = constraints
         self.smoothing = smoothing
         self.threshold = threshold
         self.noise_k = float(noise_k)
+        self.warmup_rounds = warmup_rounds
         self.factors: dict[str, float] = {p.name: 1.0 for p in self.profiles}
         self.assumed: dict[str, float] = dict(self.factors)
         self.current: Plan | None = None
@@ -169,26 +198,150 @@ class OnlinePlanner:
         self.measured: set[str] = set()  # workers with at least one measurement folded in
         self.history: dict[str, list[float]] = {p.name: [] for p in self.profiles}  # recent observed factors
         self.held: dict[str, list[float]] = {p.name: [] for p in self.profiles}  # outside the noise, unconfirmed
+        self.held_at: dict[str, list[int]] = {p.name: [] for p in self.profiles}  # (their batches)
         self.level: dict[str, list[float]] = {p.name: [] for p in self.profiles}  # since the speed last changed
+        self.level_at: dict[str, list[int]] = {p.name: [] for p in self.profiles}  # (the batch of each)
+        self.shape: dict[str, dict[int, float]] = {p.name: {} for p in self.profiles}  # batch -> table's error
         self.since: dict[str, list[float]] = {p.name: [] for p in self.profiles}  # folded since the current plan
         self.assumed_n: dict[str, int] = {p.name: 0 for p in self.profiles}  # observations behind `assumed`
+        self.warmed: dict[str, int] = {p.name: 0 for p in self.profiles}  # warm-up measurements skipped
+        self.groups: list[list[str]] = []  # (noise-aware) the workers the plan in force planned as one
+        self.fresh: set[str] = set()  # (noise-aware) run by the plan in force at a batch their level never measured
+        self._candidate_groups: list[list[str]] = []
 
+    # ---- planning ---------------------------------------------------------------------------------------
     def plan(self, exchange_bytes: int = 0, exchange_s: float = 0.0) -> Plan:
         """Plan now with the current speed factors (and remember them as assumed)."""
-        self.current = plan_balanced(
-            scaled_profiles(self.profiles, self.factors), self.constraints, exchange_bytes, exchange_s
-        )
+        if self.noise_k <= 0:
+            self.current = plan_balanced(
+                scaled_profiles(self.profiles, self.factors), self.constraints, exchange_bytes, exchange_s
+            )
+            self.assumed = dict(self.factors)
+            self.assumed_n = {k: len(v) for k, v in self.level.items()}
+            self.since = {k: [] for k in self.factors}
+            return self.current
+        return self._put_in_force(self._candidate(exchange_bytes, exchange_s))
+
+    def _candidate(self, exchange_bytes: int, exchange_s: float) -> Plan:
+        """(noise-aware) The plan the current estimates give: workers that measure alike planned as one."""
+        estimates = self.estimates()
+        groups = self._groups(estimates)
+        plan = plan_balanced(pooled(estimates, groups), self.constraints, exchange_bytes, exchange_s)
+        plan_names = {w.name for w in plan.workers}
+        self._candidate_groups = sorted(sorted(estimates[i].name for i in g if estimates[i].name in plan_names)
+                                        for g in groups if any(estimates[i].name in plan_names for i in g))  # fmt: skip
+        return plan
+
+    def _groups(self, estimates: list[WorkerProfile]) -> list[list[int]]:
+        """(noise-aware) The workers that measure alike (indices of ``estimates``, :meth:`estimates`), under
+        :func:`~geomesh.planner.settle.alike_groups` with each pair's tolerance ``noise_k·√(u_a² + u_b²)``: at
+        a batch both measured, u is the noise of their estimates (:meth:`uncertainty`; ``threshold/noise_k``
+        while unknown); elsewhere their calibrations' (:func:`~geomesh.planner.settle.table_noise`) when
+        larger; at least :data:`~geomesh.planner.settle.ALIKE_FLOOR`."""
+        measured = {k: set(self.level_at[k]) | set(self.shape[k]) for k in self.factors}
+        unknown = self.threshold / self.noise_k
+        uncertainty = {k: unknown if u is None else u for k, u in ((k, self.uncertainty(k)) for k in self.factors)}
+        prior = {p.name: table_noise(p) for p in self.profiles}
+
+        def tolerance(a: str, b: str, batch: int) -> float:
+            ua, ub = uncertainty[a], uncertainty[b]
+            if batch not in measured[a] or batch not in measured[b]:
+                ua, ub = max(ua, prior[a]), max(ub, prior[b])
+            return max(ALIKE_FLOOR, self.noise_k * math.hypot(ua, ub))
+
+        batches = sorted(set(self._batches().values()) | {b for bs in measured.values() for b in bs})
+        return alike_groups(estimates, comparison_batches(estimates, self.constraints, batches), tolerance)
+
+    def _merged(self) -> bool:
+        """(noise-aware) Whether workers that the plan in force made apart now measure alike, and their work per
+        round differs by more than ``threshold`` (in log): a re-plan, like the others, needs that much."""
+        if self.current is None:
+            return False
+        estimates = self.estimates()
+        work = {w.name: w.sequences for w in self.current.workers}
+        group_of = {name: j for j, g in enumerate(self.groups) for name in g}
+        for g in self._groups(estimates):
+            names = [estimates[i].name for i in g if estimates[i].name in work]
+            if len({group_of.get(n, n) for n in names}) > 1:
+                ws = [work[n] for n in names]
+                if math.log(max(ws) / min(ws)) > self.threshold:
+                    return True
+        return False
+
+    def _put_in_force(self, plan: Plan) -> Plan:
+        self.current = plan
+        self.groups = self._candidate_groups
+        self._rebase()
+        return plan
+
+    def _rebase(self) -> None:
+        """(noise-aware) The plan in force assumes each worker's factor at the batch it runs there."""
+        batches = self._batches()
+        self.factors = {k: self.factor_at(k, batches[k]) if k in batches else f for k, f in self.factors.items()}
         self.assumed = dict(self.factors)
         self.assumed_n = {k: len(v) for k, v in self.level.items()}
         self.since = {k: [] for k in self.factors}
-        return self.current
+        # the workers the plan runs at a batch their level never measured (their factor there is the table's
+        # shape read elsewhere): their measurements there are held to the noise alone (:meth:`_floor`)
+        self.fresh = {k for k, b in batches.items() if self.level[k] and b not in self.level_at[k]
+                      and b not in self.shape[k]}  # fmt: skip
 
+    def _batches(self) -> dict[str, int]:
+        return {w.name: w.batch for w in self.current.workers} if self.current is not None else {}
+
+    def estimates(self) -> list[WorkerProfile]:
+        """(noise-aware) Each worker's profile as measured so far: its factor, its table corrected where its
+        shape was measured, each worker on its own."""
+        out = []
+        for p in self.profiles:
+            level = self.level_factor(p.name)
+            shape = sorted(self.shape[p.name].items())
+            out.append(corrected(p, tuple((b, level * r) for b, r in shape) or ((0, level),)))
+        return out
+
+    def level_factor(self, name: str) -> float:
+        """(noise-aware) ``name``'s speed level: the geometric mean of its level's observations, each over its
+        table's shape at the batch it was measured at; its factor while the level is empty."""
+        if not self.level[name]:
+            return self.factors[name]
+        shape = tuple(sorted(self.shape[name].items()))
+        if not shape:
+            return _geomean(self.level[name])
+        return _geomean([x / correction_at(shape, b) for x, b in zip(self.level[name], self.level_at[name])])
+
+    def factor_at(self, name: str, batch: int) -> float:
+        """(noise-aware) ``name``'s factor at ``batch``: its level times its table's shape there."""
+        if not self.level[name]:
+            return self.factors[name]
+        return self.level_factor(name) * correction_at(tuple(sorted(self.shape[name].items())), batch)
+
+    # ---- the noise ----------------------------------------------------------------------------------------
     def noise(self, name: str) -> float | None:
         """``name``'s relative round-to-round dispersion σ: the larger of its own and all workers' pooled (a
         few rounds' own changes are a noisy estimate, and the workers of one run mostly share their hosts'
         noise); None while neither has :data:`NOISE_MIN_CHANGES` changes."""
         known = [x for x in (dispersion(self.history[name]), dispersion(*self.history.values())) if x is not None]
         return max(known) if known else None
+
+    def _floor(self, name: str) -> float:
+        """(noise-aware) The least drift the rules act on for ``name``: ``threshold``, but none where the plan in
+        force moved it to a batch its level never measured (:attr:`fresh`) once its noise rests on
+        :data:`NOISE_TRUSTED` of its own round-to-round changes (a dispersion from three or four changes is
+        often far too low): there the factor is the table's shape read elsewhere, and the measured noise alone
+        says whether the table is wrong at that batch, so a bias of a few percent is corrected too."""
+        if name in self.fresh and len(self.history[name]) - 1 >= NOISE_TRUSTED:
+            return 0.0
+        return self.threshold
+
+    def uncertainty(self, name: str) -> float | None:
+        """(noise-aware) The relative uncertainty of ``name``'s estimated step time: σ/√n from the n
+        observations of its level, its calibration's before any (:func:`~geomesh.planner.settle.table_noise`;
+        0 for a datasheet profile); None while σ is unknown."""
+        n = len(self.level[name])
+        if n == 0:
+            return table_noise(next(p for p in self.profiles if p.name == name))
+        sigma = self.noise(name)
+        return None if sigma is None else sigma / math.sqrt(n)
 
     def band(self, name: str) -> float:
         """How far (relative; in log with ``noise_k``) ``name``'s measurements since the current plan may be
@@ -199,17 +352,22 @@ class OnlinePlanner:
             return self.threshold
         # the noise of the difference of the two means; an assumption made from fewer observations than the
         # rounds since have given counts as many (the newer mean is the better estimate: re-planning on it helps)
-        return max(self.threshold, self.noise_k * sigma * math.sqrt(1.0 / n + 1.0 / max(n_a, n)))
+        return max(self._floor(name), self.noise_k * sigma * math.sqrt(1.0 / n + 1.0 / max(n_a, n)))
 
+    # ---- measurements -----------------------------------------------------------------------------------
     def observe(self, name: str, measured_compute_s: float, plan: Plan) -> float:
         """Fold one round's measured compute time of ``name`` (following ``plan``) in; returns its factor."""
         profile = next((p for p in self.profiles if p.name == name), None)
         if profile is None:
             raise ValueError(f"unknown worker {name!r}; workers: {', '.join(self.factors)}")
-        observed = _implied_factor(profile, _entry(plan, name), measured_compute_s)
+        entry = _entry(plan, name)
+        observed = _implied_factor(profile, entry, measured_compute_s)
+        if self.warmed[name] < self.warmup_rounds:  # start-up, not the worker's speed
+            self.warmed[name] += 1
+            return self.factors[name]
         if self.noise_k > 0:
             f = self._fold_noise_aware(name, observed, first=self.first_measurement_sets_factor
-                                       and name not in self.measured)  # fmt: skip
+                                       and name not in self.measured, batch=entry.batch)  # fmt: skip
         elif self.first_measurement_sets_factor and name not in self.measured:
             f = observed
         else:
@@ -219,31 +377,71 @@ class OnlinePlanner:
         self.history[name] = [*self.history[name], observed][-NOISE_WINDOW:]
         return f
 
-    def _fold_noise_aware(self, name: str, observed: float, first: bool) -> float:
-        f, held = self.factors[name], self.held[name]
+    def _fold_noise_aware(self, name: str, observed: float, first: bool, batch: int) -> float:
+        expected, held = self.factor_at(name, batch), self.held[name]
         sigma = self.noise(name)  # from the observations before this one
-        if first or sigma is None or abs(math.log(observed / f)) <= max(self.threshold, self.noise_k * sigma):
-            self.held[name] = []  # an earlier held-back observation was an outlier
-            self.level[name] = [*self.level[name], observed][-NOISE_WINDOW:]
+        if first or sigma is None or abs(math.log(observed / expected)) <= max(
+                self._floor(name), self.noise_k * sigma):
+            self.held[name], self.held_at[name] = [], []  # an earlier held-back observation was an outlier
+            self._extend_level(name, [observed], batch)
             self.since[name] = [*self.since[name], observed][-NOISE_WINDOW:]
-        elif held and (held[-1] > f) == (observed > f):  # two in a row on one side: the speed changed
-            self.held[name] = []
-            self.level[name] = [*held, observed]
-            self.since[name] = [*held, observed]
-            self.assumed_n[name] = 0  # what the plan assumed was another speed: no evidence for it
+        elif held and self.held_at[name][-1] == batch and (held[-1] > expected) == (observed > expected):
+            self.held[name], self.held_at[name] = [], []
+            if batch in self.level_at[name] or not self.level[name]:  # two in a row: the speed changed
+                self.level[name], self.level_at[name] = [*held, observed], [batch] * (len(held) + 1)
+                self.since[name] = [*held, observed]
+                self.assumed_n[name] = 0  # what the plan assumed was another speed: no evidence for it
+            else:  # a batch the level never measured: the table is wrong there, the speed is the same
+                self.since[name] = [*self.since[name], *held, observed][-NOISE_WINDOW:]
+                self._reshape(name, [*held, observed], batch)
         else:
-            self.held[name] = [observed]
-            return f
-        return _geomean(self.level[name])
+            self.held[name], self.held_at[name] = [observed], [batch]
+            return self.factors[name]
+        return self.factor_at(name, batch)
+
+    def _reshape(self, name: str, observed: list[float], batch: int) -> None:
+        """(noise-aware) ``observed`` (at ``batch``) say the table is wrong there, not the speed: its shape at
+        ``batch`` becomes what they measured (the batches the level measured keep theirs), and they join the
+        level. The batch is measured from then on."""
+        # the level without what it took in at that batch (``observed`` are those, or more)
+        pairs = [(x, b) for x, b in zip(self.level[name], self.level_at[name]) if b != batch]
+        self.level[name], self.level_at[name] = [x for x, _ in pairs], [b for _, b in pairs]
+        shape = self.shape[name]
+        before = tuple(sorted(shape.items()))
+        expected = self.level_factor(name) * correction_at(before, batch)
+        for b in self.level_at[name]:  # the batches measured keep what the table is there
+            shape.setdefault(b, correction_at(before, b))
+        shape.pop(batch, None)
+        shape[batch] = correction_at(before, batch) * _geomean(observed) / expected
+        while len(shape) > SHAPE_BATCHES:
+            shape.pop(next(iter(shape)))
+        self._extend_level(name, list(observed), batch)
+        self.factors[name] = self.factor_at(name, batch)
+        self.fresh.discard(name)
+
+    def _extend_level(self, name: str, values: list[float], batch: int) -> None:
+        self.level[name] = [*self.level[name], *values][-NOISE_WINDOW:]
+        self.level_at[name] = [*self.level_at[name], *[batch] * len(values)][-NOISE_WINDOW:]
+
+    def _remeasure(self, name: str) -> None:
+        """(noise-aware) A new level for ``name``: the observations since the plan (at the batch it runs)."""
+        batch = self._batches().get(name, 0)
+        if name in self.fresh:  # the table there, not a change of speed: the shape at that batch, from them
+            self._reshape(name, self.since[name], batch)
+            return
+        self.level[name] = self.since[name][-NOISE_WINDOW:]
+        self.level_at[name] = [batch] * len(self.level[name])
+        self.factors[name] = self.factor_at(name, batch)
 
     def drift(self) -> dict[str, float]:
         """Per worker |f − f_assumed| / f_assumed."""
         return {k: abs(f - self.assumed[k]) / self.assumed[k] for k, f in self.factors.items()}
 
+    # ---- re-planning --------------------------------------------------------------------------------------
     def maybe_replan(self, exchange_bytes: int = 0, exchange_s: float = 0.0) -> Plan | None:
         """A new plan when a speed factor drifted past ``threshold`` (with ``noise_k``: when a worker's
-        measurements since the plan differ from what it assumed by more than :meth:`band`) or when there is
-        none yet, else None."""
+        measurements since the plan differ from what it assumed by more than :meth:`band`, and the plan they
+        give :meth:`settles` no better than the one in force) or when there is none yet, else None."""
         if self.current is None:
             return self.plan(exchange_bytes, exchange_s)
         if self.noise_k <= 0:
@@ -256,14 +454,42 @@ class OnlinePlanner:
                      and abs(math.log(self.factors[k] / self.assumed[k])) > self.threshold]  # fmt: skip
         drifts = self._drifts()
         apart = self.spread(drifts) > self._spread_band(drifts)
-        if not (moved or refreshed or apart):
+        merged = not (moved or refreshed or apart) and self._merged()
+        if not (moved or refreshed or apart or merged):
             return None
         if apart:  # every worker's time at the plan it runs now: the next plan corrects their differences
             moved = [k for k, xs in self.since.items() if len(xs) >= SPREAD_MIN_ROUNDS]
         for k in moved:  # a new level, from what the rounds since the plan measured
-            self.level[k] = self.since[k][-NOISE_WINDOW:]
-            self.factors[k] = _geomean(self.level[k])
-        return self.plan(exchange_bytes, exchange_s)
+            self._remeasure(k)
+        candidate = self._candidate(exchange_bytes, exchange_s)
+        if self.settles(candidate, merged):  # no change worth a re-plan: the plan in force stays
+            if not merged:
+                self._rebase()
+            return None
+        return self._put_in_force(candidate)
+
+    def settles(self, candidate: Plan, merged: bool = False) -> bool:
+        """(noise-aware) Whether ``candidate`` changes nothing worth a re-plan from the plan in force: it is the
+        same plan, or, under the current estimates (each worker on its own, :meth:`estimates`), its straggler
+        idle is not lower and its round's compute not longer or shorter by more than :data:`DEADBAND_FLOOR`.
+        (Whether the measurements moved beyond their noise is the rules' question that asked for the
+        candidate; this one is whether the plan they give moves the work: a speed that every worker shares,
+        or another lattice point of (batch, steps) as balanced as the one in force, does not.) ``merged``:
+        the candidate plans as one workers that now measure alike: it is taken unless it is worse by more than
+        :data:`DEADBAND_FLOOR`."""
+        current = self.current
+        if current is None:
+            return False
+        if candidate.digest() == current.digest():
+            return True
+        if {w.name for w in candidate.workers} != {w.name for w in current.workers}:
+            return False
+        estimates = {p.name: p for p in self.estimates()}
+        idle_now, top_now = predicted_balance(current, estimates)
+        idle_new, top_new = predicted_balance(candidate, estimates)
+        if merged:
+            return idle_new - idle_now > DEADBAND_FLOOR
+        return idle_now - idle_new <= DEADBAND_FLOOR and abs(math.log(top_now / top_new)) <= DEADBAND_FLOOR
 
     def _drifts(self) -> dict[str, float]:
         """(noise-aware) Per worker with :data:`SPREAD_MIN_ROUNDS` rounds since the plan: the log of the mean of
@@ -290,23 +516,32 @@ class OnlinePlanner:
         n_hi, n_lo = len(self.since[hi]), len(self.since[lo])
         return max(self.threshold, self.noise_k * max(sigmas) * math.sqrt(1.0 / n_hi + 1.0 / n_lo))
 
+    # ---- state ----------------------------------------------------------------------------------------------
     def adopt(self, other: "OnlinePlanner") -> None:
-        """Carry ``other``'s knowledge of the workers both plan (factors, who was measured, the observations
-        and held-back ones) into this planner: a re-plan for new members keeps what was learned."""
+        """Carry ``other``'s knowledge of the workers both plan (factors, who was measured and warmed up, the
+        observations and held-back ones) into this planner: a re-plan for new members keeps what was learned."""
         common = [k for k in other.factors if k in self.factors]
         self.factors.update({k: other.factors[k] for k in common})
         self.measured |= other.measured & set(common)
-        for mine, theirs in ((self.history, other.history), (self.held, other.held), (self.level, other.level)):
+        self.warmed.update({k: other.warmed[k] for k in common})
+        for mine, theirs in ((self.history, other.history), (self.held, other.held), (self.level, other.level),
+                             (self.held_at, other.held_at), (self.level_at, other.level_at)):  # fmt: skip
             mine.update({k: list(theirs.get(k, ())) for k in common})
+        self.shape.update({k: dict(other.shape[k]) for k in common})
 
     def state_dict(self) -> dict:
         """The speed factors, the factors the current plan assumed, who was measured, the recent and held-back
-        observations, and the current plan."""
+        observations (and their batches), the warm-up rounds skipped, and the current plan."""
         return {"factors": dict(self.factors), "assumed": dict(self.assumed), "measured": sorted(self.measured),
                 "history": {k: list(v) for k, v in self.history.items()},
                 "held": {k: list(v) for k, v in self.held.items()},
+                "held_at": {k: list(v) for k, v in self.held_at.items()},
                 "level": {k: list(v) for k, v in self.level.items()},
+                "level_at": {k: list(v) for k, v in self.level_at.items()},
+                "shape": {k: [[b, r] for b, r in v.items()] for k, v in self.shape.items()},
                 "since": {k: list(v) for k, v in self.since.items()}, "assumed_n": dict(self.assumed_n),
+                "warmed": dict(self.warmed), "groups": [list(g) for g in self.groups],
+                "fresh": sorted(self.fresh),
                 "current": self.current.to_json() if self.current is not None else None}  # fmt: skip
 
     def load_state_dict(self, state: Mapping) -> None:
@@ -325,3 +560,23 @@ class OnlinePlanner:
             setattr(self, key, {k: [float(x) for x in state.get(key, {}).get(k, ())] for k in self.factors})
         self.assumed_n = {k: int(state.get("assumed_n", {}).get(k, 0)) for k in self.factors}
         self.current = Plan.from_json(state["current"]) if state.get("current") is not None else None
+        # (states written before the levels kept their batches: every observation at the batch planned now)
+        batches = self._batches()
+        for key, values in (("held_at", self.held), ("level_at", self.level)):
+            given = state.get(key, {})
+            setattr(self, key, {k: [int(b) for b in given[k]] if k in given and len(given[k]) == len(values[k])
+                                else [batches.get(k, 0)] * len(values[k]) for k in self.factors})  # fmt: skip
+        self.shape = {k: {int(b): float(r) for b, r in state.get("shape", {}).get(k, ())} for k in self.factors}
+        self.groups = [[str(n) for n in g] for g in state.get("groups", ())]
+        self.fresh = set(state.get("fresh", ())) & names
+        warmed = state.get("warmed")  # (older states: a measured worker had warmed up)
+        self.warmed = {k: int(warmed.get(k, 0)) if isinstance(warmed, Mapping)
+                       else (self.warmup_rounds if k in self.measured else 0) for k in self.factors}  # fmt: skip
+
+
+def predicted_balance(plan: Plan, profiles: Mapping[str, WorkerProfile]) -> tuple[float, float]:
+    """(straggler idle of the compute phase, longest compute) that ``plan`` would have if the workers ran as
+    ``profiles`` (by name) say."""
+    computes = [w.inner_steps * profiles[w.name].step_s(w.micro_batch, w.accum) for w in plan.workers]
+    top = max(computes)
+    return math.fsum(top - c for c in computes) / (len(computes) * top), top

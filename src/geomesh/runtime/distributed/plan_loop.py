@@ -3,8 +3,10 @@ plans: the members planned over the WAN that links them now; their profiles meas
 (:func:`~geomesh.profiler.calibrate_worker`, shared by the exchange); every round's measured compute times
 folded into the online planner (:class:`~geomesh.planner.OnlinePlanner`) on every rank alike, re-planning at
 the same round when a speed drifts; and this state in checkpoints and a healed region's state, so a resumed
-or healed region plans what the uninterrupted run does. A part of the loop's class: it reads the loop's
-fields (run, scenario, method, kit, faults, plan)."""
+or healed region plans what the uninterrupted run does. The plan settles (:mod:`geomesh.planner.settle`):
+regions that measure alike are planned alike, each region's first round is warm-up, not its speed, the table
+is corrected at the batches the plan runs, and a re-plan that moves no work is none. A part of the loop's
+class: it reads the loop's fields (run, scenario, method, kit, faults, plan)."""
 
 from __future__ import annotations
 
@@ -12,7 +14,10 @@ from typing import Any
 
 from ...hardware import WorkerProfile
 from ...planner import OnlinePlanner, Plan
+from ...planner.settle import settled_profiles
 from .exchange import Exchanged
+
+WARMUP_ROUNDS = 1  # each region's first measured round (start-up, warm-up) is not its speed
 
 
 class PlanLoop:
@@ -26,6 +31,9 @@ class PlanLoop:
         for p, i in zip(profiles, members):
             p.slowdown = self.sc.regions[i].slowdown * self.faults.speed(i)
         if not (self.method.balanced and self.sc.geomesh.replan):
+            if self.method.balanced:  # regions calibrated alike (within their calibrations' noise) planned alike
+                profiles = settled_profiles(profiles, self.method.constraints(self.sc, len(profiles)),
+                                            self.sc.geomesh.replan_noise_k)  # fmt: skip
             return self.method.plan(self.sc, profiles, exchange_bytes=self.kit.modeled_payload_nbytes,
                                     exchange_s=exchange_s)  # fmt: skip
         # re-planned from measurements: the speed factors learned so far carry over to the new members' planner
@@ -38,10 +46,11 @@ class PlanLoop:
     def _new_online(self, profiles: list[WorkerProfile]) -> OnlinePlanner:
         g = self.sc.geomesh
         # uncalibrated profiles describe the timing model, not what trains: a first measurement is the factor;
-        # wall-clock compute times are noisy: outliers held back, the deadband widened to the regions' noise
+        # wall-clock compute times are noisy: outliers held back, the deadband widened to the regions' noise,
+        # regions that measure alike planned alike; a region's first round (start-up) is not its speed
         return OnlinePlanner(profiles, self.method.constraints(self.sc, len(profiles)), smoothing=g.replan_smoothing,
                              threshold=g.replan_threshold, first_measurement_sets_factor=not self.calibrated,
-                             noise_k=g.replan_noise_k)  # fmt: skip
+                             noise_k=g.replan_noise_k, warmup_rounds=WARMUP_ROUNDS)  # fmt: skip
 
     def calibrate(self) -> dict[str, Any] | None:
         """Every rank of this region: measure the region's step time in place (the model it really trains, a
@@ -52,12 +61,13 @@ class PlanLoop:
         given = {pair.partition("=")[0] for pair in self.run.options.profiles}
         if not self.calibrating or self.names[self.me] in given:
             return None
-        # measure the micro-batches the plan may use: up to the largest the datasheet plan gives any region
+        # measure the micro-batches the plan may use: up to the largest the datasheet plan gives any region, and
+        # the reference batch (the planning rule's round is made of it, and the slowest region runs it)
         datasheet = self.method.plan(self.sc, self.run.profiles, exchange_bytes=self.kit.modeled_payload_nbytes)
         top = max([self.tr.batch, *(w.micro_batch for w in datasheet.workers)])
         worker = self.run.worker
         cap = getattr(worker, "max_proxy_micro_batch", None)
-        cal = calibrate_worker(worker, default_micro_batches(top, cap * worker.size if cap else None))
+        cal = calibrate_worker(worker, default_micro_batches(top, cap * worker.size if cap else None, self.tr.batch))
         return {"profile": cal.profile.to_json(), "seconds": cal.seconds}
 
     def use_calibration(self, shared: dict[int, dict[str, Any] | None]) -> None:
