@@ -52,7 +52,8 @@ def _logs(out: Path) -> str:
     tails = []
     for log in sorted(out.glob("*/host-*.log")):
         lines = [x for x in log.read_text(errors="replace").splitlines() if "socket.cpp" not in x]
-        tails.append(f"--- {log}\n" + "\n".join(lines[-15:]))
+        said = [x for x in lines if x.startswith(("error:", "warning:"))]  # the run's own lines first
+        tails.append(f"--- {log}\n" + "\n".join(said[-5:] + lines[-8:]))
     return "\n".join(tails)
 
 
@@ -176,3 +177,39 @@ def test_the_bed_refuses_bad_faults_in_one_line(tmp_path, small_corpus):
                            str(tmp_path / "o"), "--lose", "nowhere@2"], env=env, capture_output=True, text=True)  # fmt: skip
     assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
         "error: --lose nowhere@...: no region 'nowhere' (the scenario's: r0-h100, r1-a100, r2-t4)"]
+
+
+@pytest.mark.waits
+@pytest.mark.skipif(REASON is not None, reason=f"the hosts test bed cannot run here: {REASON}")
+def test_misdeployed_hosts_stop_with_one_line_each(tmp_path, small_corpus):
+    """Hosts deployed wrong, each stopping within its timeout with one ``error:`` line that names what to fix:
+    r1 advertising an address that is not its own (the healthy regions train on without it), then r1 without
+    the run key and r2 with the quorum service's address wrong (r0, alone, stops cleanly: no quorum)."""
+    path = bed_scenario(tmp_path, small_corpus)
+    out = tmp_path / "advertise"
+    result = run_bed(path, out, "geomesh", "--tokens", "6000", "--timeout", "15", "--host-env",
+                     "r1-a100:GEOMESH_ADVERTISE_HOST=10.215.0.99", expect_ok=False)  # fmt: skip
+    assert result["hosts"]["r0-h100"]["exit"] == 0 and result["hosts"]["r2-t4"]["exit"] == 0
+    assert result["hosts"]["r1-a100"]["exit"] != 0
+    assert set(result["param_checksums"]) == {"r0-h100", "r2-t4"}
+    assert error_lines(out, "r1-a100") == ["error: cannot serve recovery state at the advertised address "
+                                           "'10.215.0.99': Cannot assign requested address (set "
+                                           "GEOMESH_ADVERTISE_HOST to an address of this host)"]  # fmt: skip
+
+    out = tmp_path / "key-and-quorum"
+    result = run_bed(path, out, "geomesh", "--tokens", "6000", "--timeout", "15",
+                     "--host-env", "r1-a100:GEOMESH_RUN_KEY=",
+                     "--host-env", "r2-t4:TORCHFT_LIGHTHOUSE=http://10.215.0.1:29999", expect_ok=False)  # fmt: skip
+    assert all(h["exit"] not in (0, None) for h in result["hosts"].values())
+    [key] = error_lines(out, "r1-a100")
+    assert "GEOMESH_RUN_KEY" in key and "not set" in key
+    [quorum] = error_lines(out, "r2-t4")
+    assert "http://10.215.0.1:29999 cannot be reached within 15s" in quorum and "TORCHFT_LIGHTHOUSE" in quorum
+    [alone] = error_lines(out, "r0-h100")
+    assert "no quorum of at least 2 region(s) within 15s" in alone
+
+
+def error_lines(out: Path, host: str) -> list[str]:
+    """The ``error:`` lines of a host's log (torchrun's own report of a failed child follows them)."""
+    text = "\n".join(p.read_text(errors="replace") for p in sorted((out / host).glob("host-*.log")))
+    return [line for line in text.splitlines() if line.startswith("error:")]

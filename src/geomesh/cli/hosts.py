@@ -10,6 +10,9 @@ end of a round (as a live host's records count them):
 - ``--partition REGION@ROUND:SECONDS`` the host cut off from every other host for that long;
 - ``--bandwidth REGION@ROUND:FACTOR`` the host's links at FACTOR × their bandwidth from then on.
 
+A misdeployed host: ``--host-env REGION:NAME=VALUE`` sets a variable of that host's environment (an empty value
+removes it): another advertised address, no run key, another quorum service.
+
 ``--resume`` starts every host again with ``--resume`` (each from its own folder's newest checkpoint: give the
 first run ``--set reliability.checkpoint_every_rounds=N``), the way a team restarts a run after losing every host.
 
@@ -57,6 +60,16 @@ def parse_fault(kind: str, text: str) -> HostFault:
     return HostFault(kind, region, int(at), arg)
 
 
+def parse_host_env(text: str, names: list[str]) -> tuple[str, str, str]:
+    region, sep, assignment = text.partition(":")
+    name, eq, value = assignment.partition("=")
+    if not sep or not eq or not name:
+        raise RunError(f"--host-env {text!r}: expected REGION:NAME=VALUE")
+    if region not in names:
+        raise RunError(f"--host-env {text!r}: no region {region!r} (the scenario's: {', '.join(names)})")
+    return region, name, value
+
+
 def register(sub) -> None:
     p = sub.add_parser("hosts", help="run a scenario on the hosts test bed: one network namespace, address, folder "
                                      "and torchrun per region (root, iproute2)")  # fmt: skip
@@ -75,6 +88,9 @@ def register(sub) -> None:
     p.add_argument("--lose", action="append", default=[], metavar="REGION@ROUND[:wipe|:gone]")
     p.add_argument("--partition", action="append", default=[], metavar="REGION@ROUND:SECONDS")
     p.add_argument("--bandwidth", action="append", default=[], metavar="REGION@ROUND:FACTOR")
+    p.add_argument("--host-env", action="append", default=[], metavar="REGION:NAME=VALUE",
+                   help="a variable of that host's environment set (an empty VALUE removes it): a misdeployed host, "
+                        "e.g. r1-a100:GEOMESH_ADVERTISE_HOST=10.9.9.9")  # fmt: skip
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")
     p.set_defaults(func=cmd_hosts)
 
@@ -115,6 +131,7 @@ def cmd_hosts(args: argparse.Namespace) -> int:
     for f in faults:
         if f.region not in names:
             raise RunError(f"--{f.kind} {f.region}@...: no region {f.region!r} (the scenario's: {', '.join(names)})")
+    host_env = [parse_host_env(t, names) for t in args.host_env]
     counts = [int(c) for c in str(args.ranks_per_region).split(",")]
     counts = counts * len(names) if len(counts) == 1 else counts
     if len(counts) != len(names) or min(counts) < 1:
@@ -150,6 +167,11 @@ def cmd_hosts(args: argparse.Namespace) -> int:
         for s in [*args.set, *extra_sets]:
             run_argv += ["--set", s]
         hosts = [bed.add_host(i, counts[i], run_argv, env) for i in range(len(names))]
+        for region, name, value in host_env:
+            host = hosts[names.index(region)]
+            host.env.pop(name, None)
+            if value:
+                host.env[name] = value
         time.sleep(0.5)  # (the quorum service binds first)
         for h in hosts:
             h.start()

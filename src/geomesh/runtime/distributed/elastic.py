@@ -262,8 +262,18 @@ class QuorumExchange(ElasticState):
         m = self.membership
         startup_until = time.monotonic() + self.run.options.timeout_s
         short_since: float | None = None  # when quorums of too few regions that hold the run's key began
+        failing_since: float | None = None  # when quorums whose group could not be set up began
         while True:
-            healed, _ = m.quorum(shrink_only=retry)
+            try:  # a member that died between the quorum and the group's set-up fails it: ask again
+                healed, _ = m.quorum(shrink_only=retry)
+            except ExchangeFailed as exc:
+                m.report(exc)
+                failing_since = time.monotonic() if failing_since is None else failing_since
+                if time.monotonic() - failing_since > self.run.options.timeout_s:
+                    raise RunError(f"region {self.names[self.me]}: no quorum could set up its group within "
+                                   f"{self.run.options.timeout_s:g}s: {exc}") from None  # fmt: skip
+                continue
+            failing_since = None
             try:
                 wait = first and not healed and time.monotonic() < startup_until
                 headers = m.all_gather_framed({"region": self.me, "hash": self.job_hash, "wait": wait,
@@ -308,16 +318,6 @@ class QuorumExchange(ElasticState):
                     "rejoined": sorted(h["region"] for h in headers if h["healed"]),
                     "calibration": {h["region"]: h.get("calibration") for h in headers
                                     if isinstance(h.get("calibration"), dict)}}  # fmt: skip
-
-    def _note_rejections(self) -> None:
-        """The members the last collective refused, for the round's record, by region name (``claimed``: what
-        an unauthenticated frame says it is)."""
-        for r in self.membership.rejected:
-            if r["claimed"] and r["region"] is not None and ("HMAC" in r["reason"] or "unsigned" in r["reason"]):
-                self.refused.add(r["region"])
-            entry = {"region": r["name"], "claimed": r["claimed"], "reason": r["reason"]}
-            if entry not in self.round_rejections:  # (the first round's startup wait repeats its header)
-                self.round_rejections.append(entry)
 
     def _outvoted(self, headers: list[dict[str, Any]]) -> None:
         """Stop when this region authenticates no other member's header and cannot authenticate those of most

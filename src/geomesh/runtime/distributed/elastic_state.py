@@ -166,6 +166,16 @@ class ElasticState:
             self.records[:] = state["rank0"]["records"]
 
     # ---- events.jsonl ----------------------------------------------------------------------------------
+    def _note_rejections(self) -> None:
+        """The members the last collective refused, for the round's record, by region name (``claimed``: what
+        an unauthenticated frame says it is)."""
+        for r in self.membership.rejected:
+            if r["claimed"] and r["region"] is not None and ("HMAC" in r["reason"] or "unsigned" in r["reason"]):
+                self.refused.add(r["region"])
+            entry = {"region": r["name"], "claimed": r["claimed"], "reason": r["reason"]}
+            if entry not in self.round_rejections:  # (the first round's startup wait repeats its header)
+                self.round_rejections.append(entry)
+
     def _restarted_in_place(self, rejoined: list[int]) -> None:
         """``leave`` and ``join`` records for regions that came back behind the others while still members: their
         processes died and were restarted before any quorum formed without them (every leader, the rejoined

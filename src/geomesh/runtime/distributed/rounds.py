@@ -451,9 +451,13 @@ class RoundLoop(PlanLoop):
         took_part = [i["region"] for i in infos if i.get("active", True)] if infos else list(members)
         rejected: list[tuple[int, str]] = []
         dropped: list[int] = []
+        # the plan this region's own payload of that round was made under (overlapped: the exchange arrives in
+        # the next round, whose plan may be a new one for new members), else the plan in force
+        own = next((i.get("plan") for i in infos if i.get("region") == self.me), None)
+        reference = own if own is not None else (self.plan.digest() if self.plan is not None else None)
         for i in infos if result.sharded is None else ():  # a member that reported a plan other than this
             # rank's: its update is not used (sharded: the exchange kept it out of the combine, on every leader)
-            if i.get("plan") is not None and self.plan is not None and i["plan"] != self.plan.digest() \
+            if i.get("plan") is not None and reference is not None and i["plan"] != reference \
                     and i["region"] in took_part:  # fmt: skip
                 rejected.append((i["region"], "its plan differs from this region's (the regions disagree)"))
         combined = None
