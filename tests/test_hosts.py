@@ -2,14 +2,13 @@
 namespace, address, folder and torchrun), the quorum service alone, links shaped in the kernel. Tested on it
 with the method users run (``geomesh`` with calibration and re-planning): hosts lost and restarted with their
 folder kept or deleted, links cut for less and for more than the round deadline, every host killed and resumed
-each from its own folder; the same rejoin for ``geomesh-sparse`` through the sharded exchange; ``geomesh-overlap``
-with a region of several ranks. Needs root and iproute2: skipped with the reason elsewhere."""
+each from its own folder; the same rejoin for ``geomesh-sparse`` through the sharded exchange; misdeployed
+hosts. Needs root and iproute2: skipped with the reason elsewhere."""
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -27,11 +26,14 @@ REASON = netns_unavailable_reason()
 NAMES = ["r0-h100", "r1-a100", "r2-t4"]
 
 
-def bed_scenario(tmp_path: Path, corpus: list[str], *, deadline_s: float = 60, plan_loop: bool = True) -> Path:
+def bed_scenario(tmp_path: Path, corpus: list[str], *, deadline_s: float = 60, plan_loop: bool = True,
+                 rtt_ms: float = 200) -> Path:  # fmt: skip
+    """The tiny scenario on three hosts. ``rtt_ms``: a long RTT makes rounds last (the exchange waits, using no
+    CPU) so that a run outlasts a host's restart or a cut with few tokens."""
     data = tiny_scenario_dict(corpus)
     # GeoMesh's plan loop, as users run it (a fixed plan only where a test compares bits with another run)
     data["geomesh"].update({"calibrate": True, "replan": True} if plan_loop else FIXED_PLAN)
-    data["wan"]["rtt"] = [[0 if i == j else 200 for j in range(3)] for i in range(3)]
+    data["wan"]["rtt"] = [[0 if i == j else rtt_ms for j in range(3)] for i in range(3)]
     data["reliability"] = {"min_regions": 2, "round_deadline_s": deadline_s}
     path = tmp_path / ("s.yaml" if plan_loop else "s-fixed.yaml")
     path.write_text(yaml.safe_dump(data))
@@ -79,7 +81,7 @@ def test_hosts_lost_and_restarted_with_their_folder_kept_and_deleted_rejoin(tmp_
     out = tmp_path / "bed"
     # (enough tokens that the others still train when a restarted host is up again: one that comes back after
     # the run ended finds no quorum, and says so)
-    result = run_bed(bed_scenario(tmp_path, small_corpus), out, "geomesh", "--tokens", "80000",
+    result = run_bed(bed_scenario(tmp_path, small_corpus, rtt_ms=1500), out, "geomesh", "--tokens", "40000",
                      "--lose", "r1-a100@2", "--lose", "r2-t4@3:wipe")  # fmt: skip
     one_checksum(result)
     assert [f["kind"] for f in result["faults"]] == ["lose", "lose"]
@@ -104,7 +106,7 @@ def test_links_cut_for_less_and_for_more_than_the_round_deadline(tmp_path, small
     still train). One checksum, every host exits 0 and was started once, and the records say who left and
     came back."""
     out = tmp_path / "bed"
-    result = run_bed(bed_scenario(tmp_path, small_corpus, deadline_s=5), out, "geomesh", "--tokens", "120000",
+    result = run_bed(bed_scenario(tmp_path, small_corpus, deadline_s=5, rtt_ms=1500), out, "geomesh", "--tokens", "50000",
                      "--partition", "r1-a100@2:2", "--partition", "r2-t4@6:10")  # fmt: skip
     one_checksum(result)
     assert all(h["starts"] == 1 for h in result["hosts"].values())  # nobody restarted
@@ -121,8 +123,7 @@ def test_every_host_killed_then_resumed_each_from_its_own_folder(tmp_path, small
     """Every host killed after round 3 (each holds its own newest checkpoints, which need not be of the same
     round), then every host started again with --resume from its own folder: the regions agree on the newest
     round all of them hold and end bit-identical to the uninterrupted run (a fixed plan: the test compares bits
-    with another run). Then the same with GeoMesh's plan loop and one host's folder lost: it heals from the
-    others and the run ends with one checksum."""
+    with another run)."""
     fixed = bed_scenario(tmp_path, small_corpus, plan_loop=False)
     ref = run_bed(fixed, tmp_path / "ref", "geomesh", "--tokens", "12000")
     every = ["--set", "reliability.checkpoint_every_rounds=1"]
@@ -139,22 +140,6 @@ def test_every_host_killed_then_resumed_each_from_its_own_folder(tmp_path, small
         b = torch.load(out / name / "run" / "final_params.pt")
         assert all(torch.equal(a[k], b[k]) for k in a), name
 
-    looped = bed_scenario(tmp_path, small_corpus)
-    out = tmp_path / "bed-loop"
-    run_bed(looped, out, "geomesh", "--tokens", "16000", *every, *lose_all, expect_ok=False)
-    shutil.rmtree(out / "r2-t4")
-    one_checksum(run_bed(looped, out, "geomesh", "--tokens", "16000", *every, "--resume"))
-    assert "no checkpoint" in (out / "r2-t4" / "host-1.log").read_text()
-
-
-@pytest.mark.waits
-@pytest.mark.skipif(REASON is not None, reason=f"the hosts test bed cannot run here: {REASON}")
-def test_overlap_with_a_region_of_two_ranks_on_the_bed(tmp_path, small_corpus):
-    """geomesh-overlap with r0's host running 2 ranks (its ranks learn each overlapped round's members from
-    their leader: they waited for a quorum the leader had already taken, and the run hung)."""
-    result = run_bed(bed_scenario(tmp_path, small_corpus), tmp_path / "bed", "geomesh-overlap", "--tokens",
-                     "12000", "--ranks-per-region", "2,1,1")  # fmt: skip
-    one_checksum(result)
 
 
 @pytest.mark.waits
@@ -162,7 +147,7 @@ def test_overlap_with_a_region_of_two_ranks_on_the_bed(tmp_path, small_corpus):
 def test_sparse_payloads_through_the_sharded_exchange_rejoin_on_the_bed(tmp_path, small_corpus):
     """geomesh-sparse with the sharded exchange: r2's host lost after round 2 and restarted with its folder."""
     out = tmp_path / "bed"
-    result = run_bed(bed_scenario(tmp_path, small_corpus), out, "geomesh-sparse", "--tokens", "50000",
+    result = run_bed(bed_scenario(tmp_path, small_corpus, rtt_ms=1500), out, "geomesh-sparse", "--tokens", "25000",
                      "--set", "geomesh.exchange=sharded", "--lose", "r2-t4@2")  # fmt: skip
     one_checksum(result)
     summary = json.loads(Path(result["summary_from"]).read_text())

@@ -129,14 +129,16 @@ def test_a_static_run_stops_at_the_same_round_on_every_region(tmp_path, small_co
     assert len(s["param_checksums"]) == sum(counts) and len(set(s["param_checksums"])) == 1
 
 
-@pytest.mark.parametrize("method", ["geomesh-sign-only", "geomesh-overlap"])
-def test_elastic_regions_stop_at_the_same_round(tmp_path, small_corpus, method):
+@pytest.mark.parametrize("method,ranks", [("geomesh-sign-only", None),
+                                          ("geomesh-overlap", "2,1,1")])  # (overlap: a region of 2 ranks learns
+# each overlapped round's members from its leader, which took the quorum)
+def test_elastic_regions_stop_at_the_same_round(tmp_path, small_corpus, method, ranks):
     """Each region is its own world and its own clock; the clocks travel with the round's exchange over the
     quorum, and every region stops after the same round (overlapped: the exchange the decision arrived with
     is followed by the one in flight, waited for). They end with the same θ, and the summary says why."""
     path = scenario(tmp_path, small_corpus, min_regions=2)
     out = tmp_path / "run"
-    result = launch(path, out, method)
+    result = launch(path, out, method, *(["--ranks-per-region", ranks] if ranks else []))
     assert result.code == 0, result.message
     s = result.summary
     assert "elastic" in s and sorted(s["elastic"]["regions_at_end"]) == ["r0-h100", "r1-a100", "r2-t4"]
