@@ -3,10 +3,13 @@
 Every region runs as a team deploys it (:mod:`geomesh.runtime.distributed.hosts`): its own network namespace,
 address and folder (``DIR/<region>/``), its own ``torchrun ... -m geomesh.run`` command, the quorum service
 alone on a host of its own, links shaped in the kernel from the scenario's WAN. Host-level faults, each at the
-end of a round (as a live host's records count them):
+end of a round (as a live host's records count them), or ``ROUND+SECONDS`` that long after it (inside the
+next round):
 
 - ``--lose REGION@ROUND`` the host is lost (every process killed) and started again with its folder;
   ``REGION@ROUND:wipe`` with its folder deleted; ``REGION@ROUND:gone`` not started again;
+- ``--restart REGION@ROUND`` a host lost with ``:gone`` started again after a later round (a host down for a
+  while: it comes back whatever the others are doing then);
 - ``--partition REGION@ROUND:SECONDS`` the host cut off from every other host for that long;
 - ``--bandwidth REGION@ROUND:FACTOR`` the host's links at FACTOR × their bandwidth from then on.
 
@@ -36,28 +39,37 @@ from ..errors import RunError
 
 @dataclass
 class HostFault:
-    kind: str  # lose | partition | bandwidth
+    kind: str  # lose | restart | partition | bandwidth
     region: str
     at_round: int
     arg: str
+    delay_s: float = 0.0  # after the round's end
     done: bool = False
 
 
 def parse_fault(kind: str, text: str) -> HostFault:
     region, sep, rest = text.partition("@")
     at, _, arg = rest.partition(":")
-    if not sep or not region or not at.isdigit():
-        raise RunError(f"--{kind} {text!r}: expected REGION@ROUND" + ("[:wipe|:gone]" if kind == "lose" else
+    at, plus, delay = at.partition("+")
+    try:
+        delay_s = float(delay) if plus else 0.0
+    except ValueError:
+        delay_s = -1.0
+    if not sep or not region or not at.isdigit() or not 0 <= delay_s < float("inf"):
+        raise RunError(f"--{kind} {text!r}: expected REGION@ROUND[+SECONDS]" + ("[:wipe|:gone]" if kind == "lose" else
+                                                                      "" if kind == "restart" else
                                                                       ":SECONDS" if kind == "partition" else ":FACTOR"))  # fmt: skip
     if kind == "lose" and arg not in ("", "wipe", "gone"):
         raise RunError(f"--lose {text!r}: after the round, :wipe (its folder deleted) or :gone (not restarted)")
-    if kind != "lose":
+    if kind == "restart" and arg:
+        raise RunError(f"--restart {text!r}: expected REGION@ROUND (a host lost with :gone, started again)")
+    if kind not in ("lose", "restart"):
         try:
             if float(arg) <= 0:
                 raise ValueError
         except ValueError:
             raise RunError(f"--{kind} {text!r}: expected a positive number after the round") from None
-    return HostFault(kind, region, int(at), arg)
+    return HostFault(kind, region, int(at), arg, delay_s)
 
 
 def parse_host_env(text: str, names: list[str]) -> tuple[str, str, str]:
@@ -86,6 +98,8 @@ def register(sub) -> None:
                                                           "checkpoint (the same command, --resume)")  # fmt: skip
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--lose", action="append", default=[], metavar="REGION@ROUND[:wipe|:gone]")
+    p.add_argument("--restart", action="append", default=[], metavar="REGION@ROUND",
+                   help="a host lost with :gone started again after that round")
     p.add_argument("--partition", action="append", default=[], metavar="REGION@ROUND:SECONDS")
     p.add_argument("--bandwidth", action="append", default=[], metavar="REGION@ROUND:FACTOR")
     p.add_argument("--host-env", action="append", default=[], metavar="REGION:NAME=VALUE",
@@ -127,10 +141,14 @@ def cmd_hosts(args: argparse.Namespace) -> int:
     sc = load_scenario(args.scenario, parse_overrides(args.set))
     get_method(args.method)  # an unknown method: one line, before anything starts
     names = [r.name for r in sc.regions]
-    faults = [parse_fault(k, t) for k in ("lose", "partition", "bandwidth") for t in getattr(args, k)]
+    faults = [parse_fault(k, t) for k in ("lose", "restart", "partition", "bandwidth") for t in getattr(args, k)]
     for f in faults:
         if f.region not in names:
             raise RunError(f"--{f.kind} {f.region}@...: no region {f.region!r} (the scenario's: {', '.join(names)})")
+        if f.kind == "restart" and not any(g.kind == "lose" and g.arg == "gone" and g.region == f.region
+                                           and g.at_round < f.at_round for g in faults):  # fmt: skip
+            raise RunError(f"--restart {f.region}@{f.at_round}: the host must be lost with :gone before that round "
+                           f"(--lose {f.region}@ROUND:gone)")  # fmt: skip
     host_env = [parse_host_env(t, names) for t in args.host_env]
     counts = [int(c) for c in str(args.ranks_per_region).split(",")]
     counts = counts * len(names) if len(counts) == 1 else counts
@@ -178,15 +196,21 @@ def cmd_hosts(args: argparse.Namespace) -> int:
         started = time.monotonic()
         log: list[dict] = []
 
+        reached: dict[int, float] = {}  # round -> when a host's records first showed it
+
         def tick() -> None:
-            done = max(_rounds(h.folder) for h in hosts)
+            done, now = max(_rounds(h.folder) for h in hosts), time.monotonic()
+            for r in range(1, done + 1):
+                reached.setdefault(r, now)
             for f in faults:
-                if f.done or done < f.at_round:
+                if f.done or done < f.at_round or now - reached.get(f.at_round, now) < f.delay_s:
                     continue
                 f.done = True
                 i = names.index(f.region)
                 if f.kind == "lose":
                     bed.lose(i, wipe=f.arg == "wipe", restart=f.arg != "gone")
+                elif f.kind == "restart":
+                    hosts[i].start()
                 elif f.kind == "partition":
                     bed.partition_for(i, float(f.arg))
                 else:
@@ -197,7 +221,8 @@ def cmd_hosts(args: argparse.Namespace) -> int:
         finished = wait_all(hosts, args.run_timeout, tick)
     finally:
         ends = {h.name: (h.proc.poll() if h.proc is not None else None) for h in bed.hosts}
-        gone = {f.region for f in faults if f.kind == "lose" and f.arg == "gone"}
+        gone = {f.region for f in faults if f.kind == "lose" and f.arg == "gone"} - {
+            f.region for f in faults if f.kind == "restart"}
         bed.close()
     return _report(out, bed, ends, gone, log, finished, args.json)
 

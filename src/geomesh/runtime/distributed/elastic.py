@@ -448,16 +448,23 @@ class QuorumExchange(ElasticState):
                 self._say(f"exchange failed ({exc}); re-forming the quorum without the lost region(s)")
                 try:
                     ctrl = self._quorum(first=False, retry=True)
-                    if ctrl.get("short"):  # too few survivors: the round is void, and its quorum (where regions
-                        # that came back meanwhile may join, healed from us) is the next round's
-                        self._say(f"round {run.rounds + 1}: fewer than {self.min_regions} of its regions finished "
-                                  f"its exchange; the round is void")  # fmt: skip
+                    # void: too few of the round's regions survive, or one that did not train it was admitted (a
+                    # shrink-only request that found too few survivors asks as a joiner does) and healed from us
+                    # with the round's starting state; this quorum (joiners healed from us) is the next round's
+                    why = (f"fewer than {self.min_regions} of its regions finished its exchange" if ctrl.get("short")
+                           else "a region rejoined before its exchange was redone"
+                           if set(ctrl["members"]) - set(members) and not ctrl["healed"] else None)  # fmt: skip
+                    if ctrl.get("short"):
                         ctrl = self._quorum(first=False)
-                        if not ctrl["healed"]:
-                            self.joined_quorum = ctrl
-                            return Exchanged([], None, None, time.perf_counter() - t0, sent, void=True)
+                    void = why is not None and not ctrl["healed"]
                 except MembershipError as err:
                     raise RunError(str(err)) from None
+                if void:
+                    self._say(f"round {run.rounds + 1}: {why}; the round is void")
+                    self._emit({"type": "warning", "round": run.rounds + 1, "worker": self.names[self.me],
+                                "message": f"{why}: the round is void (no region applies it)"})  # fmt: skip
+                    self.joined_quorum = ctrl
+                    return Exchanged([], None, None, time.perf_counter() - t0, sent, void=True)
                 if ctrl["healed"]:  # the others finished this round without us, and formed their next quorum
                     state, self.healed_state = self.healed_state, None
                     self.joined_quorum = ctrl
