@@ -160,14 +160,19 @@ def test_sparse_payloads_through_the_sharded_exchange_rejoin_on_the_bed(tmp_path
     assert summary["exchange"] == "sharded" and summary["elastic"]["joins"] >= 1
 
 
-def test_the_bed_refuses_bad_faults_in_one_line(tmp_path, small_corpus):
+@pytest.mark.parametrize("fault, line", [
+    (["--lose", "nowhere@2"], "error: --lose nowhere@...: no region 'nowhere' (the scenario's: r0-h100, r1-a100, r2-t4)"),
+    (["--lose", "r1-a100@2+soon"], "error: --lose 'r1-a100@2+soon': expected REGION@ROUND[+SECONDS][:wipe|:gone]"),
+    (["--lose", "r1-a100@2", "--restart", "r1-a100@3"],
+     "error: --restart r1-a100@3: the host must be lost with :gone before that round (--lose r1-a100@ROUND:gone)"),
+])  # fmt: skip
+def test_the_bed_refuses_bad_faults_in_one_line(tmp_path, small_corpus, fault, line):
     path = tmp_path / "s.yaml"
     path.write_text(yaml.safe_dump(tiny_scenario_dict(small_corpus)))
     env = {**os.environ, "PYTHONPATH": SRC}
     proc = subprocess.run([sys.executable, "-m", "geomesh.cli", "hosts", str(path), "--method", "geomesh", "--out",
-                           str(tmp_path / "o"), "--lose", "nowhere@2"], env=env, capture_output=True, text=True)  # fmt: skip
-    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
-        "error: --lose nowhere@...: no region 'nowhere' (the scenario's: r0-h100, r1-a100, r2-t4)"]
+                           str(tmp_path / "o"), *fault], env=env, capture_output=True, text=True)  # fmt: skip
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [line]
 
 
 @pytest.mark.waits
