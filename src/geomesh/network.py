@@ -27,6 +27,7 @@ worker's time.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 # P95 round-trip latency (ms) between Azure regions; rows are sources, columns destinations.
@@ -139,6 +140,18 @@ class WanModel:
             rtt_s=tuple(tuple(self.rtt_s[i][j] for j in indices) for i in indices),
             bandwidth_Bps=tuple(tuple(self.bandwidth_Bps[i][j] for j in indices) for i in indices),
         )
+
+    def scaled(self, latency_factor: float, transfer_factor: float) -> "WanModel":
+        """A copy whose every latency is ``latency_factor`` times this one's and every transfer (bytes /
+        bandwidth) ``transfer_factor`` times: RTTs × the first, bandwidths ÷ the second (the measured WAN is the
+        declared one scaled so, :mod:`geomesh.planner.wan`)."""
+        for name, f in (("latency_factor", latency_factor), ("transfer_factor", transfer_factor)):
+            if isinstance(f, bool) or not isinstance(f, (int, float)) or not math.isfinite(f) or f <= 0:
+                raise ValueError(f"{name}={f!r}: expected a positive, finite factor")
+        if latency_factor == 1 and transfer_factor == 1:
+            return self
+        return WanModel(rtt_s=tuple(tuple(x * latency_factor for x in row) for row in self.rtt_s),
+                        bandwidth_Bps=tuple(tuple(x / transfer_factor for x in row) for row in self.bandwidth_Bps))  # fmt: skip
 
     def scaled_bandwidth(self, i: int, factor: float) -> "WanModel":
         """A copy where every link touching worker ``i`` has its bandwidth multiplied by ``factor``."""

@@ -97,11 +97,17 @@ is corrected at the batches the plan runs (a factor per batch where a re-plan fo
 ``warmup_rounds`` of a worker are not its speed, and a re-plan that moves no work (the same plan, a speed every
 worker shares, another (b, H) as balanced) is none.
 
+The WAN is measured like compute (:mod:`.wan`): :class:`WanEstimator` learns a latency factor and a transfer
+factor of the declared :class:`~geomesh.network.WanModel` from measured exchanges (two sizes separate them),
+smoothed, outliers held back, and says when the drift from what the plan in force assumed is past its threshold
+and the measurements' noise; the plan is then made over the measured WAN.
+
 Modules: :mod:`.plan` (constraints, plans, candidate batches, the uniform plan and the reference round),
 :mod:`.search` (the balanced plan: the rule's fill and the sequence target's search), :mod:`.online`
 (re-planning from measurements), :mod:`.settle` (measured profiles as the planner sees them: alike workers
-pooled, tables corrected where measured). The planner is an algorithm layer: it imports only ``geomesh.hardware``
-(worker profiles) and ``geomesh.errors``.
+pooled, tables corrected where measured), :mod:`.exchange` (the exchange a round uses), :mod:`.wan` (the WAN
+measured). The planner is an algorithm layer: it imports only ``geomesh.hardware`` (worker profiles),
+``geomesh.network`` (the WAN model) and ``geomesh.errors``.
 """
 
 from __future__ import annotations
@@ -124,6 +130,7 @@ from .plan import (
     split_batch,
 )
 from .search import FILL_SLACK, IDLE_WARN, V_SLACK, WINDOW_STRETCH, plan_balanced
+from .wan import WanEstimator, exchange_parts, time_parts
 
 __all__ = [
     "PlanError",
@@ -134,6 +141,9 @@ __all__ = [
     "plan_uniform",
     "replan",
     "OnlinePlanner",
+    "WanEstimator",
+    "exchange_parts",
+    "time_parts",
     "split_batch",
     "knee_micro_batch",
     "candidate_batches",
