@@ -177,3 +177,139 @@ def test_bad_input_is_refused():
         est.load_state_dict({"version": 1, "latency_factor": -1})
     with pytest.raises(ValueError, match="not a WanEstimator state"):
         est.load_state_dict({**WanEstimator().state_dict(), "level": [[1.0, float("nan"), 1.0]]})
+
+
+# ---- the emulated runtime: a cluster whose WAN is not the declared one ----------------------------------
+
+
+def wan_scenario(folder, paths, method_tokens=None, **geomesh):
+    """The tiny scenario at 1 Gbit/s with rounds short against the exchange (0.2 s of compute, an all-gather of
+    0.33 s as declared): an overlapped round is stretched to the exchange it hides. ``geomesh``: its section's
+    overrides; ``actual=``: the scenario's wan.actual."""
+    import yaml
+    from conftest import tiny_scenario_dict
+
+    data = tiny_scenario_dict(paths, zero_shot_items=0)
+    data["wan"]["bandwidth_gbps"] = 1.0
+    actual = geomesh.pop("actual", None)
+    if actual is not None:
+        data["wan"]["actual"] = actual
+    g = data["geomesh"]
+    g.pop("round_sequences_factor")  # the planning rule, which overlap floors at the exchange
+    g.update({"calibrate": True, "round_time_s": 0.2, **geomesh})
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "scenario.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def emulated(path, method, out=None, **options):
+    from geomesh.config import load_scenario
+    from geomesh.runtime.emulated import EmulatedRun, RunOptions
+
+    return EmulatedRun(load_scenario(path), get_method(method),
+                       RunOptions(out_dir=out, progress=False, **{"workers_parallel": 1, **options})).run()  # fmt: skip
+
+
+def test_a_wan_4x_slower_than_declared_is_replanned_for_and_overlap_hides_it(tmp_path, small_corpus):
+    from geomesh.telemetry import read_events
+
+    slow = {"actual": {"bandwidth_factor": 0.25}}
+    closed = emulated(wan_scenario(tmp_path / "c", small_corpus, **slow), "geomesh-overlap", tmp_path / "closed")
+    opened = emulated(wan_scenario(tmp_path / "o", small_corpus, measure_wan=False, **slow), "geomesh-overlap")
+    # open loop: the plan keeps the declared exchange, which the cluster's exchange outlasts round after round
+    assert opened["replans"] == 0 and opened["wan_measured"] is None
+    assert opened["plan"]["exchange_s"] < opened["exchange_s_per_round"]
+    assert any("on wan.actual" in m for m in opened["modeled"])
+    # closed loop: the first exchange measures the WAN, the plan is made again over it, with the reason
+    plans = [e for e in read_events(tmp_path / "closed" / "events.jsonl") if e["type"] == "plan"]
+    wan = [p for p in plans if p.get("replan") and p["reason"].startswith("the WAN measured")]
+    assert len(wan) == 1 and wan[0]["round"] == 1 and "slower than the plan assumed" in wan[0]["reason"]
+    assert closed["replans"] == 1 and wan[0]["wan_measured"]["transfer_factor"] > 2
+    assert closed["wan_measured"]["observations"] >= 1
+    assert closed["plan"]["exchange_s"] == pytest.approx(closed["exchange_s_per_round"])  # the plan knows the WAN
+    # the round stretched to the exchange it hides (within the planner's 1% fill slack)
+    assert closed["plan"]["compute_s"] > 0.98 * closed["exchange_s_per_round"] > opened["plan"]["compute_s"]
+    assert closed["wan_idle_frac"] < opened["wan_idle_frac"]
+    rounds = [e for e in read_events(tmp_path / "closed" / "events.jsonl") if e["type"] == "round"]
+    assert rounds[0]["planned_exchange_s"] < rounds[0]["exchange_s"] and "planned_exchange_s" not in rounds[-1]
+    # --no-calibrate (geomesh.calibrate: false) keeps the declared WAN too
+    nocal = emulated(wan_scenario(tmp_path / "n", small_corpus, calibrate=False, **slow), "geomesh-overlap")
+    assert nocal["wan_measured"] is None
+    assert (nocal["curve"], nocal["modeled_time_s"]) == (opened["curve"], opened["modeled_time_s"])
+
+
+def test_an_accurate_declaration_is_not_replanned_for(tmp_path, small_corpus):
+    from geomesh.telemetry import read_events
+
+    closed = emulated(wan_scenario(tmp_path / "c", small_corpus), "geomesh-overlap", tmp_path / "closed")
+    opened = emulated(wan_scenario(tmp_path / "o", small_corpus, measure_wan=False), "geomesh-overlap")
+    assert closed["replans"] == 0 and closed["wan_measured"]["observations"] >= 1
+    assert closed["wan_measured"]["transfer_factor"] == pytest.approx(1.0)
+    assert not [e for e in read_events(tmp_path / "closed" / "events.jsonl") if e["type"] == "plan" and e.get("replan")]
+    # measuring the WAN the plan already has changes nothing: the same run as the open loop
+    assert (closed["curve"], closed["modeled_time_s"], closed["per_worker"]) == (
+        opened["curve"], opened["modeled_time_s"], opened["per_worker"])
+
+
+def test_a_resumed_closed_loop_is_the_uninterrupted_run(tmp_path, small_corpus, monkeypatch):
+    """The WAN measured is in the emulated checkpoints: a run interrupted after one resumes to the very run
+    that was never interrupted (summary and events byte for byte)."""
+    from test_reliability import Interrupted, assert_same_run, interrupt_at
+
+    path = wan_scenario(tmp_path, small_corpus, actual={"bandwidth_factor": 0.25, "rtt_factor": 2.0},
+                        round_time_s=None, round_sequences_factor=1.0)  # fmt: skip
+    ref = emulated(path, "geomesh", tmp_path / "ref", tokens=9000)
+    assert ref["replans"] >= 1 and ref["wan_measured"]["observations"] == ref["rounds"] >= 4
+    interrupt_at(monkeypatch, 3)
+    with pytest.raises(Interrupted):
+        emulated(path, "geomesh", tmp_path / "run", tokens=9000, checkpoint_every=1)
+    monkeypatch.undo()
+    emulated(path, "geomesh", tmp_path / "run", tokens=9000, checkpoint_every=1, resume=True)
+    assert_same_run(tmp_path / "run", tmp_path / "ref")
+
+
+# ---- GeoMeshSync: a user's loop reports its exchanges -----------------------------------------------------
+
+
+def test_geomesh_sync_takes_measured_exchange_times(tmp_path):
+    from test_api_replan import _trained, alike_scenario, tiny
+
+    from geomesh.api import GeoMeshSync
+    from geomesh.config import load_scenario
+    from geomesh.telemetry import Telemetry
+    from geomesh.telemetry_sinks import ListSink
+
+    path = alike_scenario(tmp_path / "alike.yaml")
+    sink = ListSink()
+
+    def make(telemetry=None, **overrides):
+        return GeoMeshSync([tiny(0), tiny(0)], scenario=load_scenario(path, overrides), telemetry=telemetry)
+
+    sync = make(Telemetry(None, sinks=[sink]))
+    assert isinstance(sync.wan, WanEstimator) and make(**{"geomesh.measure_wan": False}).wan is None
+    assert make(**{"geomesh.calibrate": False}).wan is None
+    declared = sum(exchange_parts(sync.method, sync.scenario.wan_model(), sync.payload_bytes))
+    first = sync.plan.exchange_s
+    with pytest.raises(ValueError, match="exchange time"):
+        sync.sync([10, 10], exchange_s=-1.0)
+    results = []
+    for k in range(8):  # the user's exchange takes 4x what the declared WAN says
+        _trained(sync)
+        results.append(sync.sync([10, 10], exchange_s=4 * declared))
+        if k == 3:
+            resumed = make()
+            resumed.load_state_dict(sync.state_dict())
+            assert json.loads(json.dumps(sync.state_dict()["wan"])) == sync.state_dict()["wan"]  # plain JSON
+    assert results[0].exchange_s == pytest.approx(4 * declared)
+    replanned = [k for k, r in enumerate(results) if r.replanned]
+    assert replanned and replanned[0] <= 6  # once the exchanges' noise is known (none here): six exchanges
+    records = [r for r in sink.records if r["type"] == "plan" and "reason" in r]
+    assert len(records) == 1 and records[0]["reason"].startswith("the WAN measured 4.0x slower")
+    assert sync.plan.exchange_s == pytest.approx(4 * first)  # the plan now expects the measured WAN
+    assert sync.wan.transfer_factor == pytest.approx(4.0)
+    # the WAN measured is in its state: a copy resumed mid-way decides as the uninterrupted one
+    for k in range(4, 8):
+        _trained(resumed)
+        assert resumed.sync([10, 10], exchange_s=4 * declared).replanned == results[k].replanned
+    assert resumed.wan.state_dict() == sync.wan.state_dict() and resumed.plan.to_json() == sync.plan.to_json()

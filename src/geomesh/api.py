@@ -32,6 +32,14 @@ measurement over the group as JSON, folds them into the online planner
 (:class:`~geomesh.planner.OnlinePlanner`) identically on every rank and, when a worker's speed drifted past
 ``geomesh.replan_threshold``, re-plans: every rank then holds the same new plan, which ``plan_for_rank``
 returns from then on. The first sync's interval (set-up, first-step warm-up) is not folded in.
+
+The WAN is measured too (``geomesh.measure_wan``, unless ``geomesh.calibrate`` is false): each sync's exchange
+(its all-gather's wall time over a group from the second sync on, or ``exchange_s=``) is gathered as the
+compute times are, and the slowest rank's is folded into a :class:`~geomesh.planner.WanEstimator` against the
+declared WAN; past its deadband the plan is made again over the measured WAN (the plan record says why).
+
+This file is long because :class:`GeoMeshSync` is the one object a user's loop talks to: the plan, the
+exchange, the outer step, re-planning from measured compute and WAN, and its state, with the helpers it needs.
 """
 
 from __future__ import annotations
@@ -53,7 +61,7 @@ from .codec import Manifest
 from .config import ConfigError, GeoMeshConfig, ScenarioConfig, TrainingConfig, load_scenario
 from .methods import OuterLoopMethod, get_method
 from .outer import OuterNesterov
-from .planner import OnlinePlanner, Plan, WorkerPlan, split_batch
+from .planner import OnlinePlanner, Plan, WanEstimator, WorkerPlan, exchange_parts, split_batch
 
 __all__ = ["GeoMeshSync", "RankPlan", "SyncResult", "plan_from_scenario", "load_plan"]
 
@@ -99,6 +107,7 @@ class SyncResult:
     update_norm: float  # L2 norm of the combined outer gradient (0 when nothing arrived)
     seconds: float  # wall time of the sync (encode, exchange, decode, outer step, re-planning)
     replanned: bool = False  # whether the plan changed at this sync (plan_for_rank returns the new one)
+    exchange_s: float | None = None  # this process's measured exchange (given, or its all-gather's wall time)
 
 
 def load_plan(plan: Plan | Mapping[str, Any] | str | Path) -> Plan:
@@ -262,6 +271,7 @@ class GeoMeshSync:
 
         # the plan; one made from the scenario by a balanced method is re-planned from measurements
         self.online: OnlinePlanner | None = None
+        self.wan: WanEstimator | None = None  # the WAN measured (with re-planning from a scenario)
         self.replans = 0
         if plan is not None:
             self.plan: Plan | None = load_plan(plan)
@@ -278,6 +288,10 @@ class GeoMeshSync:
                                             threshold=self.scenario.geomesh.replan_threshold,
                                             first_measurement_sets_factor=True)  # fmt: skip
                 self.plan = self.online.plan(*self._exchange)
+                g = self.scenario.geomesh
+                if g.measure_wan and g.calibrate:  # wall-clock exchanges are noisy: the noise-aware deadband
+                    self.wan = WanEstimator(smoothing=g.replan_smoothing, threshold=g.replan_threshold,
+                                            noise_k=g.replan_noise_k)  # fmt: skip
             else:
                 self.plan = self.method.plan(self.scenario, inputs.profiles, exchange_bytes=inputs.exchange_bytes,
                                              exchange_s=inputs.exchange_s)  # fmt: skip
@@ -298,6 +312,7 @@ class GeoMeshSync:
         self.tokens_per_step = tokens_per_step
         self._transport: Any = None
         self._wan_bytes_seen = 0
+        self._gathered_s: float | None = None  # the last all-gather's wall time
         # the compute of round 1 runs from here; its interval also holds the caller's set-up, so it is not measured
         self._round_started = time.perf_counter()
         self._interval_measurable = False
@@ -325,8 +340,8 @@ class GeoMeshSync:
         return self.plan_for_rank().inner_steps
 
     # ---- the round --------------------------------------------------------------------------------
-    def sync(self, tokens: int | Sequence[int] | None = None,
-             compute_s: float | Sequence[float] | None = None) -> SyncResult:  # fmt: skip
+    def sync(self, tokens: int | Sequence[int] | None = None, compute_s: float | Sequence[float] | None = None,
+             exchange_s: float | None = None) -> SyncResult:  # fmt: skip
         """End the round: exchange the compressed pseudo-gradients, take the outer step, and load the new
         global parameters into the model(s). ``tokens``: tokens trained since the last sync (one count per
         replica; ``None``: ``tokens_per_step × inner_steps``). Every rank of the group must call it.
@@ -334,10 +349,17 @@ class GeoMeshSync:
         With re-planning on, each worker's compute time of the round is measured: ``compute_s`` (seconds, one
         per replica) when given, else the wall time since the previous sync returned (a process with several
         replicas cannot tell theirs apart and measures nothing without ``compute_s``). Every rank folds the
-        group's measurements into the online planner and re-plans at the same sync when speeds drifted."""
+        group's measurements into the online planner and re-plans at the same sync when speeds drifted.
+
+        With the WAN measured, ``exchange_s`` is this round's exchange as the caller measured it (seconds); by
+        default, over a group, the wall time of this sync's all-gather (not the first sync's: connections are
+        set up then); the slowest rank's is folded in."""
         started = time.perf_counter()
         counts = self._token_counts(tokens)
         measured = self._round_compute(started, compute_s) if self.online is not None else None
+        if exchange_s is not None and not _seconds(exchange_s):
+            raise ValueError(f"exchange time {exchange_s!r}: expected positive, finite seconds")
+        self._gathered_s = None
         payloads: list[bytes | None] = []
         for j, (model, codec, n) in enumerate(zip(self.replicas, self.codecs, counts)):
             payloads.append(self._encode(j, model, codec, n))
@@ -357,10 +379,13 @@ class GeoMeshSync:
         self.rounds += 1
         self.tokens_total += total
         self.bytes_sent += sent
-        replanned = self._replan(measured) if measured is not None else False
+        if exchange_s is None and self.rounds > 1:  # (the first all-gather sets its connections up)
+            exchange_s = self._gathered_s
+        replanned = self._replan(measured, exchange_s) if measured is not None else False
         result = SyncResult(round=self.rounds, tokens=total, contributions=len(arrived),
                             dropped=len(payloads) - len(arrived), payload_bytes=self.payload_bytes, bytes_sent=sent,
-                            update_norm=norm, seconds=time.perf_counter() - started, replanned=replanned)  # fmt: skip
+                            update_norm=norm, seconds=time.perf_counter() - started, replanned=replanned,
+                            exchange_s=None if exchange_s is None else float(exchange_s))  # fmt: skip
         if self.telemetry is not None:
             self.telemetry.emit({"type": "sync", "round": self.rounds, "time": time.perf_counter() - self._started,
                                  "tokens": self.tokens_total, "round_tokens": total, "bytes_sent": self.bytes_sent,
@@ -379,27 +404,32 @@ class GeoMeshSync:
             if len(given) != self.local:
                 raise ValueError(f"sync() got {len(given)} compute times for {self.local} replicas")
             for s in given:
-                if isinstance(s, bool) or not isinstance(s, (int, float)) or not math.isfinite(s) or s <= 0:
+                if not _seconds(s):
                     raise ValueError(f"compute time {s!r}: expected positive, finite seconds")
             return [float(s) for s in given]
         if self.local == 1 and self._interval_measurable:
             return [started - self._round_started]
         return [None] * self.local
 
-    def _replan(self, mine: list[float | None]) -> bool:
-        """Fold every worker's measurement into the online planner, in worker order on every rank (the same
-        numbers, gathered as JSON), and re-plan when one drifted; returns whether the plan changed."""
+    def _replan(self, mine: list[float | None], exchange_s: float | None = None) -> bool:
+        """Fold every worker's measurement (and the round's exchange, the slowest rank's) into the online
+        planner (and the WAN measured), in worker order on every rank (the same numbers, gathered as JSON), and
+        re-plan when one drifted; returns whether the plan changed."""
         assert self.online is not None and self.plan is not None
         if self.group is not None:
-            gathered = self._transport_for_group().all_gather_json({"compute_s": mine}, self.group, self.world_size,
+            gathered = self._transport_for_group().all_gather_json({"compute_s": mine, "exchange_s": exchange_s},
+                                                                  self.group, self.world_size,
                                                                   what="the workers' compute times")  # fmt: skip
             measured: list[float | None] = []
+            exchanges = []
             for rank, item in enumerate(gathered):
                 values = item.get("compute_s") if isinstance(item, dict) else None
                 if not isinstance(values, list) or len(values) != self.local:
                     values = [None] * self.local  # a rank whose message is unreadable measured nothing this round
-                measured += [v if isinstance(v, (int, float)) and math.isfinite(v) and v > 0 else None
-                             for v in values]  # fmt: skip
+                measured += [v if _seconds(v) else None for v in values]
+                x = item.get("exchange_s") if isinstance(item, dict) else None
+                exchanges += [float(x)] if _seconds(x) else []
+            exchange_s = max(exchanges) if exchanges else None
         else:
             measured = list(mine)
         old = self.plan
@@ -408,17 +438,38 @@ class GeoMeshSync:
             if seconds is not None:
                 self.online.observe(wp.name, float(seconds), old)
                 seen[wp.name] = float(seconds)
-        if not seen:
+        reason = self._measure_wan(exchange_s)
+        if reason is not None:  # the plan made again over the WAN measured (and the speeds measured)
+            bytes_ = self._exchange[0]
+            self._exchange = (bytes_, self.method.exchange(self.wan.measured(self.scenario.wan_model()), bytes_)[0])
+            self.wan.assume()
+            new = self.online.plan(*self._exchange)
+            measurement = {"reason": reason, "wan_measured": self.wan.summary()}
+        elif not seen:
             return False
-        new = self.online.maybe_replan(*self._exchange)
+        else:
+            new = self.online.maybe_replan(*self._exchange)
+            planned = {w.name: w.compute_s for w in old.workers if w.name in seen}
+            measurement = {"measured_s": seen, "planned_s": planned}
         if new is None:
             return False
         self.plan = new
         self.replans += 1
         if self.telemetry is not None:
             self.telemetry.count("replans")
-        self._record_plan(new, measured_s=seen, planned_s={w.name: w.compute_s for w in old.workers if w.name in seen})
+        self._record_plan(new, **measurement)
         return True
+
+    def _measure_wan(self, exchange_s: float | None) -> str | None:
+        """Fold the round's exchange into the WAN measured (against the declared WAN's exchange of this loop's
+        payload); why to re-plan, or None."""
+        if self.wan is None or exchange_s is None:
+            return None
+        parts = exchange_parts(self.method, self.scenario.wan_model(), self.payload_bytes)
+        if sum(parts) <= 0:
+            return None
+        self.wan.observe(*parts, float(exchange_s))
+        return self.wan.should_replan()
 
     def _record_plan(self, plan: Plan, **measurement: Any) -> None:
         if self.telemetry is not None:
@@ -469,7 +520,9 @@ class GeoMeshSync:
         transport = self._transport_for_group()
         n = self.payload_bytes
         blob = b"".join(p if p is not None else bytes(n) for p in payloads)
+        started = time.perf_counter()
         gathered = transport.all_gather_bytes(blob, len(blob), self.group, self.world_size)
+        self._gathered_s = time.perf_counter() - started
         sent, self._wan_bytes_seen = transport.wan_bytes - self._wan_bytes_seen, transport.wan_bytes
         return split_gathered(gathered, n), sent
 
@@ -514,6 +567,8 @@ class GeoMeshSync:
             "codecs": [c.state_dict() if hasattr(c, "state_dict") else {} for c in self.codecs],
             "plan": self.plan.to_json() if self.plan is not None else None,
             "online": self.online.state_dict() if self.online is not None else None,
+            "wan": self.wan.state_dict() if self.wan is not None else None,
+            "exchange": list(self._exchange) if self.online is not None else None,
             "replans": self.replans,
         }
 
@@ -533,10 +588,18 @@ class GeoMeshSync:
             self.plan = load_plan(state["plan"])
         if self.online is not None and state.get("online") is not None:
             self.online.load_state_dict(state["online"])
+        if self.wan is not None and state.get("wan") is not None:
+            self.wan.load_state_dict(state["wan"])
+        if self.online is not None and state.get("exchange") is not None:
+            self._exchange = (int(state["exchange"][0]), float(state["exchange"][1]))
         self.replans = int(state.get("replans", 0))
         # the time since construction is not a round's compute
         self._round_started, self._interval_measurable = time.perf_counter(), False
         self._load_global()
+
+
+def _seconds(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
 
 
 def _uniform_plan(n_workers: int, batch_size: int, inner_steps: int) -> Plan:

@@ -56,9 +56,22 @@ class GpuConfig:
 
 
 @dataclass
+class WanActualConfig:
+    """The WAN the cluster really has where the declaration is wrong (the emulated runtime times exchanges on it,
+    the plan learns it only by measuring): links given outright (``rtt``, ``bandwidth_gbps``, as in ``wan``) or
+    as factors of the declared ones (``rtt_factor``, ``bandwidth_factor``); what is not given is as declared."""
+
+    rtt: Any = None  # an NxN matrix in ms
+    bandwidth_gbps: Any = None  # one figure for every link, or an NxN matrix (Gbit/s)
+    rtt_factor: float | None = None  # every RTT times this
+    bandwidth_factor: float | None = None  # every bandwidth times this (0.25: links 4x slower than declared)
+
+
+@dataclass
 class WanConfig:
     rtt: Any = "azure"  # "azure" (published P95 RTTs between regions' azure_region) or an NxN matrix in ms
     bandwidth_gbps: Any = 1.0  # one figure for every link, or an NxN matrix (Gbit/s)
+    actual: WanActualConfig | None = None  # the WAN the cluster really has, when not the declared one
 
 
 @dataclass
@@ -165,6 +178,10 @@ class GeoMeshConfig:
     # the distributed runtime measures each region's step time in place before round 0 and plans from that
     # (a region given --profile keeps its file); false: plan from the datasheet model (a fast start)
     calibrate: bool = True
+    # the WAN measured in place (docs/distributed.md, "The WAN measured"): every exchange is a measurement of the
+    # links, the plan's exchange time comes from the measured WAN and the round is re-planned when it drifts; the
+    # declared WAN is the prior. false, or calibrate: false (--no-calibrate): the declared WAN throughout
+    measure_wan: bool = True
     # hide the WAN exchange behind the next round's compute (docs/overlap.md): round r's combined update is
     # applied inside round r+1, at the inner step by which the plan says it has arrived (beyond the paper)
     overlap: bool = False
@@ -327,6 +344,7 @@ class ScenarioConfig:
         return profiles
 
     def wan_model(self) -> WanModel:
+        """The declared WAN (``wan``): what the plan starts from."""
         n = len(self.regions)
         if self.wan.rtt == "azure":
             rtt = [[azure_rtt_ms(a.azure_region, b.azure_region) for b in self.regions] for a in self.regions]
@@ -338,6 +356,20 @@ class ScenarioConfig:
             rtt_s=tuple(tuple(float(x) / 1000 for x in row) for row in rtt),
             bandwidth_Bps=tuple(tuple(float(x) * 1e9 / 8 for x in row) for row in bw),
         )
+
+    def actual_wan_model(self) -> WanModel:
+        """The WAN the cluster really has: ``wan.actual`` over the declared WAN (the declared one without it)."""
+        declared, actual = self.wan_model(), self.wan.actual
+        if actual is None:
+            return declared
+        n = len(self.regions)
+        given = WanConfig(rtt=actual.rtt if actual.rtt is not None else self.wan.rtt,
+                          bandwidth_gbps=actual.bandwidth_gbps if actual.bandwidth_gbps is not None
+                          else self.wan.bandwidth_gbps)  # fmt: skip
+        wan = dataclasses.replace(self, wan=given).wan_model() if given != self.wan else declared
+        rf, bf = actual.rtt_factor or 1.0, actual.bandwidth_factor or 1.0
+        return WanModel(rtt_s=tuple(tuple(x * rf for x in row) for row in wan.rtt_s),
+                        bandwidth_Bps=tuple(tuple(x * bf for x in row) for row in wan.bandwidth_Bps))  # fmt: skip
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -375,6 +407,8 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
         for arg in typing.get_args(tp):
             if arg is type(None):
                 continue
+            if dataclasses.is_dataclass(arg) and isinstance(value, dict):
+                return _coerce(value, arg, where)  # a section: the error names the field inside it
             try:
                 return _coerce(value, arg, where)
             except ConfigError:
@@ -485,6 +519,7 @@ def validate(cfg: ScenarioConfig) -> ScenarioConfig:
         _require(_finite(bw) and 0 < bw <= 1e5, "wan.bandwidth_gbps", bw, "expected Gbit/s in (0, 1e5]")
     else:
         _check_matrix(bw, n, "wan.bandwidth_gbps", diagonal_zero_ok=False)
+    _validate_actual_wan(cfg.wan.actual, n)
     t = cfg.timing_model
     for name in ("n_layers", "hidden", "seq_len", "vocab"):
         _require(getattr(t, name) > 0, f"timing_model.{name}", getattr(t, name), "expected a positive integer")
@@ -585,6 +620,29 @@ def validate(cfg: ScenarioConfig) -> ScenarioConfig:
     _validate_logging(cfg.logging)
     _validate_reliability(cfg.reliability)
     return cfg
+
+
+def _validate_actual_wan(a: WanActualConfig | None, n: int) -> None:
+    if a is None:
+        return
+    w = "wan.actual"
+    given = [k for k in ("rtt", "bandwidth_gbps", "rtt_factor", "bandwidth_factor") if getattr(a, k) is not None]
+    _require(bool(given), w, {}, "expected at least one of rtt, bandwidth_gbps, rtt_factor, bandwidth_factor")
+    _require(a.rtt is None or a.rtt_factor is None, f"{w}.rtt_factor", a.rtt_factor,
+             "give wan.actual.rtt or wan.actual.rtt_factor, not both")  # fmt: skip
+    _require(a.bandwidth_gbps is None or a.bandwidth_factor is None, f"{w}.bandwidth_factor", a.bandwidth_factor,
+             "give wan.actual.bandwidth_gbps or wan.actual.bandwidth_factor, not both")  # fmt: skip
+    if a.rtt is not None:
+        _check_matrix(a.rtt, n, f"{w}.rtt", diagonal_zero_ok=True)
+    bw = a.bandwidth_gbps
+    if isinstance(bw, (int, float)) and not isinstance(bw, bool):
+        _require(_finite(bw) and 0 < bw <= 1e5, f"{w}.bandwidth_gbps", bw, "expected Gbit/s in (0, 1e5]")
+    elif bw is not None:
+        _check_matrix(bw, n, f"{w}.bandwidth_gbps", diagonal_zero_ok=False)
+    for key in ("rtt_factor", "bandwidth_factor"):
+        f = getattr(a, key)
+        _require(f is None or 1 / 1000 <= f <= 1000, f"{w}.{key}", f,
+                 "expected a factor of the declared links in [0.001, 1000]")  # fmt: skip
 
 
 def _validate_reliability(r: ReliabilityConfig) -> None:

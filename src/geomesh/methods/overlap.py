@@ -268,14 +268,22 @@ def round_compute_s(plan_workers: Sequence, steps: Sequence[int]) -> float:
     return max((w.compute_s / max(w.inner_steps, 1) * h for w, h in zip(plan_workers, steps)), default=0.0)
 
 
+def fragment_exchange_s(method, wan: WanModel, manifest: Manifest, modeled_payload: int,
+                        names: Sequence[Sequence[str]]) -> tuple[float, ...]:  # fmt: skip
+    """Each fragment's exchange (the tensors ``names[f]``, their share of ``modeled_payload``) on ``wan``: how
+    the plan times a split (:func:`tail_split`), and how a runtime times it on the cluster's own WAN."""
+    sizes = {s.name: s.numel for s in manifest}
+    elements = [sum(sizes[n] for n in group) for group in names]
+    return tuple(method.exchange(wan, round(modeled_payload * e / manifest.numel))[0] for e in elements)
+
+
 def _split_into(method, wan: WanModel, manifest: Manifest, modeled_payload: int, count: int) -> TailSplit | None:
     names = split_manifest(manifest, count)
     if len(names) <= 1:
         return None
     sizes = {s.name: s.numel for s in manifest}
-    elements = [sum(sizes[n] for n in group) for group in names]
-    shares = tuple(e / manifest.numel for e in elements)
-    exchange = tuple(method.exchange(wan, round(modeled_payload * e / manifest.numel))[0] for e in elements)
+    shares = tuple(sum(sizes[n] for n in group) / manifest.numel for group in names)
+    exchange = fragment_exchange_s(method, wan, manifest, modeled_payload, names)
     lead = tuple(sum(exchange[f:-1]) for f in range(len(names)))
     return TailSplit(tuple(names), exchange, lead, shares)
 

@@ -190,3 +190,12 @@ def scenario_exchange(scenario, wan: WanModel, collective: str, payload_bytes: f
     sizes = sharded_sizes(codec, g.shard_bits, scenario.timing().params) if collective == "all_gather" else None
     forced = g.exchange if sizes is not None and wan.n >= 2 else "auto"
     return choose_exchange(wan, collective, payload_bytes, sizes, forced=forced, overlap=overlap, bits=g.shard_bits)
+
+
+def scenario_exchange_seconds(scenario, wan: WanModel, collective: str, payload_bytes: float, name: str,
+                              codec=None) -> float:  # fmt: skip
+    """The time on ``wan`` of the exchange ``name`` that :func:`scenario_exchange` chose (on another WAN: the
+    plan chooses on the WAN it assumes, the cluster's own WAN times it)."""
+    g = scenario.geomesh
+    sizes = sharded_sizes(codec, g.shard_bits, scenario.timing().params) if name == "sharded" else None
+    return exchange_costs(wan, collective, payload_bytes, sizes)[name].seconds

@@ -30,8 +30,9 @@ it took. The model is measured ≈ a·latency_s + b·transfer_s.
   until :data:`NOISE_MIN_CHANGES` changes are known: one from three or four is often far too low). With
   ``noise_k`` > 0 and σ known, an exchange further than max(``threshold``, ``noise_k``·σ) from the prediction
   is held back instead of folded in: alone, or with fewer than :data:`CONFIRM` in a row on one side, it is
-  an outlier (a congested moment) and is dropped when the next one is back within the noise; :data:`CONFIRM` in a row on one side are a change of the link, and
-  the level starts again from them (one re-plan to the new link, not a chain of re-plans half-way there).
+  an outlier (a congested moment) and is dropped when the next one is back within the noise;
+  :data:`CONFIRM` in a row on one side are a change of the link, and the level starts again from them (one
+  re-plan to the new link, not a chain of re-plans half-way there).
   Three, not two as for compute: with σ measured from a few exchanges, two in a row past a 2σ band on one
   side come from noise alone too often. A probe is always folded in: probes are deliberate, and their sizes
   differ on purpose.
@@ -66,6 +67,7 @@ NOISE_MIN_CHANGES = 5  # successive changes of the prediction errors before thei
 CONFIRM = 3  # exchanges in a row outside the noise, on one side, that are a change of the link (fewer: outliers)
 
 _STATE_VERSION = 1
+_SAME = 1e-9  # factors this close to 1 are 1 (float rounding of a latency part plus a transfer part)
 
 
 def exchange_parts(method: Any, wan: WanModel, nbytes: float) -> tuple[float, float]:
@@ -82,6 +84,13 @@ def time_parts(cost: Callable[[WanModel], float], wan: WanModel) -> tuple[float,
     inf = float("inf")
     latency = float(cost(WanModel(wan.rtt_s, tuple(tuple(inf for _ in row) for row in wan.bandwidth_Bps))))
     return latency, max(0.0, float(cost(wan)) - latency)
+
+
+def _scaled(declared: WanModel, a: float, b: float) -> WanModel:
+    """``declared.scaled(a, b)``, and ``declared`` itself where a factor is 1 but for float rounding (modeled
+    exchanges measured against their own model: the plan stays the declared WAN's, bit for bit)."""
+    same = abs(a - 1.0) <= _SAME and abs(b - 1.0) <= _SAME
+    return declared if same else declared.scaled(a, b)
 
 
 def _bounded(f: float) -> float:
@@ -135,7 +144,11 @@ class WanEstimator:
     def measured(self, declared: WanModel) -> WanModel:
         """The WAN as measured: ``declared`` with its latencies × ``latency_factor``, bandwidths ÷
         ``transfer_factor``."""
-        return declared.scaled(self._a, self._b)
+        return _scaled(declared, self._a, self._b)
+
+    def planned(self, declared: WanModel) -> WanModel:
+        """The WAN the plan in force assumed (:meth:`assume`): ``declared`` scaled by those factors."""
+        return _scaled(declared, *self._assumed)
 
     def predict(self, latency_s: float, transfer_s: float) -> float:
         """An exchange whose declared parts are these, as the factors now predict it."""

@@ -36,19 +36,27 @@ def faults_at(scenario: ScenarioConfig, round_index: int) -> list[FaultConfig]:
 
 
 class ClusterState:
-    """Which workers are alive, how much slower than their profiles they really are, and the WAN now."""
+    """Which workers are alive, how much slower than their profiles they really are, and the WAN now: the
+    declared one (:meth:`wan`, the plan's prior) and the one the cluster really has (:meth:`actual_wan`, the
+    scenario's ``wan.actual``; the declared one without it). A ``bandwidth`` fault changes both."""
 
     def __init__(self, scenario: ScenarioConfig):
         n = len(scenario.regions)
         self.alive = [True] * n
         self.speed = [1.0] * n  # true compute time / the profile's prediction
         self._wan = scenario.wan_model()
+        self._actual = scenario.actual_wan_model() if scenario.wan.actual is not None else None
 
     def live(self) -> list[int]:
         return [i for i, a in enumerate(self.alive) if a]
 
     def wan(self, live: list[int]):
+        """The declared WAN between ``live`` (the scenario's faults applied)."""
         return self._wan.subset(live)
+
+    def actual_wan(self, live: list[int]):
+        """The WAN the cluster really has between ``live``: what its exchanges take (the faults applied)."""
+        return (self._actual or self._wan).subset(live)
 
     def apply(self, i: int, kind: str, factor: float) -> None:
         if kind == "slowdown":
@@ -59,17 +67,27 @@ class ClusterState:
             self.alive[i] = True
         elif kind == "bandwidth":
             self._wan = self._wan.scaled_bandwidth(i, factor)
+            if self._actual is not None:
+                self._actual = self._actual.scaled_bandwidth(i, factor)
 
     def state_dict(self) -> dict[str, Any]:
-        wan = self._wan
-        return {"alive": list(self.alive), "speed": list(self.speed), "rtt_s": [list(r) for r in wan.rtt_s],
-                "bandwidth_Bps": [list(r) for r in wan.bandwidth_Bps]}  # fmt: skip
+        return {"alive": list(self.alive), "speed": list(self.speed), **_wan_state(self._wan),
+                "actual": None if self._actual is None else _wan_state(self._actual)}  # fmt: skip
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.alive = [bool(a) for a in state["alive"]]
         self.speed = [float(s) for s in state["speed"]]
-        self._wan = WanModel(rtt_s=tuple(tuple(float(x) for x in r) for r in state["rtt_s"]),
-                             bandwidth_Bps=tuple(tuple(float(x) for x in r) for r in state["bandwidth_Bps"]))  # fmt: skip
+        self._wan = _wan_of(state)
+        self._actual = _wan_of(state["actual"]) if state.get("actual") is not None else None
+
+
+def _wan_state(wan: WanModel) -> dict[str, Any]:
+    return {"rtt_s": [list(r) for r in wan.rtt_s], "bandwidth_Bps": [list(r) for r in wan.bandwidth_Bps]}
+
+
+def _wan_of(state: dict[str, Any]) -> WanModel:
+    return WanModel(rtt_s=tuple(tuple(float(x) for x in r) for r in state["rtt_s"]),
+                    bandwidth_Bps=tuple(tuple(float(x) for x in r) for r in state["bandwidth_Bps"]))  # fmt: skip
 
 
 @dataclass

@@ -13,7 +13,7 @@ from ... import checkpoint as ckpt
 from ...errors import RunError
 from ...methods.base import OuterLoopMethod
 from ...outer import OuterNesterov
-from ...planner import OnlinePlanner, Plan
+from ...planner import OnlinePlanner, Plan, WanEstimator
 from ..checkpoint_state import rng_state, run_fingerprint, set_rng_state, truncate_events
 from .cluster import Cluster, LoopState, Stop
 
@@ -129,7 +129,7 @@ class EmulatedCheckpoints:
 
     def _restore(self, cluster: Cluster, loop: LoopState, outer: OuterNesterov | None = None,
                  codecs: list[Any] | None = None, make_online: Callable[[list[int]], OnlinePlanner] | None = None,
-                 overlap: Any = None) -> None:  # fmt: skip
+                 overlap: Any = None, make_wan: Callable[[], WanEstimator] | None = None) -> None:  # fmt: skip
         s = self._resume
         cluster.global_model.load_state_dict(s["global_model"])
         for worker, ws in zip(cluster.workers, s["workers"]):
@@ -148,6 +148,6 @@ class EmulatedCheckpoints:
         self._fail_streak = [int(k) for k in s["fail_streak"]]
         self._last_round = s["last_round"]
         self.telemetry.load_state_dict(s["telemetry"])
-        loop.load_state_dict(s["loop"], make_online)
+        loop.load_state_dict(s["loop"], make_online, make_wan)
         set_rng_state(s["rng"])
         self._resume = None  # the state is in the run now; free it

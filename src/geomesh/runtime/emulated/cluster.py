@@ -1,8 +1,8 @@
 """What an emulated run trains with and the state its loops carry: the cluster (the global proxy model,
 every worker's replica and data stream, the profiles, the validation batches), built once from a scenario;
-the round loop's own state (:class:`LoopState`: cluster health, the plan, the online planner), which a
-checkpoint carries besides models and optimizers; the device a run trains on; a worker's state as bytes
-(for worker processes); and :class:`Stop`, which ends a run cleanly."""
+the round loop's own state (:class:`LoopState`: cluster health, the plan, the online planner, the WAN
+measured), which a checkpoint carries besides models and optimizers; the device a run trains on; a worker's
+state as bytes (for worker processes); and :class:`Stop`, which ends a run cleanly."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from ...data import Corpus
 from ...errors import RunError
 from ...hardware import WorkerProfile
 from ...models import GPT
-from ...planner import OnlinePlanner, Plan
+from ...planner import OnlinePlanner, Plan, WanEstimator
 from ...worker import Worker
 from ..faults import ClusterState
 
@@ -80,9 +80,13 @@ class LoopState:
     def __init__(self, scenario: ScenarioConfig):
         self.cluster = ClusterState(scenario)
         self.plan: Plan | None = None
-        self.exchange_s = 0.0
+        self.exchange_s = 0.0  # what the plan expects a round's exchange to take (on the WAN it assumes)
+        self.actual_s = 0.0  # what it takes on the cluster's WAN (the modeled clock's)
+        self.kind: str | None = None  # the exchange the plan chose (all_gather, sharded, all_reduce)
+        self.parts = (0.0, 0.0)  # its (latency, transfer) seconds on the declared WAN: what is measured against
         self.sent = 0.0  # bytes each live worker sends per round
         self.online: OnlinePlanner | None = None
+        self.wan: WanEstimator | None = None  # the WAN measured (closed loop), None: the declared WAN
         self.last_loss: float | None = None
 
     def state_dict(self) -> dict[str, Any]:
@@ -92,12 +96,20 @@ class LoopState:
             online = {"factors": dict(o.factors), "assumed": dict(o.assumed),
                       "current": o.current.to_json() if o.current is not None else None}  # fmt: skip
         return {"cluster": self.cluster.state_dict(), "plan": self.plan.to_json() if self.plan else None,
-                "exchange_s": self.exchange_s, "sent": self.sent, "last_loss": self.last_loss, "online": online}  # fmt: skip
+                "exchange_s": self.exchange_s, "actual_s": self.actual_s, "kind": self.kind,
+                "parts": list(self.parts), "sent": self.sent, "last_loss": self.last_loss, "online": online,
+                "wan": self.wan.state_dict() if self.wan is not None else None}  # fmt: skip
 
-    def load_state_dict(self, state: dict[str, Any], make_online: Callable[[list[int]], OnlinePlanner] | None) -> None:
+    def load_state_dict(self, state: dict[str, Any], make_online: Callable[[list[int]], OnlinePlanner] | None,
+                        make_wan: Callable[[], WanEstimator] | None = None) -> None:  # fmt: skip
         self.cluster.load_state_dict(state["cluster"])
         self.plan = Plan.from_json(state["plan"]) if state["plan"] is not None else None
         self.exchange_s, self.sent, self.last_loss = state["exchange_s"], state["sent"], state["last_loss"]
+        self.actual_s, self.kind = float(state.get("actual_s", self.exchange_s)), state.get("kind")
+        self.parts = tuple(float(x) for x in state.get("parts", (0.0, 0.0)))
+        if state.get("wan") is not None and make_wan is not None:
+            self.wan = make_wan()
+            self.wan.load_state_dict(state["wan"])
         saved = state["online"]
         if saved is not None and make_online is not None:
             self.online = make_online(self.cluster.live())

@@ -287,9 +287,11 @@ class EmulatedCore(EmulatedCheckpoints):
                 )
 
 
-    def _record_plan(self, plan: Plan) -> None:
+    def _record_plan(self, plan: Plan, **record: Any) -> None:
+        """A plan in force from now (``record``: what its record adds, a re-plan's reason)."""
         self.plans.append(plan)
-        self.telemetry.emit({"type": "plan", "round": self.rounds, "time": self.clock, "plan": plan.to_json()})
+        self.telemetry.emit({"type": "plan", "round": self.rounds, "time": self.clock, "plan": plan.to_json(),
+                             **record})  # fmt: skip
 
 
     def _summary(self, cluster: Cluster, extra: dict[str, Any], wall_s: float) -> dict[str, Any]:
@@ -303,7 +305,8 @@ class EmulatedCore(EmulatedCheckpoints):
                    "model_params": cluster.global_model.num_params(),
                    "proxy_params": cluster.global_model.num_params()},
             plans=self.plans,
-            modeled=["compute time (timing model on each GPU)", "WAN time (latency + bytes/bandwidth)",
+            modeled=["compute time (timing model on each GPU)", "WAN time (latency + bytes/bandwidth)"
+                     + (" on wan.actual, not the declared WAN" if self.scenario.wan.actual is not None else ""),
                      "bytes on the wire (scaled to the timing model)"],
             wall_s=wall_s, tail={"setup_s": self.setup_s, "device": str(self.device)}, extra=extra,
         )  # fmt: skip

@@ -38,13 +38,14 @@ class DdpLoop(EmulatedCore):
             live = loop.cluster.live()
             wan = loop.cluster.wan(live)
             loop.exchange_s = wan.allreduce_s(grad_bytes)
+            loop.actual_s = loop.cluster.actual_wan(live).allreduce_s(grad_bytes)  # (what the clock charges)
             loop.sent = wan.allreduce_bytes_per_worker(grad_bytes, len(live))
             loop.plan = plan_uniform([cluster.profiles[i] for i in live], tr.batch, 1, exchange_bytes=grad_bytes,
                                      exchange_s=loop.exchange_s)  # fmt: skip
             self._record_plan(loop.plan)
 
         def extra() -> dict[str, Any]:
-            return {"payload_bytes_per_worker": grad_bytes, "exchange_s_per_round": loop.exchange_s,
+            return {"payload_bytes_per_worker": grad_bytes, "exchange_s_per_round": loop.actual_s,
                     "collective": "all_reduce"}  # fmt: skip
 
         self._extra_fn = extra
@@ -163,7 +164,7 @@ class DdpLoop(EmulatedCore):
                 shared.apply_step(inner_lr(self.tokens_done, self.budget, tr))
             compute = {i: cluster.profiles[i].step_s(wp.micro_batch, wp.accum) * loop.cluster.speed[i]
                        for i, wp in ((i, loop.plan.worker(names[i])) for i in live)}  # fmt: skip
-            length = self._barrier_spans(compute, loop.exchange_s)
+            length = self._barrier_spans(compute, loop.actual_s)
             self.clock += length
             self.bytes_sent += loop.sent * len(live)
             self.tokens_done += step_tokens

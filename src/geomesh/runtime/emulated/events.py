@@ -36,7 +36,7 @@ class EventsLoop(EmulatedCore):
         n = len(cluster.workers)
         params = cluster.global_params
         outer = DelayedNesterov(params, lr=tr.outer_lr, momentum=tr.outer_momentum, n_workers=n, c=method.c)
-        wan = self.scenario.wan_model()
+        wan = self.scenario.actual_wan_model()  # the cluster's WAN (the declared one unless wan.actual says not)
         fp32_bytes = 4 * self.scenario.timing().params
         steps = dynamic_local_updates(cluster.profiles, tr.batch, tr.inner_steps)
         plan = plan_uniform(cluster.profiles, tr.batch, tr.inner_steps)

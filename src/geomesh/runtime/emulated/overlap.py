@@ -35,7 +35,7 @@ import torch
 
 from ...codec import Manifest
 from ...methods.overlap import (TailSend, TailSplit, apply_step, eager_start, eager_weights, fragment_codecs,
-                               planned_tokens, tail_split)  # fmt: skip
+                               fragment_exchange_s, planned_tokens, tail_split)  # fmt: skip
 
 Tensors = dict[str, torch.Tensor]
 
@@ -62,15 +62,25 @@ class EmulatedOverlap:
             self.starts.append(start)
         self.last: Tensors | None = None  # the last combined update (the others' most recent direction)
         self.in_flight_s = 0.0  # modeled seconds of the exchange on the wire when the next round starts
+        # what the plan expects of it (its WAN: the declared or the measured one): the apply steps and the last
+        # round's split are taken from this, as a distributed rank takes them; the clock from the other
+        self.planned_in_flight_s = 0.0
+        self._actual_x: tuple[float, ...] | None = None  # the last round's fragments on the cluster's WAN
         self._apply_at: dict[int, int] = {}
         self._steps: dict[int, int] = {}
 
     # ---- a round's jobs ---------------------------------------------------------------------------
-    def tail_split(self, method: Any, wan: Any, modeled_payload: int, round_s: float) -> TailSplit | None:
-        """The fragments of the last round's exchange over the live workers' ``wan`` (None: one exchange), for
-        a round of ``round_s`` planned compute with the exchange in flight."""
-        return tail_split(method, wan, self.manifest, modeled_payload, self.tail_fragments, round_s,
-                          self.in_flight_s)  # fmt: skip
+    def tail_split(self, method: Any, wan: Any, modeled_payload: int, round_s: float,
+                   actual: Any = None) -> TailSplit | None:  # fmt: skip
+        """The fragments of the last round's exchange over the live workers' ``wan`` (the plan's; None: one
+        exchange), for a round of ``round_s`` planned compute with the exchange in flight; ``actual``: the WAN
+        the cluster really has, which times the fragments (default: ``wan``)."""
+        split = tail_split(method, wan, self.manifest, modeled_payload, self.tail_fragments, round_s,
+                           self.planned_in_flight_s)  # fmt: skip
+        self._actual_x = None
+        if split is not None and actual is not None:
+            self._actual_x = fragment_exchange_s(method, actual, self.manifest, modeled_payload, split.names)
+        return split
 
     def with_apply_steps(self, jobs: list[tuple[int, tuple]], entries: list[Any], steps: list[int],
                          split: TailSplit | None = None) -> list:  # fmt: skip
@@ -81,7 +91,7 @@ class EmulatedOverlap:
         self._apply_at, self._steps, self._send_at, self._split = {}, {}, {}, split
         for (i, job), wp, h in zip(jobs, entries, steps):
             step_s = wp.compute_s / max(wp.inner_steps, 1)
-            k = apply_step(self.in_flight_s, step_s, h)
+            k = apply_step(self.planned_in_flight_s, step_s, h)
             at = split.send_steps(step_s, h, k) if split is not None else None
             self._apply_at[i], self._steps[i], self._send_at[i] = k, h, at
             out.append((i, (*job, k, split, at)))
@@ -140,7 +150,8 @@ class EmulatedOverlap:
     def spans(self, run: Any, compute: dict[int, float], exchange_s: float) -> float:
         """Spans of one overlapped round starting at ``run.clock``; returns its length. ``compute`` maps
         worker -> its compute seconds; ``exchange_s`` is this round's exchange, which goes on the wire at the
-        round's end and is in flight during the next round."""
+        round's end and is in flight during the next round (what the plan expects of it is
+        :attr:`planned_in_flight_s`, the same unless the runtime says otherwise: a WAN not the plan's)."""
         tel, names, t0, r = run.telemetry, run._names(), run.clock, run.rounds
         waits, reach = {}, {}
         for i, c in compute.items():
@@ -162,12 +173,12 @@ class EmulatedOverlap:
                 tel.span(name, "compute", t0, end, r)
             tel.span(name, "straggler_wait", end, t0 + length, r)
         if self._split is not None and exchange_s > 0:
-            self.in_flight_s = self._tail_spans(run, compute, waits, length)
+            self.in_flight_s = self.planned_in_flight_s = self._tail_spans(run, compute, waits, length)
             return length
         if exchange_s > 0:
             tel.emit({"type": "exchange", "round": r, "start": t0 + length, "end": t0 + length + exchange_s,
                       "workers": [names[i] for i in compute]})  # fmt: skip
-        self.in_flight_s = exchange_s
+        self.in_flight_s = self.planned_in_flight_s = exchange_s
         return length
 
     def _tail_spans(self, run: Any, compute: dict[int, float], waits: dict[int, float], length: float) -> float:
@@ -177,7 +188,7 @@ class EmulatedOverlap:
         split, names, t0 = self._split, run._names(), run.clock
         wire = self.in_flight_s  # the previous round's exchange holds the WAN until then
         last = split.fragments - 1
-        for f, x in enumerate(split.exchange_s):
+        for f, x in enumerate(self._actual_x or split.exchange_s):
             ready = length if f == last else max(
                 c * self._send_at[i][f] / self._steps[i] + waits[i] if self._steps.get(i) else c + waits[i]
                 for i, c in compute.items())  # fmt: skip
@@ -194,13 +205,14 @@ class EmulatedOverlap:
         tail, t0 = self.in_flight_s, run.clock
         for i, name in enumerate(run._names()):
             run.telemetry.span(name, "comm_wait" if i in live else "other", t0, t0 + tail, run.rounds)
-        self.in_flight_s = 0.0
+        self.in_flight_s = self.planned_in_flight_s = 0.0
         return tail
 
     def state_dict(self) -> dict[str, Any]:
         """What a checkpoint keeps (taken after :meth:`drain`, or after the last round): the last combined
         update (``mixture`` starts, a dropped worker's estimate) and the exchange still in flight."""
-        return {"last": self.last, "in_flight_s": self.in_flight_s}
+        return {"last": self.last, "in_flight_s": self.in_flight_s, "planned_in_flight_s": self.planned_in_flight_s}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.last, self.in_flight_s = state["last"], float(state["in_flight_s"])
+        self.planned_in_flight_s = float(state.get("planned_in_flight_s", self.in_flight_s))

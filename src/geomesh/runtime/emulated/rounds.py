@@ -1,7 +1,16 @@
 """The round loop of the emulated runtime (round-based methods: diloco, geomesh and its ablations, with or
 without overlap): every live worker's local phase (here or in worker processes, runtime/emulated/parallel.py), the
 payloads screened and combined, the outer step, the round's modeled spans, re-planning, faults, failed
-updates and checkpoints at round boundaries."""
+updates and checkpoints at round boundaries.
+
+The WAN a round's exchange takes is the cluster's own (the scenario's ``wan.actual``, the declared WAN without
+it; faults on both). The plan is made over the declared WAN (open loop: ``geomesh.measure_wan: false`` or
+``geomesh.calibrate: false``), or over the WAN measured so far (closed loop, the default): every round's
+exchange is a measurement of the declared WAN's latency and transfer parts against the time it took
+(:class:`~geomesh.planner.WanEstimator`), and the round is re-planned when the drift is past
+``geomesh.replan_threshold``, with the reason in the plan record (the plain rule: modeled times carry no
+noise). The measured WAN then sets everything the plan takes from the exchange time: the plan's
+``exchange_s`` (an overlapped round's stretch and apply step, the last round's split), and the exchange kind."""
 
 from __future__ import annotations
 
@@ -16,8 +25,8 @@ from ...codec.sharded_sparse import sharded_exchange
 from ...methods.base import OuterLoopMethod, budget_steps
 from ...methods.overlap import fold_remainder, round_compute_s, tail_fragments
 from ...outer import OuterNesterov
-from ...planner import OnlinePlanner, Plan
-from ...planner.exchange import scenario_exchange
+from ...planner import OnlinePlanner, Plan, WanEstimator, time_parts
+from ...planner.exchange import scenario_exchange, scenario_exchange_seconds
 from ...worker import Worker, inner_lr
 from ..faults import corrupt_payload, optimizer_finite, poisoned
 from .parallel import intra_op_threads, worker_threads
@@ -36,7 +45,7 @@ class RoundsLoop(EmulatedCore):
         manifest = Manifest.from_tensors(params)
         codecs = [method.make_codec(manifest, self.scenario, key=self._key) for _ in cluster.workers]
         combiner = method.make_codec(manifest, self.scenario, key=self._key)
-        self._combiners: dict[Any, Any] = {}  # (live workers, their WAN) -> what combines their payloads
+        self._combiners: dict[Any, Any] = {}  # (live workers, exchange, WAN) -> what combines their payloads
         outer = OuterNesterov(params, *method.outer_settings(self.scenario))
         proxy_payload = combiner.payload_nbytes()
         modeled_payload = method.modeled_payload_bytes(self.scenario, manifest)
@@ -46,11 +55,18 @@ class RoundsLoop(EmulatedCore):
             return OnlinePlanner([cluster.profiles[i] for i in live], method.constraints(self.scenario, len(live)),
                                  smoothing=g.replan_smoothing, threshold=g.replan_threshold)  # fmt: skip
 
-        def new_plan() -> None:
-            """Plan the live workers over the WAN that links them now (after joins, leaves, link faults)."""
+        def make_wan() -> WanEstimator:  # modeled exchanges carry no noise: the plain rule (noise_k 0)
+            return WanEstimator(smoothing=g.replan_smoothing, threshold=g.replan_threshold, noise_k=0.0)
+
+        if g.measure_wan and g.calibrate:  # the WAN measured (closed loop); otherwise the declared WAN throughout
+            loop.wan = make_wan()
+
+        def new_plan(**record: Any) -> None:
+            """Plan the live workers over the WAN that links them now (after joins, leaves, link faults), as
+            declared or as measured (``record``: what the plan record adds, a re-plan's reason)."""
             live = loop.cluster.live()
             profiles = [cluster.profiles[i] for i in live]
-            loop.exchange_s, loop.sent = self._exchange_cost(method, loop.cluster.wan(live), combiner, modeled_payload)
+            self._plan_exchange(method, loop, live, combiner, modeled_payload)
             if method.balanced and g.replan:
                 known = loop.online.factors if loop.online is not None else {}
                 loop.online = make_online(live)
@@ -59,15 +75,14 @@ class RoundsLoop(EmulatedCore):
             else:
                 loop.plan = method.plan(self.scenario, profiles, exchange_bytes=modeled_payload,
                                         exchange_s=loop.exchange_s)  # fmt: skip
-            self._record_plan(loop.plan)
+            self._record_plan(loop.plan, **record)
 
         def extra() -> dict[str, Any]:
             return {"payload_bytes_per_worker": modeled_payload, "proxy_payload_bytes": proxy_payload,
-                    "exchange_s_per_round": loop.exchange_s, "collective": method.collective,
-                    "exchange": self._exchange_name(method, loop.cluster.wan(loop.cluster.live()), combiner,
-                                                    modeled_payload),
+                    "exchange_s_per_round": loop.actual_s, "collective": method.collective, "exchange": loop.kind,
                     "replans": int(self.telemetry.counters.get("replans", 0)), "faults": self.faults,
-                    "overlap": overlap is not None}  # fmt: skip
+                    "overlap": overlap is not None,
+                    "wan_measured": loop.wan.summary() if loop.wan is not None else None}  # fmt: skip
 
         self._extra_fn = extra
         overlap = None  # the overlapped round's state (runtime/emulated/overlap.py, docs/overlap.md)
@@ -79,7 +94,8 @@ class RoundsLoop(EmulatedCore):
                                       make_codec=lambda m: method.make_codec(m, self.scenario, key=self._key),
                                       tail_fragments=tail_fragments(self.scenario))  # fmt: skip
         if self._resume is not None:
-            self._restore(cluster, loop, outer=outer, codecs=codecs, make_online=make_online, overlap=overlap)
+            self._restore(cluster, loop, outer=outer, codecs=codecs, make_online=make_online, overlap=overlap,
+                          make_wan=make_wan)  # fmt: skip
         else:
             new_plan()
             loop.last_loss = self._evaluate(cluster)
@@ -173,7 +189,7 @@ class RoundsLoop(EmulatedCore):
                     self._fail_streak[i] = 0
             if effects.remake:
                 new_plan()
-            plan, exchange_s = loop.plan, loop.exchange_s
+            plan, exchange_s, actual_s = loop.plan, loop.exchange_s, loop.actual_s
             live = loop.cluster.live()
             entries = [plan.worker(names[i]) for i in live]
             remaining = self.budget - self.tokens_done
@@ -187,8 +203,8 @@ class RoundsLoop(EmulatedCore):
             # fragments (docs/overlap.md)
             if overlap is not None and (self.tokens_done + round_tokens >= self.budget
                                         or self._checkpoint_due(self.rounds + 1)):  # fmt: skip
-                split = overlap.tail_split(method, loop.cluster.wan(live), modeled_payload,
-                                           round_compute_s(entries, steps))  # fmt: skip
+                split = overlap.tail_split(method, self._plan_wan(loop, live), modeled_payload,
+                                           round_compute_s(entries, steps), actual=loop.cluster.actual_wan(live))  # fmt: skip
             combiners = [combiner] if split is None else overlap.codecs_of(split, combiner)
             sent: list[tuple[int, int, bytes]] = []  # (worker, fragment, payload)
             compute: dict[int, float] = {}
@@ -230,26 +246,46 @@ class RoundsLoop(EmulatedCore):
             elif overlap is not None:  # next round's eager starts from θ_r, then the outer step
                 overlap.finish(method, outer, combiner, arrived[0], dict(zip(live, payloads)), names, entries, steps)
             else:  # all-gathered, or sharded (each region combines its shard: the plan's choice)
-                combine = self._round_combiner(method, loop.cluster.wan(live), combiner, modeled_payload, live)
+                combine = self._round_combiner(combiner, loop.kind, live, loop.cluster.wan(live))
                 method.apply(arrived[0], CombineOn(combine, self.device), outer)
             if overlap is not None:
-                length = overlap.spans(self, compute, exchange_s)
+                length = overlap.spans(self, compute, actual_s)  # the exchange takes the cluster's WAN ...
+                if split is None and actual_s > 0:
+                    overlap.planned_in_flight_s = exchange_s  # ... and the next round expects what the plan does
             else:
-                length = self._barrier_spans(compute, exchange_s)
+                length = self._barrier_spans(compute, actual_s)
             self.clock += length
             self.bytes_sent += loop.sent * len(live)
             self.tokens_done += round_tokens
             self.rounds += 1
-            self.telemetry.emit({"type": "round", "round": self.rounds, "time": self.clock, "tokens": self.tokens_done,
-                                 "compute_s": {names[i]: c for i, c in compute.items()}, "exchange_s": exchange_s})  # fmt: skip
+            record = {"type": "round", "round": self.rounds, "time": self.clock, "tokens": self.tokens_done,
+                      "compute_s": {names[i]: c for i, c in compute.items()}, "exchange_s": actual_s}  # fmt: skip
+            if abs(actual_s - exchange_s) > 1e-9 * actual_s:  # the cluster's WAN is not the one the plan assumed
+                record["planned_exchange_s"] = exchange_s
+            self.telemetry.emit(record)
+            measured = {}
             if loop.online is not None:
                 for i, h, wp in zip(live, steps, entries):
                     if h == wp.inner_steps:  # a shortened last round says nothing new about speed
                         loop.online.observe(names[i], compute[i], plan)
+                        measured[names[i]] = compute[i]
+            wan_reason = None
+            if loop.wan is not None and split is None and sum(loop.parts) > 0 and actual_s > 0:
+                loop.wan.observe(*loop.parts, actual_s)  # the round's exchange measures the WAN
+                if self.tokens_done < self.budget:
+                    wan_reason = loop.wan.should_replan()
+            if wan_reason is not None:  # the plan made again over the WAN measured (and the speeds measured)
+                new_plan(replan=True, reason=wan_reason, wan_measured=loop.wan.summary())
+                self.telemetry.count("replans")
+                if overlap is not None and overlap.planned_in_flight_s > 0:  # what the next round now expects
+                    overlap.planned_in_flight_s = loop.exchange_s
+            elif loop.online is not None:
                 replanned = loop.online.maybe_replan(modeled_payload, exchange_s)
                 if replanned is not None:
                     loop.plan = replanned
-                    self._record_plan(replanned)
+                    planned = {w.name: w.compute_s for w in plan.workers if w.name in measured}
+                    self._record_plan(replanned, replan=True, reason="a region's measured compute drifted from "
+                                      "what the plan assumed", measured_s=measured, planned_s=planned)  # fmt: skip
                     self.telemetry.count("replans")
             if self.rounds % tr.eval_every_rounds == 0 or self.tokens_done >= self.budget:
                 # overlapped, the round's update exists once its exchange has arrived
@@ -270,26 +306,48 @@ class RoundsLoop(EmulatedCore):
         return scenario_exchange(self.scenario, wan, method.collective, modeled_payload, combiner,
                                  overlap=method.overlapped(self.scenario))  # fmt: skip
 
-    def _exchange_name(self, method: OuterLoopMethod, wan: Any, combiner: Any, modeled_payload: int) -> str:
-        return self._exchange_choice(method, wan, combiner, modeled_payload).name
+    @staticmethod
+    def _plan_wan(loop: LoopState, live: list[int]) -> Any:
+        """The WAN between ``live`` that the plan in force assumed: the declared one, or the one measured."""
+        declared = loop.cluster.wan(live)
+        return loop.wan.planned(declared) if loop.wan is not None else declared
 
-    def _exchange_cost(self, method: OuterLoopMethod, wan: Any, combiner: Any, modeled_payload: int) -> tuple[float, float]:
-        """(modeled seconds, bytes each live worker sends) of a round's exchange."""
+    def _plan_exchange(self, method: OuterLoopMethod, loop: LoopState, live: list[int], combiner: Any,
+                       modeled_payload: int) -> None:  # fmt: skip
+        """The exchange of the plan being made: chosen over the WAN the plan assumes (the declared one, or the
+        one measured so far, which the plan then assumes), timed there (``loop.exchange_s``, the plan's) and on
+        the cluster's own WAN (``loop.actual_s``, the modeled clock's), with its latency and transfer parts on
+        the declared WAN (``loop.parts``: what a measurement is compared with); ``loop.sent``: its bytes."""
+        if loop.wan is not None:
+            loop.wan.assume()
+        declared = loop.cluster.wan(live)
+        wan = self._plan_wan(loop, live)
         choice = self._exchange_choice(method, wan, combiner, modeled_payload)
+        loop.kind = choice.name
         if choice.name == "sharded":
-            return choice.seconds, choice.cost.sent_bytes
-        return method.exchange(wan, modeled_payload)
+            loop.exchange_s, loop.sent = choice.seconds, choice.cost.sent_bytes
+        else:
+            loop.exchange_s, loop.sent = method.exchange(wan, modeled_payload)
 
-    def _round_combiner(self, method: OuterLoopMethod, wan: Any, combiner: Any, modeled_payload: int,
-                        live: list[int]) -> Any:  # fmt: skip
+        def seconds(on: Any) -> float:
+            if choice.name != "sharded":
+                return method.exchange(on, modeled_payload)[0]
+            return scenario_exchange_seconds(self.scenario, on, method.collective, modeled_payload, "sharded",
+                                             combiner)  # fmt: skip
+
+        loop.actual_s = seconds(loop.cluster.actual_wan(live))
+        loop.parts = time_parts(seconds, declared) if loop.wan is not None else (0.0, 0.0)
+
+    def _round_combiner(self, combiner: Any, kind: str | None, live: list[int], wan: Any) -> Any:
         """What combines this round's payloads: the run's codec (every worker combines every payload), or the
-        sharded exchange over the live workers (each owner combines its shard of the slices, its combined shard
-        goes to everyone quantised to geomesh.shard_bits, or for sparse payloads re-sparsified with the owner's
-        error feedback; every worker applies the decoded shards)."""
+        sharded exchange over the live workers (``kind``, the plan's choice; each owner combines its shard of
+        the slices, its combined shard goes to everyone quantised to geomesh.shard_bits, or for sparse payloads
+        re-sparsified with the owner's error feedback; every worker applies the decoded shards). One per live
+        workers, exchange and declared ``wan`` (a link fault starts another)."""
         cache = self._combiners
-        key = (tuple(live), wan)
+        key = (tuple(live), kind, wan)
         if key not in cache:
-            sharded = self._exchange_choice(method, wan, combiner, modeled_payload).name == "sharded"
+            sharded = kind == "sharded"
             cache[key] = sharded_exchange(combiner, len(live), self.scenario.geomesh.shard_bits) if sharded else combiner
         return cache[key]
 
