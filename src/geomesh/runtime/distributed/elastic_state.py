@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import time
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,7 @@ from ...telemetry import _jsonable
 from .core import params_checksum
 from .membership import ADVERTISE_ENV
 from .region import lay_out_like
+from .transport import WanShaper
 
 
 class Records:
@@ -166,6 +168,22 @@ class ElasticState:
             self.records[:] = state["rank0"]["records"]
 
     # ---- events.jsonl ----------------------------------------------------------------------------------
+    # ---- the WAN probed before round 0 (plan_loop.py) -------------------------------------------------------
+    def probe(self, nbytes: int, members: list[int]) -> float:
+        """(leader) One all-gather of ``nbytes`` per member over the quorum, held by the WAN shaper as an
+        exchange is, after a tiny one that lines the members up: its seconds."""
+        m = self.membership
+        m.all_gather_framed({"region": self.me, "probe": b""})  # (a frame names the region it is signed for)
+        since = time.perf_counter()
+        m.all_gather_framed({"region": self.me, "probe": bytes(nbytes)})
+        shaper = WanShaper(self.faults.wan(members), self.run.options.wan)
+        shaper.hold(shaper.allgather_s(nbytes), since)
+        return time.perf_counter() - since
+
+    def gather_json(self, obj: Any, what: str) -> list[Any]:
+        """(leader) Every member's ``obj`` (JSON), over the quorum."""
+        return self.membership.all_gather_framed({**obj, "region": self.me})
+
     def _note_rejections(self) -> None:
         """The members the last collective refused, for the round's record, by region name (``claimed``: what
         an unauthenticated frame says it is)."""

@@ -176,6 +176,22 @@ class StaticExchange:
     def info_fields(self) -> dict[str, Any]:
         return {}
 
+    def probe(self, nbytes: int, members: list[int]) -> float:
+        """(leader) One all-gather of ``nbytes`` per leader, held by the WAN shaper as an exchange is, after a
+        barrier that lines the leaders up: its seconds (the WAN probed before round 0, plan_loop.py)."""
+        run = self.run
+        run.transport.barrier(run.leaders_group, what="the WAN probe")
+        since = time.perf_counter()
+        run.transport.all_gather_json({"probe": "0" * nbytes}, run.leaders_group, self.n, what="the WAN probe",
+                                      max_bytes=nbytes + 4096)  # fmt: skip
+        shaper = WanShaper(self.loop.faults.wan(members), run.options.wan)
+        shaper.hold(shaper.allgather_s(nbytes), since)
+        return time.perf_counter() - since
+
+    def gather_json(self, obj: Any, what: str) -> list[Any]:
+        """(leader) Every leader's ``obj`` (JSON)."""
+        return self.run.transport.all_gather_json(obj, self.run.leaders_group, self.n, what=what)
+
     def shaper_s(self, members: list[int]) -> float:
         """What the WAN shaper holds this exchange to (0 without a shaper or with a single region)."""
         if len(members) < 2:

@@ -3,29 +3,50 @@ plans: the members planned over the WAN that links them now; their profiles meas
 (:func:`~geomesh.profiler.calibrate_worker`, shared by the exchange); every round's measured compute times
 folded into the online planner (:class:`~geomesh.planner.OnlinePlanner`) on every rank alike, re-planning at
 the same round when a speed drifts; and this state in checkpoints and a healed region's state, so a resumed
-or healed region plans what the uninterrupted run does. The plan settles (:mod:`geomesh.planner.settle`):
+or healed region plans what the uninterrupted run does. The WAN is measured as compute is
+(:class:`~geomesh.planner.wan.WanEstimator`): each leader reports the wire time of its last exchange (its
+exchange less its wait for the slowest member) with the next round's info, every rank folds the members'
+median in, against the declared WAN's latency and transfer parts of that exchange, plans over the measured
+WAN, and re-plans when it drifts past its noise (``geomesh.measure_wan``; ``--no-calibrate`` keeps the
+declared WAN). The plan settles (:mod:`geomesh.planner.settle`):
 regions that measure alike are planned alike, each region's first round is warm-up, not its speed, the table
 is corrected at the batches the plan runs, and a re-plan that moves no work is none. A part of the loop's
 class: it reads the loop's fields (run, scenario, method, kit, faults, plan)."""
 
 from __future__ import annotations
 
-from typing import Any
+import math
+import statistics
+import time
+from typing import Any, Callable
 
 from ...hardware import WorkerProfile
+from ...network import WanModel
 from ...planner import OnlinePlanner, Plan
 from ...planner.settle import settled_profiles
+from ...planner.wan import WanEstimator, time_parts
 from .exchange import Exchanged
 
-WARMUP_ROUNDS = 1  # each region's first measured round (start-up, warm-up) is not its speed
+WARMUP_ROUNDS = 1
+PROBE_SMALL = 512  # bytes per leader of the small WAN probe (latency), before round 0
+PROBE_LARGE_MAX = 4 << 20  # the large probe (bandwidth) is the exchange's payload, up to this
+PROBE_REPEATS = 2  # each region's first measured round (start-up, warm-up) is not its speed
 
 
 class PlanLoop:
     """Planning, calibration and re-planning of :class:`~geomesh.runtime.distributed.rounds.RoundLoop`."""
 
+    def planning_wan(self, members: list[int]) -> WanModel:
+        """The WAN the plan fills the round against: the declared one (the scenario's, with its faults), as
+        measured in place when the loop measures it."""
+        wan = self.faults.wan(members)
+        return self.wan_measure.measured(wan) if self.wan_measure is not None else wan
+
     def make_plan(self, members: list[int]) -> Plan:
         """The members planned over the WAN that links them now, at their speeds now (every rank alike)."""
-        wan = self.faults.wan(members)
+        wan = self.planning_wan(members)
+        if self.wan_measure is not None:
+            self.wan_measure.assume()
         exchange_s, _ = self.method.exchange(wan, self.kit.modeled_payload_nbytes)
         profiles = [self.run.profiles[i] for i in members]
         for p, i in zip(profiles, members):
@@ -94,12 +115,77 @@ class PlanLoop:
         """What the summary says about the plan's loop."""
         return {"replans": int(self.run.telemetry.counters.get("replans", 0)),
                 "calibration_s": dict(self.calibration_s) or None,
+                "wan_measured": self.wan_measure.summary() if self.wan_measure is not None else None,
+                "wan_probe_s": self.wan_probe_s,
                 "straggler_idle_per_round": list(self.run.round_idle)}  # fmt: skip
+
+    # ---- the WAN, measured ----------------------------------------------------------------------------------
+    def exchange_cost(self, members: list[int]) -> Callable[[WanModel], float]:
+        """The time of this run's exchange among ``members`` on a WAN, for the bytes it really moves."""
+        if self.sharded is not None:
+            from .sharded import sharded_sizes
+
+            slices, combined = sharded_sizes(self, len(members))
+            return lambda wan: wan.sharded_s(slices, combined)
+        nbytes = self.wire_nbytes
+        return (lambda wan: wan.allreduce_s(nbytes)) if self.summed else (lambda wan: wan.allgather_s(nbytes))
+
+    def probe_wan(self, members: list[int]) -> None:
+        """Every rank, before round 0: the leaders probe their links (:data:`PROBE_REPEATS` all-gathers of two
+        sizes, a few hundred bytes and the exchange's payload, held by the WAN shaper as exchanges are: the two
+        sizes separate latency from bandwidth), agree on each probe's median over the leaders, and every rank
+        folds the same figures into the WAN's measurement. A short, bounded cost, reported as calibration is."""
+        run = self.run
+        sizes = [PROBE_SMALL, max(PROBE_SMALL * 4, min(self.wire_nbytes, PROBE_LARGE_MAX))] * PROBE_REPEATS
+        start = time.perf_counter()
+        medians = None
+        if run.is_leader:
+            mine = [self.exchange.probe(size, members) for size in sizes]
+            gathered = self.exchange.gather_json({"probe_s": mine}, what="the WAN probes")
+            timings = [g["probe_s"] for g in gathered if isinstance(g, dict) and isinstance(g.get("probe_s"), list)
+                       and len(g["probe_s"]) == len(sizes)
+                       and all(isinstance(x, (int, float)) and math.isfinite(x) and x >= 0 for x in g["probe_s"])]  # fmt: skip
+            medians = [statistics.median(float(t[k]) for t in timings) for k in range(len(sizes))] if timings else []
+        if run.region_group is not None:
+            medians = run.transport.broadcast_json(medians, run.leader, run.region_group, what="the WAN probes")
+        wan = self.faults.wan(members)
+        for size, seconds in zip(sizes, medians):
+            lat, transfer = time_parts(lambda w, size=size: w.allgather_s(size), wan)
+            self.wan_measure.observe(lat, transfer, seconds, probe=True)
+        self.wan_probe_s = time.perf_counter() - start
+        self.emit({"type": "wan_probe", "time": run._now(), "seconds": self.wan_probe_s,
+                   "wan_measured": self.wan_measure.summary()})  # fmt: skip
+        if run.keeps_records and run.options.progress:
+            w = self.wan_measure
+            print(f"[{self.method.name}] WAN probed in {self.wan_probe_s:.2f} s: latency x{w.latency_factor:.2f}, "
+                  f"transfer x{w.transfer_factor:.2f} the declared", flush=True)  # fmt: skip
+
+    def note_wire(self, seconds: float) -> None:
+        """(leader) This round's exchange took ``seconds`` on the wire (its wait for the slowest member left
+        out): reported with the next round's info."""
+        self.wire = {"wire_s": float(seconds), "wire_round": self.run.rounds + 1}
+
+    def observe_wan(self, result: Exchanged) -> str | None:
+        """Fold the previous round's exchange into the WAN's measurement (every rank alike: the median of the
+        wire times its members' leaders report with this round's infos, against the declared WAN's latency and
+        transfer parts of it); why to re-plan, when the WAN drifted past the measurements' noise."""
+        prev, self.wan_members = self.wan_members, sorted(i["region"] for i in result.infos)
+        if self.wan_measure is None or prev is None or len(prev) < 2:
+            return None
+        wires = [float(i["wire_s"]) for i in result.infos if i.get("region") in prev and i.get("wire_round")
+                 == self.run.rounds - 1 and isinstance(i.get("wire_s"), (int, float)) and i["wire_s"] > 0]  # fmt: skip
+        if not wires:
+            return None
+        lat, transfer = time_parts(self.exchange_cost(prev), self.faults.wan(prev))
+        self.wan_measure.observe(lat, transfer, statistics.median(wires))
+        return self.wan_measure.should_replan()
 
     def observe(self, result: Exchanged, outcome: dict[str, Any], steps: dict[int, int], entries: dict) -> None:
         """Fold the round's measured compute times (every member's leader reports its own) into the online
-        planner, and re-plan at this round on every rank when a region's speed drifted past the threshold."""
+        planner, and re-plan at this round on every rank when a region's speed drifted past the threshold, or
+        the WAN's (:meth:`observe_wan`)."""
         run, plan = self.run, self.plan
+        wan_drift = self.observe_wan(result) if result.infos else None
         if self.online is None or not result.infos:
             return
         measured = {}
@@ -110,17 +196,28 @@ class PlanLoop:
                 measured[self.names[i]] = float(c)
         for name, c in measured.items():
             self.online.observe(name, c, plan)
-        replanned = self.online.maybe_replan(self.kit.modeled_payload_nbytes, plan.exchange_s)
-        if replanned is None:
+        if wan_drift is not None:  # the same members over the measured WAN (their speeds as measured now)
+            exchange_s, _ = self.method.exchange(self.planning_wan(self.planned_for), self.kit.modeled_payload_nbytes)
+            self.wan_measure.assume()
+            self._replanned(self.online.plan(self.kit.modeled_payload_nbytes, exchange_s), measured, wan_drift, outcome)
             return
+        replanned = self.online.maybe_replan(self.kit.modeled_payload_nbytes, plan.exchange_s)
+        if replanned is not None:
+            self._replanned(replanned, measured, None, outcome)
+
+    def _replanned(self, replanned: Plan, measured: dict[str, float], wan_drift: str | None, outcome) -> None:
+        """A re-plan at this round (every rank alike): in force from the next round, recorded with its reason."""
+        run, plan = self.run, self.plan
         planned_s = {w.name: w.compute_s for w in plan.workers}
         self.plan = replanned
         run.plans.append(replanned)
         run.telemetry.count("replans")
         self.emit({"type": "plan", "round": run.rounds, "time": run._now(), "plan": replanned.to_json(),
-                   "replan": True, "measured_s": measured, "planned_s": planned_s})  # fmt: skip
+                   "replan": True, "measured_s": measured, "planned_s": planned_s,
+                   **({"reason": wan_drift} if wan_drift else {})})  # fmt: skip
         if run.keeps_records and run.region == min(outcome["took_part"] or [self.me]):
-            drift = ", ".join(f"{n} measured {m:.3g} s vs planned {planned_s[n]:.3g} s" for n, m in measured.items())
+            drift = wan_drift or ", ".join(f"{n} measured {m:.3g} s vs planned {planned_s[n]:.3g} s"
+                                           for n, m in measured.items())  # fmt: skip
             print(f"[{self.method.name}] re-planned after round {run.rounds}: {drift}", flush=True)
 
     def plan_state(self) -> dict[str, Any]:
@@ -132,7 +229,9 @@ class PlanLoop:
                 "online_for": [f for f in (self.online.factors if self.online is not None else {})],
                 # the members the plan in force (the last of the run's plans) was made for: a resumed or healed
                 # region keeps that plan while the members stay, as the uninterrupted run does
-                "planned_for": None if self.planned_for is None else list(self.planned_for)}  # fmt: skip
+                "planned_for": None if self.planned_for is None else list(self.planned_for),
+                "wan": self.wan_measure.state_dict() if self.wan_measure is not None else None,
+                "wan_members": self.wan_members}  # fmt: skip
 
     def load_plan_state(self, state: dict[str, Any]) -> None:
         """The plan's loop state of :meth:`plan_state` (the run's plans already loaded): the plan in force and the
@@ -143,6 +242,9 @@ class PlanLoop:
         self.calibrated = {n: WorkerProfile.from_json(p) for n, p in state["calibrated"].items()}
         self.calibration_s = {n: float(s) for n, s in state["calibration_s"].items()}
         self.run.use_measured_profiles(self.calibrated)
+        if self.wan_measure is not None and state.get("wan") is not None:
+            self.wan_measure.load_state_dict(state["wan"])
+        self.wan_members = state.get("wan_members")
         self.online = None
         if state["online"] is not None:
             names = state["online_for"]

@@ -38,6 +38,7 @@ from ...methods.base import OuterLoopMethod, RoundKit, payload_key, round_steps
 from ...methods.overlap import round_compute_s
 from ...hardware import WorkerProfile
 from ...planner import OnlinePlanner, Plan
+from ...planner.wan import WanEstimator
 from ..faults import RoundFaults, corrupt_payload, optimizer_finite, poisoned
 from ..payloads import screen_payload
 from .checkpoints import RunCheckpointer
@@ -83,6 +84,12 @@ class RoundLoop(PlanLoop):
         self.online: OnlinePlanner | None = None
         self.calibrated: dict[str, WorkerProfile] = {}  # region -> its profile measured in place
         self.calibration_s: dict[str, float] = {}
+        # the WAN measured as compute is (plan_loop.py): re-planned as compute is, so only where that is on
+        self.wan_measure = WanEstimator(threshold=g.replan_threshold, noise_k=max(g.replan_noise_k, 1.0)) \
+            if self.calibrating and g.replan and g.measure_wan else None  # fmt: skip
+        self.wan_members: list[int] | None = None  # who took part in the last exchange measured
+        self.wan_probe_s: float | None = None
+        self.wire: dict[str, Any] = {}  # (leader) the wire time of its last exchange, for the next round's info
         self.outvoted = False  # this static region holds another run key than the others (see _outvoted)
         self.lay_out = lambda whole: lay_out_like(whole, self.params)  # updates land as θ is held
         self.overlap = None  # the overlapped round (runtime/distributed/overlap.py, docs/overlap.md)
@@ -182,6 +189,9 @@ class RoundLoop(PlanLoop):
                 self.exchange.apply_healed(view.state)
             if view.calibration:
                 self.use_calibration(view.calibration)
+            if self.wan_measure is not None and run.rounds == 0 and self.wan_probe_s is None and not view.healed \
+                    and len(view.members) > 1:  # (every member at round 0 alike: the run's first quorum)
+                self.probe_wan(view.members)
             if run.budget_spent():
                 break
             r = run.rounds  # 0-based index of this round (fault schedule); round records count from 1
@@ -319,7 +329,7 @@ class RoundLoop(PlanLoop):
                 ov = self.overlap
                 if drains and not self.elastic:  # an exchange nothing hides (the last, one a checkpoint waits
                     # for) leaves in fragments (elastic: one exchange, the quorum's)
-                    split = ov.tail_split(self.faults.wan(members), self.kit.modeled_payload_nbytes,
+                    split = ov.tail_split(self.planning_wan(members), self.kit.modeled_payload_nbytes,
                                           round_compute_s([entries[i] for i in members], [steps[i] for i in members]))  # fmt: skip
                 apply_at = ov.apply_at(wp, h)
                 tail = ov.tail_send(split, wp, h, apply_at) if split is not None else None
@@ -351,6 +361,7 @@ class RoundLoop(PlanLoop):
         info = {"region": self.me, "active": self.me in members, "compute_s": compute_s, "sent": payload is not None,
                 "rejected": reason, "plan": self.plan.digest() if self.plan is not None else None}  # fmt: skip
         info.update(self.exchange.info_fields())
+        info.update(self.wire)
         if self.elastic and run.time_budget_s is not None:  # this region's clock, for the time budget's rule
             info["elapsed_s"] = run._now()
         return info
@@ -375,6 +386,7 @@ class RoundLoop(PlanLoop):
                 waited = wait_for_slowest_s(result.infos, compute_s)
                 run._mark("straggler_wait", until=min(run._now(), comm_start + waited))
                 comm_start = run._cursor
+            self.note_wire(max(0.0, result.comm_s - (waited if self.elastic else 0.0)))
         result = self._share(result)
         run._mark("comm_wait")
         return result, run._cursor - comm_start

@@ -413,11 +413,17 @@ def shaper_s(loop: Any, members: list[int]) -> float:
         return 0.0
     if shaper.mode == "latency":
         return shaper._latency_only(4)
-    ex = layout_for(loop, len(members))
+    return shaper.wan.sharded_s(*sharded_sizes(loop, len(members)))
+
+
+def sharded_sizes(loop: Any, m: int) -> tuple[int, int]:
+    """The bytes a sharded exchange of ``m`` members really moves: (the slices of one payload, the combined
+    shards), as signed on the wire."""
+    ex = layout_for(loop, m)
     trust = SlotTrust(loop.kit.key, "", 0, ())
     slices = sum(trust.width(ex.slice_nbytes(k)) for k in range(ex.n))
     combined = sum(trust.width(ex.combined_nbytes(k)) for k in range(ex.n))
-    return shaper.wan.sharded_s(slices, combined)
+    return slices, combined
 
 
 def _exclude_odd_plans(infos: dict[int, dict[str, Any]], exclude: dict[int, str]) -> None:
