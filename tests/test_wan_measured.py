@@ -179,6 +179,49 @@ def test_bad_input_is_refused():
         est.load_state_dict({**WanEstimator().state_dict(), "level": [[1.0, float("nan"), 1.0]]})
 
 
+# ---- wan.actual: the WAN the cluster really has ---------------------------------------------------------
+
+
+def test_wan_actual_is_links_or_factors_of_the_declared():
+    from geomesh.config import load_scenario
+
+    sc = load_scenario("default", {"wan.actual.bandwidth_factor": 0.25, "wan.actual.rtt_factor": 2.0})
+    declared, actual = sc.wan_model(), sc.actual_wan_model()
+    assert actual.rtt_s[0][1] == 2 * declared.rtt_s[0][1]
+    assert actual.bandwidth_Bps[0][1] == declared.bandwidth_Bps[0][1] / 4
+    given = load_scenario("default", {"wan.actual.bandwidth_gbps": 0.5}).actual_wan_model()
+    assert given.bandwidth_Bps[1][2] == 0.5e9 / 8 and given.rtt_s == declared.rtt_s
+    assert load_scenario("default").actual_wan_model() == declared and sc.geomesh.measure_wan is True
+
+
+@pytest.mark.parametrize("pair, message", [
+    ("wan.actual.bandwidth_factor=0", "wan.actual.bandwidth_factor: 0.0 is not allowed; expected a factor"),
+    ("wan.actual.rtt_factor=abc", "scenario.wan.actual.rtt_factor: 'abc' is not allowed"),
+    ("wan.actual.bandwith_gbps=1", "scenario.wan.actual.bandwith_gbps: unknown field"),
+    ("wan.actual={}", "wan.actual: {} is not allowed; expected at least one of"),
+    ("wan.actual.rtt=[[0,1],[1,0]]", "wan.actual.rtt: [[0, 1], [1, 0]] is not allowed; expected a 4x4 matrix"),
+    ("geomesh.measure_wan=maybe", "scenario.geomesh.measure_wan: 'maybe' is not allowed; expected true/false"),
+])  # fmt: skip
+def test_a_bad_wan_actual_is_one_line_and_exit_2(pair, message, capsys):
+    from geomesh.cli import main
+
+    assert main(["plan", "default", "--set", pair]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err and err.count("\n") == 1
+
+
+def test_the_study_declares_the_actual_wan_for_its_reference_run():
+    from conftest import bench_script
+
+    study = bench_script("wan_loop")
+    actual = {"bandwidth_factor": 0.25}
+    right = study.scenario_for("default", {}, actual, "declared right")
+    opened = study.scenario_for("default", {}, actual, "open loop")
+    assert right.wan.actual is None and right.geomesh.measure_wan and not opened.geomesh.measure_wan
+    for a, b in zip(right.wan_model().bandwidth_Bps, opened.actual_wan_model().bandwidth_Bps):
+        assert a == pytest.approx(b)
+
+
 # ---- the emulated runtime: a cluster whose WAN is not the declared one ----------------------------------
 
 

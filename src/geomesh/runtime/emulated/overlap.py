@@ -18,7 +18,10 @@ round r leaves when the slowest worker has finished round r (the all-gather need
 the WAN model's time X_r; round r+1 starts at that moment. Worker i computes until it reaches its apply
 step (``reach_i``), waits ``max(0, X_r − reach_i)`` for the update (``comm_wait``), computes the rest, and
 waits at the end of the round for the slowest worker (``straggler_wait``). So a round lasts
-max(compute, exchange) instead of compute + exchange. The last round's exchange has no next round to hide
+max(compute, exchange) instead of compute + exchange. The apply step is the plan's (from what the plan
+expects the exchange in flight to take, :attr:`EmulatedOverlap.planned_in_flight_s`, as a distributed rank
+takes it), X_r what the exchange takes on the cluster's WAN (``wan.actual``): on a WAN slower than the plan
+assumes, workers reach their apply step before the update and wait. The last round's exchange has no next round to hide
 under: it is waited for at the end of the run (:meth:`EmulatedOverlap.drain`), in fragments
 (:func:`~geomesh.methods.overlap.tail_split`): fragment f leaves when the slowest worker has reached its send
 step (or when the WAN is free of the fragment before it), so only what is left of the fragments' exchanges
