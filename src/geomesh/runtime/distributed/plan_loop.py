@@ -173,7 +173,8 @@ class PlanLoop:
         if self.wan_measure is None or prev is None or len(prev) < 2:
             return None
         wires = [float(i["wire_s"]) for i in result.infos if i.get("region") in prev and i.get("wire_round")
-                 == self.run.rounds - 1 and isinstance(i.get("wire_s"), (int, float)) and i["wire_s"] > 0]  # fmt: skip
+                 == self.run.rounds - 1 and isinstance(i.get("wire_s"), (int, float)) and not isinstance(
+                     i["wire_s"], bool) and 0 < i["wire_s"] < math.inf]  # (a peer's report is data)  # fmt: skip
         if not wires:
             return None
         lat, transfer = time_parts(self.exchange_cost(prev), self.faults.wan(prev))
