@@ -64,6 +64,7 @@ import yaml
 
 from geomesh.cli import launch as cli_launch
 from geomesh.network import WanModel
+from geomesh.runtime.distributed.quotas import CpuQuotas
 
 
 def scenario(preset: str, mbps: float, rtt_ms: float, batch: int, inner_steps: int, tokens: int) -> dict:
@@ -181,57 +182,6 @@ def rounds_done(events_path: Path) -> int:
         return max([e["round"] for e in read_events(events_path) if e["type"] == "round"], default=0)
     except (OSError, json.JSONDecodeError):  # (a line being written)
         return 0
-
-
-class CpuQuotas:
-    """A CPU-time quota per region (the kernel's CFS bandwidth control: a cgroup per region), so a region runs
-    at a set share of one core whatever the others do. Two processes that share a core by affinity are
-    coupled: when one ends its round early, the other has the core to itself for the rest of it, so each one's
-    speed depends on the other's work, which no per-region speed can describe. Under quotas each region's speed
-    is its own, as a throttled GPU's is. cgroup v1's cpu controller or cgroup v2's cpu.max; needs the right to
-    make cgroups (root)."""
-
-    PERIOD_US = 10_000  # a short period: a round is many periods, so the throttling's granularity averages out
-
-    def __init__(self, tag: str) -> None:
-        v1, v2 = Path("/sys/fs/cgroup/cpu"), Path("/sys/fs/cgroup")
-        if (v1 / "cpu.cfs_quota_us").exists():
-            self.root, self.v2 = v1, False
-        elif (v2 / "cgroup.controllers").exists() and "cpu" in (v2 / "cgroup.controllers").read_text().split():
-            self.root, self.v2 = v2, True
-        else:
-            raise RuntimeError("--throttle needs the cgroup cpu controller (v1 cpu.cfs_quota_us or v2 cpu.max)")
-        self.tag, self.groups = tag[:12], {}
-
-    def set(self, region: str, share: float, pids: list[int] = ()) -> None:
-        """Region ``region`` at ``share`` of one core (its processes ``pids`` moved into its group)."""
-        group = self.groups.get(region)
-        if group is None:
-            group = self.groups[region] = self.root / f"geomesh-bench-{self.tag}-{region}"
-            group.mkdir()
-        quota = max(1000, int(share * self.PERIOD_US))
-        if self.v2:
-            (group / "cpu.max").write_text(f"{quota} {self.PERIOD_US}\n")
-        else:
-            (group / "cpu.cfs_period_us").write_text(f"{self.PERIOD_US}\n")
-            (group / "cpu.cfs_quota_us").write_text(f"{quota}\n")
-        for pid in pids:
-            try:
-                (group / "cgroup.procs").write_text(f"{pid}\n")  # the process and every thread of it
-            except OSError:  # (a process that has just ended)
-                pass
-
-    def close(self) -> None:
-        for group in self.groups.values():
-            for pid in (group / "cgroup.procs").read_text().split():
-                try:
-                    (self.root / "cgroup.procs").write_text(f"{pid}\n")
-                except OSError:
-                    pass
-            try:
-                group.rmdir()
-            except OSError:
-                pass
 
 
 def run_loop_case(path: Path, out: Path, tokens: int, extra: list[str], pins: dict[str, set[int]] | None,

@@ -13,6 +13,10 @@ next round):
 - ``--partition REGION@ROUND:SECONDS`` the host cut off from every other host for that long;
 - ``--bandwidth REGION@ROUND:FACTOR`` the host's links at FACTOR × their bandwidth from then on.
 
+CPU quotas: ``--cpu REGION:CORES`` holds every process of that host (restarted hosts too) to CORES of the
+machine's cores (a cgroup of its own, ``cpu.max`` / ``cpu.cfs_quota_us``), so that regions differ in speed as
+their GPUs do (e.g. ``--cpu r0-h100:1 --cpu r1-a100:0.5 --cpu r2-t4:0.3``); root and the cgroup cpu controller.
+
 A misdeployed host: ``--host-env REGION:NAME=VALUE`` sets a variable of that host's environment (an empty value
 removes it): another advertised address, no run key, another quorum service.
 
@@ -82,6 +86,23 @@ def parse_host_env(text: str, names: list[str]) -> tuple[str, str, str]:
     return region, name, value
 
 
+def parse_cpu(text: str, names: list[str]) -> tuple[str, float]:
+    from ..runtime.distributed.quotas import CpuQuotas
+
+    region, sep, cores = text.partition(":")
+    top = os.cpu_count() or 1
+    try:
+        value = float(cores)
+    except ValueError:
+        value = -1.0
+    if not sep or not region or not CpuQuotas.MIN_SHARE <= value <= top:
+        raise RunError(f"--cpu {text!r}: expected REGION:CORES with CORES from {CpuQuotas.MIN_SHARE:g} to {top} "
+                       f"(this machine's cores)")  # fmt: skip
+    if region not in names:
+        raise RunError(f"--cpu {text!r}: no region {region!r} (the scenario's: {', '.join(names)})")
+    return region, value
+
+
 def register(sub) -> None:
     p = sub.add_parser("hosts", help="run a scenario on the hosts test bed: one network namespace, address, folder "
                                      "and torchrun per region (root, iproute2)")  # fmt: skip
@@ -102,6 +123,8 @@ def register(sub) -> None:
                    help="a host lost with :gone started again after that round")
     p.add_argument("--partition", action="append", default=[], metavar="REGION@ROUND:SECONDS")
     p.add_argument("--bandwidth", action="append", default=[], metavar="REGION@ROUND:FACTOR")
+    p.add_argument("--cpu", action="append", default=[], metavar="REGION:CORES",
+                   help="that host's processes held to CORES of this machine's cores (a CPU quota, cgroups: root)")
     p.add_argument("--host-env", action="append", default=[], metavar="REGION:NAME=VALUE",
                    help="a variable of that host's environment set (an empty VALUE removes it): a misdeployed host, "
                         "e.g. r1-a100:GEOMESH_ADVERTISE_HOST=10.9.9.9")  # fmt: skip
@@ -136,6 +159,7 @@ def cmd_hosts(args: argparse.Namespace) -> int:
     from ..methods import get_method
     from ..runtime.distributed.hosts import HostsBed, wait_all
     from ..runtime.distributed.membership import join_timeout_s
+    from ..runtime.distributed.quotas import QuotaError, quota_unavailable_reason
     from ..runtime.distributed.transport import NetnsError, netns_unavailable_reason
 
     sc = load_scenario(args.scenario, parse_overrides(args.set))
@@ -150,6 +174,7 @@ def cmd_hosts(args: argparse.Namespace) -> int:
             raise RunError(f"--restart {f.region}@{f.at_round}: the host must be lost with :gone before that round "
                            f"(--lose {f.region}@ROUND:gone)")  # fmt: skip
     host_env = [parse_host_env(t, names) for t in args.host_env]
+    cpu = dict(parse_cpu(t, names) for t in args.cpu)
     counts = [int(c) for c in str(args.ranks_per_region).split(",")]
     counts = counts * len(names) if len(counts) == 1 else counts
     if len(counts) != len(names) or min(counts) < 1:
@@ -157,6 +182,8 @@ def cmd_hosts(args: argparse.Namespace) -> int:
     reason = netns_unavailable_reason()
     if reason:
         raise RunError(f"the hosts test bed cannot run here: {reason}")
+    if cpu and (reason := quota_unavailable_reason()):
+        raise RunError(f"--cpu: CPU quotas cannot be set here: {reason}")
     min_regions = args.min_regions or sc.reliability.min_regions or max(1, len(names) - 1)
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -168,10 +195,10 @@ def cmd_hosts(args: argparse.Namespace) -> int:
         extra_sets = [f"reliability.hmac_key_env={key_env}"]
     if not env.get(key_env):  # the run key every host holds (and no one else); kept for --resume (checkpoint
         env[key_env] = _bed_key(out)  # markers are signed with it)
-    bed = HostsBed(sc.wan_model(), names, out)
+    bed = HostsBed(sc.wan_model(), names, out, cpu={names.index(r): c for r, c in cpu.items()})
     try:
         bed.setup()
-    except NetnsError as exc:
+    except (NetnsError, QuotaError) as exc:
         bed.close()
         raise RunError(f"the hosts test bed: {exc}") from None
     try:
@@ -221,23 +248,25 @@ def cmd_hosts(args: argparse.Namespace) -> int:
         finished = wait_all(hosts, args.run_timeout, tick)
     finally:
         ends = {h.name: (h.proc.poll() if h.proc is not None else None) for h in bed.hosts}
+        sent = {h.name: bed.tx_bytes(h.region) for h in bed.hosts}  # (before the namespaces go)
         gone = {f.region for f in faults if f.kind == "lose" and f.arg == "gone"} - {
             f.region for f in faults if f.kind == "restart"}
         bed.close()
-    return _report(out, bed, ends, gone, log, finished, args.json)
+    return _report(out, bed, ends, sent, gone, log, finished, args.json)
 
 
 def _pct(frac) -> str:
     return f"{100 * frac:.1f}%" if isinstance(frac, (int, float)) else "-"
 
 
-def _report(out: Path, bed, ends: dict, gone: set, log: list, finished: bool, as_json: bool) -> int:
+def _report(out: Path, bed, ends: dict, sent: dict, gone: set, log: list, finished: bool, as_json: bool) -> int:
     summaries = [h.folder / "run" / "summary.json" for h in bed.hosts]
     found = [p for p in summaries if p.exists()]
     summary = json.loads(max(found, key=lambda p: p.stat().st_mtime).read_text()) if found else None
     checksums = (summary or {}).get("param_checksums") or {}
     result = {"hosts": {h.name: {"address": h.address, "folder": str(h.folder), "exit": ends[h.name],
-                                 "starts": h.starts, "rounds": _rounds(h.folder), "log": str(h.log)}
+                                 "starts": h.starts, "rounds": _rounds(h.folder), "log": str(h.log),
+                                 "cpu": bed.cpu.get(h.region), "tx_bytes": sent[h.name]}
                         for h in bed.hosts},
               "delay": "netem" if bed.delay_in_kernel else "the ranks' shaper (no sch_netem in this kernel)",
               "faults": log, "finished": finished, "summary_from": str(max(found, key=lambda p: p.stat().st_mtime))
@@ -249,8 +278,9 @@ def _report(out: Path, bed, ends: dict, gone: set, log: list, finished: bool, as
         print(json.dumps({**result, "ok": ok}))
     else:
         for name, h in result["hosts"].items():
+            cpu = f"  cpu {h['cpu']:g}" if h["cpu"] is not None else ""
             print(f"{name:<16} {h['address']:<12} exit {h['exit']}  starts {h['starts']}  rounds {h['rounds']:>3}  "
-                  f"checksum {checksums.get(name, '-')}")  # fmt: skip
+                  f"checksum {checksums.get(name, '-')}{cpu}")  # fmt: skip
         for f in log:
             print(f"fault: {f['kind']} {f['region']} after round {f['after_round']} ({f['arg'] or 'restarted'}) "
                   f"at {f['time_s']} s")  # fmt: skip

@@ -10,6 +10,10 @@ hub namespace; each host's egress to every other region's host is rate-limited t
 bandwidth (``htb``, a class per destination) and delayed by half the link's RTT where the kernel has
 ``sch_netem`` (elsewhere the ranks' shaper adds the latency only: ``--wan latency``).
 
+CPU quotas (``cpu``: region -> cores): each host runs in a control group of its own with that CPU-time quota
+(:class:`~.quotas.CpuQuotas`); its command is started inside the group, so every process of the host, a
+restarted host's too, is held to it, and the regions' speeds differ as their GPUs' would.
+
 Host-level faults: a host lost (every process of it killed, SIGKILL to its process group), started again with
 its folder kept or deleted; a link partitioned for a while (the host's port on the bridge down: every packet
 to and from it dropped); a host's link bandwidth changed mid-run. :mod:`geomesh.cli.hosts` is the face
@@ -18,6 +22,7 @@ to and from it dropped); a host's link bandwidth changed mid-run. :mod:`geomesh.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -31,6 +36,7 @@ from pathlib import Path
 
 from ...network import WanModel
 from .membership import ADVERTISE_ENV, LIGHTHOUSE_ENV
+from .quotas import CpuQuotas
 from .transport import NetnsError, _ip, _tc, attach_to_bridge, netem_available
 
 QUORUM_PORT = 29510
@@ -56,6 +62,15 @@ class Host:
     proc: subprocess.Popen | None = None
     log: Path | None = None
     starts: int = 0
+    cgroup: Path | None = None  # the cgroup.procs file of its CPU quota's group: the command starts in it
+
+    def command(self) -> list[str]:
+        """What starts the host: its argv inside its namespace (and inside its CPU quota's group, entered by a
+        shell that then becomes the command, so every process of the host is born in the group)."""
+        argv = ["ip", "netns", "exec", self.ns, *self.argv]
+        if self.cgroup is None:
+            return argv
+        return ["sh", "-c", 'echo $$ > "$0" && exec "$@"', str(self.cgroup), *argv]
 
     def start(self) -> None:
         self.folder.mkdir(parents=True, exist_ok=True)
@@ -65,8 +80,8 @@ class Host:
             n += 1
         self.log = self.folder / f"host-{n}.log"
         with open(self.log, "w") as out:  # (the child keeps its own descriptor)
-            self.proc = subprocess.Popen(["ip", "netns", "exec", self.ns, *self.argv], env=self.env, cwd=self.folder,
-                                         stdout=out, stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+            self.proc = subprocess.Popen(self.command(), env=self.env, cwd=self.folder, stdout=out,
+                                         stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
 
     def kill(self) -> None:
         """Every process of the host: everything in its network namespace (torchrun starts each rank in a
@@ -101,11 +116,13 @@ class HostsBed:
     names: list[str]
     root: Path
     lan_gbps: float = 10.0
+    cpu: dict[int, float] = field(default_factory=dict)  # region -> its CPU quota in cores (none: unlimited)
     tag: str = field(default_factory=lambda: uuid.uuid4().hex[:6])
     namespaces: list[str] = field(default_factory=list)
     delay_in_kernel: bool = False
     hosts: list[Host] = field(default_factory=list)
     quorum: subprocess.Popen | None = None
+    quotas: CpuQuotas | None = None
     _timers: list[threading.Timer] = field(default_factory=list)
 
     @property
@@ -149,6 +166,19 @@ class HostsBed:
         self.delay_in_kernel = netem_available(self.ns(1), "eth0")
         for i in range(len(self.names)):
             self._shape(i)
+        if self.cpu:  # (QuotaError where control groups cannot be made)
+            self.quotas = CpuQuotas(self.tag)
+            for i, cores in sorted(self.cpu.items()):
+                self.quotas.set(self.names[i], cores)
+
+    def tx_bytes(self, region: int) -> int | None:
+        """The bytes region ``region``'s host has sent on its interface so far (every peer and the quorum
+        service), as the kernel counts them; None once its namespace is gone."""
+        done = _ip("-n", self.ns(region + 1), "-j", "-s", "link", "show", "eth0", check=False)
+        try:
+            return int(json.loads(done.stdout)[0]["stats64"]["tx"]["bytes"])
+        except (ValueError, LookupError, TypeError):
+            return None
 
     def _rate(self, a: int, b: int, factor: float = 1.0) -> str:
         return f"{max(int(self.wan.bandwidth_Bps[a][b] * 8 * factor), 8000)}bit"
@@ -202,18 +232,20 @@ class HostsBed:
             self.quorum = subprocess.Popen(["ip", "netns", "exec", self.ns(0), *argv], stdout=out,
                                            stderr=subprocess.STDOUT, start_new_session=True, env=dict(os.environ))  # fmt: skip
 
-    def add_host(self, region: int, ranks: int, run_argv: list[str], env: dict[str, str]) -> Host:
+    def add_host(self, region: int, ranks: int, run_argv: list[str], env: dict[str, str],
+                 module: str = "geomesh.run") -> Host:  # fmt: skip
         """Region ``region``'s host, started by the cluster recipe's command (``run_argv``: what follows
-        ``-m geomesh.run``; its ``--out`` is the host's own folder)."""
+        ``-m geomesh.run``, or ``-m module``, a peer system's runner; its ``--out`` is the host's own folder)."""
         address = host_address(region + 1)
         folder = self.root / self.names[region]
         torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(ranks),
                     "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{address}:{RDZV_PORT}", "--rdzv-conf", "is_host=true",
                     "--local-addr", address,
-                    "-m", "geomesh.run", *run_argv, "--out", str(folder / "run")]  # fmt: skip
+                    "-m", module, *run_argv, "--out", str(folder / "run")]  # fmt: skip
         host_env = dict(env, **{"GEOMESH_REGION": self.names[region], LIGHTHOUSE_ENV: self.lighthouse,
                                 ADVERTISE_ENV: address, "GLOO_SOCKET_IFNAME": "eth0", "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "1")})  # fmt: skip
-        host = Host(region, self.names[region], self.ns(region + 1), address, folder, torchrun, host_env)
+        host = Host(region, self.names[region], self.ns(region + 1), address, folder, torchrun, host_env,
+                    cgroup=self.quotas.procs_file(self.names[region]) if region in self.cpu and self.quotas else None)
         self.hosts.append(host)
         return host
 
@@ -235,6 +267,9 @@ class HostsBed:
         if self.quorum is not None and self.quorum.poll() is None:
             os.killpg(self.quorum.pid, signal.SIGKILL)
             self.quorum.wait()
+        if self.quotas is not None:
+            self.quotas.close()
+            self.quotas = None
         for ns in reversed(self.namespaces):
             _ip("netns", "del", ns, check=False)
         self.namespaces.clear()
