@@ -177,10 +177,11 @@ def test_the_bed_refuses_bad_faults_in_one_line(tmp_path, small_corpus, fault, l
 
 @pytest.mark.waits
 @pytest.mark.skipif(REASON is not None, reason=f"the hosts test bed cannot run here: {REASON}")
-def test_misdeployed_hosts_stop_with_one_line_each(tmp_path, small_corpus):
-    """Hosts deployed wrong, each stopping within its timeout with one ``error:`` line that names what to fix:
-    r1 advertising an address that is not its own (the healthy regions train on without it), then r1 without
-    the run key and r2 with the quorum service's address wrong (r0, alone, stops cleanly: no quorum)."""
+def test_a_host_advertising_another_address_stops_with_one_line(tmp_path, small_corpus):
+    """A host deployed wrong stops within its timeout with one ``error:`` line that names what to fix: r1
+    advertising an address that is not its own, while the healthy regions train on without it. (A host without
+    the run key and one given a wrong quorum service address stop with one line each too: tested under
+    ``geomesh launch``, tests/test_elastic.py and tests/test_reliability.py, and seen on the bed by hand.)"""
     path = bed_scenario(tmp_path, small_corpus)
     out = tmp_path / "advertise"
     result = run_bed(path, out, "geomesh", "--tokens", "6000", "--timeout", "15", "--host-env",
@@ -191,18 +192,6 @@ def test_misdeployed_hosts_stop_with_one_line_each(tmp_path, small_corpus):
     assert error_lines(out, "r1-a100") == ["error: cannot serve recovery state at the advertised address "
                                            "'10.215.0.99': Cannot assign requested address (set "
                                            "GEOMESH_ADVERTISE_HOST to an address of this host)"]  # fmt: skip
-
-    out = tmp_path / "key-and-quorum"
-    result = run_bed(path, out, "geomesh", "--tokens", "6000", "--timeout", "15",
-                     "--host-env", "r1-a100:GEOMESH_RUN_KEY=",
-                     "--host-env", "r2-t4:TORCHFT_LIGHTHOUSE=http://10.215.0.1:29999", expect_ok=False)  # fmt: skip
-    assert all(h["exit"] not in (0, None) for h in result["hosts"].values())
-    [key] = error_lines(out, "r1-a100")
-    assert "GEOMESH_RUN_KEY" in key and "not set" in key
-    [quorum] = error_lines(out, "r2-t4")
-    assert "http://10.215.0.1:29999 cannot be reached within 15s" in quorum and "TORCHFT_LIGHTHOUSE" in quorum
-    [alone] = error_lines(out, "r0-h100")
-    assert "no quorum of at least 2 region(s) within 15s" in alone
 
 
 def error_lines(out: Path, host: str) -> list[str]:
