@@ -22,14 +22,15 @@ $(STAMP): pyproject.toml Makefile
 # Three lanes at once, then one alone:
 # - two workers, one test file each at a time (module fixtures stay shared; files of tests marked long first: in
 #   collection order, not reordered by their number of tests);
-# - beside them, one at a time, the tests marked waits (elastic runs whose processes mostly wait on purpose:
-#   they would hold a worker's core idle); their output follows the workers';
+# - beside them, the tests marked waits (elastic runs and the hosts test bed, whose processes mostly wait on
+#   purpose: they would hold a worker's core idle), two at a time, test by test (a lane of them one at a time
+#   outlasted the workers); their output follows the workers';
 # - then the tests marked serial alone (those that pin CPUs to make a region slow: another test's processes must
 #   not share their cores).
 WAITS_LOG := .pytest-waits.log
 
 test: $(STAMP)
-	@$(PY) -m pytest -q -p no:cacheprovider -m "waits and not serial" > $(WAITS_LOG) 2>&1 & waits=$$!; \
+	@$(PY) -m pytest -q -p no:cacheprovider -n 2 --dist load -m "waits and not serial" > $(WAITS_LOG) 2>&1 & waits=$$!; \
 	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder -m "not serial and not waits"; workers=$$?; \
 	wait $$waits; waited=$$?; echo "tests marked waits (one at a time, beside the workers):"; cat $(WAITS_LOG); \
 	test $$workers -eq 0 && test $$waited -eq 0
