@@ -42,6 +42,7 @@ def test_every_process_of_a_host_runs_in_its_cpu_quota_restarted_too(tmp_path):
         groups = dict(bed.quotas.groups)
         assert sorted(groups) == ["r0-h100", "r2-t4"]  # r1: no quota asked
         assert bed.quotas.quota("r0-h100") == pytest.approx(1.0) and bed.quotas.quota("r2-t4") == pytest.approx(0.3)
+        assert bed.quotas.weight == HostsBed.CPU_WEIGHT > 1  # (it gets its quota on a busy machine)
         hosts = [bed.add_host(i, 1, [], {}) for i in range(len(NAMES))]
         for h in hosts:
             h.argv = PARENT_AND_CHILD

@@ -17,6 +17,9 @@ CPU quotas: ``--cpu REGION:CORES`` holds every process of that host (restarted h
 machine's cores (a cgroup of its own, ``cpu.max`` / ``cpu.cfs_quota_us``), so that regions differ in speed as
 their GPUs do (e.g. ``--cpu r0-h100:1 --cpu r1-a100:0.5 --cpu r2-t4:0.3``); root and the cgroup cpu controller.
 
+A peer system as a method: ``--method torchft-diloco`` starts every host with torchft's own DiLoCo (its Manager
+and Lighthouse, :mod:`geomesh.integrations.torchft_diloco`) on the same scenario, in place of ``geomesh.run``.
+
 A misdeployed host: ``--host-env REGION:NAME=VALUE`` sets a variable of that host's environment (an empty value
 removes it): another advertised address, no run key, another quorum service.
 
@@ -39,6 +42,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import RunError
+
+# a peer system run on the bed as a method: its runner module, started per host as ours (-m MODULE)
+PEERS = {"torchft-diloco": "geomesh.integrations.torchft_diloco"}
 
 
 @dataclass
@@ -107,7 +113,7 @@ def register(sub) -> None:
     p = sub.add_parser("hosts", help="run a scenario on the hosts test bed: one network namespace, address, folder "
                                      "and torchrun per region (root, iproute2)")  # fmt: skip
     p.add_argument("scenario")
-    p.add_argument("--method", required=True)
+    p.add_argument("--method", required=True, help="a GeoMesh method, or torchft-diloco (torchft's own DiLoCo)")
     p.add_argument("--out", required=True, help="the bed's folder: DIR/<region>/ is each host's own folder")
     p.add_argument("--ranks-per-region", default="1", help="ranks on each region's host: N, or N0,N1,...")
     p.add_argument("--tokens", type=int, default=None)
@@ -163,7 +169,8 @@ def cmd_hosts(args: argparse.Namespace) -> int:
     from ..runtime.distributed.transport import NetnsError, netns_unavailable_reason
 
     sc = load_scenario(args.scenario, parse_overrides(args.set))
-    get_method(args.method)  # an unknown method: one line, before anything starts
+    if args.method not in PEERS:
+        get_method(args.method)  # an unknown method: one line, before anything starts
     names = [r.name for r in sc.regions]
     faults = [parse_fault(k, t) for k in ("lose", "restart", "partition", "bandwidth") for t in getattr(args, k)]
     for f in faults:
@@ -211,7 +218,8 @@ def cmd_hosts(args: argparse.Namespace) -> int:
         run_argv += ["--resume"] if args.resume else []
         for s in [*args.set, *extra_sets]:
             run_argv += ["--set", s]
-        hosts = [bed.add_host(i, counts[i], run_argv, env) for i in range(len(names))]
+        module = PEERS.get(args.method, "geomesh.run")
+        hosts = [bed.add_host(i, counts[i], run_argv, env, module) for i in range(len(names))]
         for region, name, value in host_env:
             host = hosts[names.index(region)]
             host.env.pop(name, None)
@@ -263,7 +271,10 @@ def _report(out: Path, bed, ends: dict, sent: dict, gone: set, log: list, finish
     summaries = [h.folder / "run" / "summary.json" for h in bed.hosts]
     found = [p for p in summaries if p.exists()]
     summary = json.loads(max(found, key=lambda p: p.stat().st_mtime).read_text()) if found else None
-    checksums = (summary or {}).get("param_checksums") or {}
+    checksums = dict((summary or {}).get("param_checksums") or {})
+    for path in found:  # (a peer's host writes its own region's checksum only)
+        for name, crc in (json.loads(path.read_text()).get("param_checksums") or {}).items():
+            checksums.setdefault(name, crc)
     result = {"hosts": {h.name: {"address": h.address, "folder": str(h.folder), "exit": ends[h.name],
                                  "starts": h.starts, "rounds": _rounds(h.folder), "log": str(h.log),
                                  "cpu": bed.cpu.get(h.region), "tx_bytes": sent[h.name]}

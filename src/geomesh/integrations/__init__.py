@@ -2,6 +2,9 @@
 
 - :mod:`.lm_eval_adapter`: an lm-evaluation-harness ``LM`` for the trained model and what ``geomesh eval``
   runs (extra ``eval``; its arguments live in :mod:`geomesh.cli.eval`).
+- :mod:`.torchft_diloco`: torchft's own DiLoCo (its ``Manager``, ``local_sgd.DiLoCo`` and Lighthouse) on a
+  GeoMesh scenario, one region per process under torchrun: the peer a user would pick, run on the hosts test
+  bed beside our methods (``geomesh hosts ... --method torchft-diloco``, ``bench/wallclock.py``).
 
 The TensorBoard and Weights & Biases sinks are telemetry writers that both runtimes attach, so they live
 beside telemetry (:mod:`geomesh.telemetry_sinks`). The ``transformers`` model adapter lives with the models (:mod:`geomesh.models.hf`), token shards and HF

@@ -11,8 +11,9 @@ bandwidth (``htb``, a class per destination) and delayed by half the link's RTT 
 ``sch_netem`` (elsewhere the ranks' shaper adds the latency only: ``--wan latency``).
 
 CPU quotas (``cpu``: region -> cores): each host runs in a control group of its own with that CPU-time quota
-(:class:`~.quotas.CpuQuotas`); its command is started inside the group, so every process of the host, a
-restarted host's too, is held to it, and the regions' speeds differ as their GPUs' would.
+(:class:`~.quotas.CpuQuotas`) and ten times a default group's weight (so it gets its quota on a machine busy
+with other work); its command is started inside the group, so every process of the host, a restarted host's
+too, is held to it, and the regions' speeds differ as their GPUs' would.
 
 Host-level faults: a host lost (every process of it killed, SIGKILL to its process group), started again with
 its folder kept or deleted; a link partitioned for a while (the host's port on the bridge down: every packet
@@ -112,6 +113,8 @@ def namespace_pids(ns: str) -> set[int]:
 class HostsBed:
     """Namespaces, links and hosts for one run (a context manager; ``close`` removes everything)."""
 
+    CPU_WEIGHT = 10  # a host with a CPU quota weighs as ten busy processes: it gets its quota on a busy machine
+
     wan: WanModel
     names: list[str]
     root: Path
@@ -167,7 +170,7 @@ class HostsBed:
         for i in range(len(self.names)):
             self._shape(i)
         if self.cpu:  # (QuotaError where control groups cannot be made)
-            self.quotas = CpuQuotas(self.tag)
+            self.quotas = CpuQuotas(self.tag, weight=self.CPU_WEIGHT)
             for i, cores in sorted(self.cpu.items()):
                 self.quotas.set(self.names[i], cores)
 

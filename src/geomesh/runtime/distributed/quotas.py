@@ -8,7 +8,10 @@ which no per-region speed describes; under quotas each region's speed is its own
 group stays in it, and so do its children: the hosts test bed starts each host's command inside its group
 (:meth:`CpuQuotas.procs_file`), so every process of the host is throttled, restarted hosts too;
 ``bench/distributed.py --throttle`` moves running processes in (:meth:`CpuQuotas.set`). A quota is a ceiling,
-not a reservation: on a busy machine a region may get less. Needs the right to make cgroups (root).
+not a reservation: on a busy machine a region may get less. With ``weight`` (the bed's) each group also weighs
+that many times a default group (``cpu.shares`` / ``cpu.weight``), so on a machine busy with other work it still
+gets its quota (keep the quotas' sum below the machine's cores: the rest is left to that work). Needs the right
+to make cgroups (root).
 """
 
 from __future__ import annotations
@@ -31,14 +34,14 @@ class CpuQuotas:
     PERIOD_US = 10_000  # a short period: a round is many periods, so the throttling's granularity averages out
     MIN_SHARE = 0.1  # the kernel's smallest quota is 1 ms per period
 
-    def __init__(self, tag: str) -> None:
+    def __init__(self, tag: str, weight: int = 1) -> None:
         if (V1_ROOT / "cpu.cfs_quota_us").exists():
             self.root, self.v2 = V1_ROOT, False
         elif (V2_ROOT / "cgroup.controllers").exists() and "cpu" in (V2_ROOT / "cgroup.controllers").read_text().split():
             self.root, self.v2 = V2_ROOT, True
         else:
             raise QuotaError("no cgroup cpu controller here (cgroup v1 cpu.cfs_quota_us or cgroup v2 cpu.max)")
-        self.tag, self.groups = tag[:12], {}
+        self.tag, self.groups, self.weight = tag[:12], {}, max(1, int(weight))
 
     def set(self, region: str, share: float, pids: list[int] = ()) -> None:
         """Region ``region`` at ``share`` of one core (``share`` > 1: several cores), its group made at the first
@@ -58,9 +61,13 @@ class CpuQuotas:
         try:
             if self.v2:
                 (group / "cpu.max").write_text(f"{quota} {self.PERIOD_US}\n")
+                if self.weight > 1:
+                    (group / "cpu.weight").write_text(f"{min(10_000, 100 * self.weight)}\n")
             else:
                 (group / "cpu.cfs_period_us").write_text(f"{self.PERIOD_US}\n")
                 (group / "cpu.cfs_quota_us").write_text(f"{quota}\n")
+                if self.weight > 1:
+                    (group / "cpu.shares").write_text(f"{min(262_144, 1024 * self.weight)}\n")
         except OSError as exc:
             raise QuotaError(f"cannot set the CPU quota of {group}: {exc.strerror or exc}") from None
         for pid in pids:
