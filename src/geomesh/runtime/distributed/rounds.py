@@ -403,11 +403,14 @@ class RoundLoop(PlanLoop):
             since = time.perf_counter()
             if self.elastic:  # this exchange's quorum now (the barrier), then the exchange on a thread
                 now = self.exchange.launch_quorum() if quorum else list(members)
+                if not quorum:  # healed at this exchange's quorum: its next round starts with these members,
+                    self.exchange.launch_members = list(now)  # as the others' does (no quorum of its own)
                 summed, reason = None, None
                 if self.summed:
                     reason = screen_payload(self.combiner, payload) if payload is not None else None
                     summed = self.combiner.reducible(payload if reason is None else None)
-                info = self._info(payload, 0.0, now, reason)
+                trained = now if quorum else [i for i in now if i != self.me]  # (one healed now trained nothing)
+                info = self._info(payload, 0.0, trained, reason)
                 ov.launch_on_thread(lambda: self.exchange.exchange(payload, summed, info, now), now)
             elif split is not None:  # the last fragment, launched as the others were; drained below
                 ov.launch_fragment(split.fragments - 1, payload[-1])
