@@ -23,8 +23,8 @@ $(STAMP): pyproject.toml Makefile
 # - two workers, one test file each at a time (module fixtures stay shared; files of tests marked long first: in
 #   collection order, not reordered by their number of tests);
 # - beside them, the tests marked waits (elastic runs whose processes mostly wait on purpose: they would hold a
-#   worker's core idle), in two lanes of one test at a time: the hosts test bed's (its hosts are network
-#   namespaces of their own) and the others (on this machine's loopback, where two at once could pick the same
+#   worker's core idle), in two lanes of one test at a time: the hosts test bed's (marked bed: its hosts are
+#   network namespaces of their own) and the others (on this machine's loopback, where two at once could pick the same
 #   free port); their output follows the workers';
 # - then the tests marked serial alone (those that pin CPUs to make a region slow: another test's processes must
 #   not share their cores).
@@ -32,8 +32,8 @@ WAITS_LOG := .pytest-waits.log
 BED_LOG := .pytest-bed.log
 
 test: $(STAMP)
-	@$(PY) -m pytest -q -p no:cacheprovider -m "waits and not serial" tests/test_hosts.py > $(BED_LOG) 2>&1 & bed=$$!; \
-	$(PY) -m pytest -q -p no:cacheprovider -m "waits and not serial" --ignore=tests/test_hosts.py > $(WAITS_LOG) 2>&1 & waits=$$!; \
+	@$(PY) -m pytest -q -p no:cacheprovider -m "waits and bed and not serial" > $(BED_LOG) 2>&1 & bed=$$!; \
+	$(PY) -m pytest -q -p no:cacheprovider -m "waits and not bed and not serial" > $(WAITS_LOG) 2>&1 & waits=$$!; \
 	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder -m "not serial and not waits"; workers=$$?; \
 	wait $$waits; waited=$$?; wait $$bed; bedded=$$?; \
 	echo "tests marked waits (one at a time, beside the workers):"; cat $(WAITS_LOG); \

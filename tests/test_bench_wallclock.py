@@ -17,38 +17,50 @@ bench = bench_script("wallclock")
 NAMES = ["r0-h100", "r1-a100", "r2-t4"]
 
 
-def events_of(times: list[float], losses: list[float], per_round_tokens: int) -> list[dict]:
+def events_of(times: list[float], losses: list[float], per_round_tokens: int, spans=()) -> list[dict]:
     out = [{"type": "run"}]
     for k, (t, loss) in enumerate(zip(times, losses), start=1):
         out.append({"type": "round", "round": k, "time": t, "tokens": k * per_round_tokens})
         out.append({"type": "eval", "round": k, "time": t + 0.01, "tokens": k * per_round_tokens, "val_loss": loss})
+    return out + [{"type": "span", "worker": w, "kind": kind, "start": a, "end": b, "round": r}
+                  for w, kind, a, b, r in spans]  # fmt: skip
+
+
+def round_spans(worker: str, rounds: list[tuple[float, float, float]]) -> list[tuple]:
+    """One worker's spans: (compute, straggler_wait, comm_wait) seconds per round, back to back (0-based rounds)."""
+    out, t = [], 0.0
+    for r, parts in enumerate(rounds):
+        for kind, seconds in zip(("compute", "straggler_wait", "comm_wait"), parts):
+            out.append((worker, kind, t, t + seconds, r))
+            t += seconds
     return out
 
 
-def spans(compute: float, straggler: float, comm: float) -> dict:
-    return {"compute": compute, "straggler_wait": straggler, "comm_wait": comm, "other": 0.0,
-            "wall": compute + straggler + comm}  # fmt: skip
-
-
-def test_a_run_is_read_from_r0s_clock_every_regions_spans_and_the_interfaces():
-    ours = {n: events_of([2.0, 4.0, 6.5, 8.0], [5.0, 4.5, 4.2, 4.1], 100) for n in NAMES}
-    ours["r1-a100"] = events_of([9.0, 19.0, 29.0, 39.0], [9.0, 9.0, 9.0, 9.0], 100)  # (another host's clock: unread)
-    every = {n: spans(6.0, 1.0, 1.0) for n in NAMES}
-    summaries = {n: {"runtime": "distributed", "per_worker": every, "bytes_per_round": 3000, "stopped_by":
-                     "time_budget", "exchange_s_per_round": 0.5} for n in NAMES}  # fmt: skip
+def test_a_run_is_read_on_the_clock_of_the_region_ready_last_with_every_regions_spans_and_the_interfaces():
+    # every host records every region's spans (ours); the first round holds r0's and r1's wait for r2 to start
+    spans = (round_spans("r0-h100", [(1, 9, 0), (1, 1, 0), (1, 1, 0)]) + round_spans("r1-a100", [(2, 8, 0),
+             (2, 0, 0), (2, 0, 0)]) + round_spans("r2-t4", [(2, 0, 0), (1, 0, 1), (1, 0, 1)]))  # fmt: skip
+    ours = {"r0-h100": events_of([10.0, 12.0, 14.0, 15.5], [9.0, 9.0, 9.0, 9.0], 100, spans),
+            "r1-a100": events_of([10.0, 12.0, 14.0, 15.5], [9.0, 9.0, 9.0, 9.0], 100, spans),
+            "r2-t4": events_of([2.0, 4.0, 6.5, 8.0], [5.0, 4.5, 4.2, 4.1], 100, spans)}  # fmt: skip
+    summaries = {n: {"runtime": "distributed", "bytes_per_round": 3000, "stopped_by": "time_budget",
+                     "exchange_s_per_round": 0.5} for n in NAMES}  # fmt: skip
     m = bench.run_metrics(ours, summaries, {n: 4000 for n in NAMES})
+    assert m["clock_host"] == "r2-t4"  # (the others' clocks hold its start-up)
     assert (m["rounds"], m["tokens"], m["wall_s"], m["final_val_loss"]) == (4, 400, 8.0, 4.1)
     assert m["round_s"] == pytest.approx(2.25)  # gaps 2.0, 2.5 (the last, 1.5, left out)
     assert m["tokens_per_s"] == pytest.approx(50.0)
-    assert m["straggler_idle"] == pytest.approx(0.125) and m["wan_idle"] == pytest.approx(0.125)
+    assert m["straggler_idle"] == pytest.approx(2 / 12) and m["wan_idle"] == pytest.approx(2 / 12)  # rounds 2, 3
+    assert m["straggler_idle_whole"] == pytest.approx(19 / 34) and m["wan_idle_whole"] == pytest.approx(2 / 34)
     assert m["wire_bytes_per_round"] == pytest.approx(3000.0) and m["runtime_bytes_per_round"] == 3000
-    # torchft's hosts: each summary holds its own region's spans and bytes
-    peer = {n: {"runtime": "distributed (torchft)", "per_worker": {n: spans(6.0, 2.0 * k, 0.0)},
-                "bytes_per_round": 1000} for k, n in enumerate(NAMES)}  # fmt: skip
-    m = bench.run_metrics(ours, peer, {"r0-h100": 1, "r1-a100": None, "r2-t4": 1})
-    assert m["straggler_idle"] == pytest.approx(6.0 / 24.0) and m["wan_idle"] == 0.0
+    # torchft's hosts: each records its own region's spans and bytes
+    own = {n: events_of([2.0, 4.0, 6.0], [5.0, 4.5, 4.2], 100, round_spans(n, [(2, 2 * k, 0)] * 3))
+           for k, n in enumerate(NAMES)}  # fmt: skip
+    peer = {n: {"runtime": "distributed (torchft)", "bytes_per_round": 1000} for n in NAMES}
+    m = bench.run_metrics(own, peer, {"r0-h100": 1, "r1-a100": None, "r2-t4": 1})
+    assert m["straggler_idle"] == pytest.approx(12 / 24) and m["wan_idle"] == 0.0
     assert m["runtime_bytes_per_round"] == 3000 and m["wire_bytes_per_round"] is None  # (a host's count missing)
-    with pytest.raises(ValueError, match="r0-h100"):
+    with pytest.raises(ValueError, match="no host recorded a round"):
         bench.run_metrics({"r0-h100": [{"type": "run"}]}, {}, {})
 
 
@@ -104,6 +116,7 @@ REASON = netns_unavailable_reason()
 
 
 @pytest.mark.waits
+@pytest.mark.bed
 @pytest.mark.skipif(REASON is not None, reason=f"the hosts test bed cannot run here: {REASON}")
 def test_the_smallest_case_end_to_end_torchft_trains_what_our_diloco_trains(tmp_path, small_corpus):
     """torchft's DiLoCo on the bed, 2 rounds of the tiny model, through the bench: its losses at every round are

@@ -22,6 +22,7 @@ from geomesh.cli import launch as cli_launch
 from geomesh.runtime.distributed.transport import netns_unavailable_reason
 from geomesh.telemetry import read_events
 
+pytestmark = pytest.mark.bed
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 REASON = netns_unavailable_reason()
 NAMES = ["r0-h100", "r1-a100", "r2-t4"]
