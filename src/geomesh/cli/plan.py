@@ -1,7 +1,9 @@
 """``geomesh plan`` and ``geomesh profile``: the planner's faces.
 
 ``geomesh plan SCENARIO`` prints GeoMesh's per-worker plan beside DiLoCo's uniform one on the same cluster
-(``--json``: one JSON object on stdout, nothing else). ``geomesh profile`` measures this machine's device
+(``--json``: one JSON object on stdout, nothing else). ``geomesh plan RUN_FOLDER`` reads a run's records
+instead: every plan it made and why (the start, a member that left or joined, compute or the WAN measured
+against what the plan assumed), and the WAN as declared against as measured. ``geomesh profile`` measures this machine's device
 with the scenario's model and writes a profile that ``plan`` (``--profile REGION=FILE``) and the runtimes
 accept in place of the cost model.
 """
@@ -19,8 +21,9 @@ from ..report import human_bytes
 
 
 def register(sub) -> None:
-    p = sub.add_parser("plan", help="per-worker batch size and inner steps: GeoMesh beside uniform DiLoCo")
-    p.add_argument("scenario")
+    p = sub.add_parser("plan", help="per-worker batch size and inner steps: GeoMesh beside uniform DiLoCo (or a "
+                                    "run folder: the plans it made and why, the WAN declared against measured)")  # fmt: skip
+    p.add_argument("scenario", help="a scenario, or a run's folder (its events.jsonl)")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     p.add_argument("--profile", action="append", metavar="REGION=FILE", help="a measured profile for a region")
     p.add_argument("--allow-drop", action="store_true", help="leave out workers that cannot train, with a warning")
@@ -76,10 +79,68 @@ def cluster_exchanges(scenario) -> dict[str, Any]:
     return out
 
 
+def run_plans(folder: Path) -> dict[str, Any]:
+    """A run's plans from its records (``events.jsonl``): each with the round it came into force after, the
+    members, each region's batch and inner steps, the exchange time it assumed and why it was made; the WAN as
+    measured (the summary's, else the last record's) and each round's measured exchange beside the planned."""
+    from ..errors import RunError
+    from ..telemetry import read_events
+
+    try:
+        events = read_events(folder / "events.jsonl")
+    except (OSError, ValueError) as exc:
+        raise RunError(f"{folder}: no readable run records (events.jsonl): {exc}") from None
+    plans, rounds, measured = [], [], None
+    for e in events:
+        if e.get("type") == "plan" and isinstance(e.get("plan"), dict):
+            p = e["plan"]
+            why = e.get("reason") or ("compute measured against planned" if e.get("replan") else
+                                      "the members changed" if plans else "the start")  # fmt: skip
+            plans.append({"round": e.get("round"), "why": why, "members": e.get("members"),
+                          "exchange_s": p.get("exchange_s"), "round_s": p.get("round_s"),
+                          "workers": {w["name"]: [w.get("batch"), w.get("inner_steps")] for w in p.get("workers", ())}})  # fmt: skip
+        elif e.get("type") == "round":
+            rounds.append({"round": e.get("round"), "exchange_s": e.get("exchange_s"),
+                           "planned_exchange_s": e.get("planned_exchange_s")})  # fmt: skip
+        elif e.get("type") == "wan_probe":
+            measured = e.get("wan_measured")
+    summary = folder / "summary.json"
+    if summary.exists():
+        try:
+            measured = json.loads(summary.read_text()).get("wan_measured") or measured
+        except (OSError, ValueError):
+            pass
+    if not plans:
+        raise RunError(f"{folder}: its records hold no plan (a run of a method that plans, started at least)")
+    return {"folder": str(folder), "plans": plans, "wan_measured": measured, "rounds": rounds}
+
+
+def print_run_plans(out: dict[str, Any]) -> None:
+    print(f"plans of the run in {out['folder']}:")
+    for p in out["plans"]:
+        regions = "  ".join(f"{n} {b}x{h}" for n, (b, h) in p["workers"].items())
+        ex = f"exchange {p['exchange_s']:.3g} s" if isinstance(p["exchange_s"], (int, float)) else ""
+        print(f"  after round {p['round']:>3}: {regions}  {ex}  ({p['why']})")
+    w = out["wan_measured"]
+    if w:
+        print(f"WAN measured against declared: latency x{w['latency_factor']:.2f}, transfer x{w['transfer_factor']:.2f} "
+              f"({w.get('observations', 0)} exchanges, {w.get('probes', 0)} of them probes, "
+              f"{w.get('held_back', 0)} held back)")  # fmt: skip
+    else:
+        print("WAN: the declared one throughout (not measured)")
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     from ..config import ConfigError, load_scenario, parse_overrides
     from ..hardware import load_profile
 
+    if Path(args.scenario).is_dir():  # a run's folder: the plans it made
+        out = run_plans(Path(args.scenario))
+        if args.json:
+            print(json.dumps(out))
+        else:
+            print_run_plans(out)
+        return 0
     scenario = load_scenario(args.scenario, parse_overrides(args.set))
     profiles = {}
     for pair in args.profile or []:
