@@ -32,16 +32,16 @@ from ...telemetry import Telemetry, write_json_atomic
 from ..checkpoint_state import truncate_events
 from .clock import WallClock
 from .checkpoints import DistCheckpointError, check_resume, fingerprint
+from .folder import prepare_shared_run_dir
 from .layout import rank_layout, region_layout
 from .stopping import StoppingRule
-from ..options import DistOptions, checkpoint_cadence, prepare_run_dir, resolve_run
+from ..options import DistOptions, checkpoint_cadence, resolve_run
 from .region import RegionWorker, build_training, is_sharded, local_bytes, params_checksum, reshard, shard_region  # noqa: F401
 from ..summary import build_summary
 from .transport import Transport
 
 TEST_EXIT_ENV = "GEOMESH_TEST_EXIT_AFTER_ROUND"  # "RANK:ROUND": that rank exits abruptly (tests only)
 WIRE_IFACE_ENV = "GEOMESH_WIRE_IFACE"  # a network interface whose tx bytes measure what really went out
-
 
 MEMBERSHIP_FAULTS = ("leave", "join")  # faults that change who is in a round: elastic regions only
 
@@ -224,8 +224,8 @@ class RankRun(StoppingRule):
         odd = [r for r, f in enumerate(prints) if f != prints[0]]
         if odd:
             raise RunError(f"ranks {odd} run a different scenario, method, seed, budget or layout than rank 0")
-        if self.out_dir is not None:
-            self._on_rank0("preparing the run folder", lambda: prepare_run_dir(self.out_dir))
+        if self.out_dir is not None:  # (rank 0 prepares it; a rank that does not see it stops them all)
+            prepare_shared_run_dir(self)
         # groups: every rank creates every group, in the same order
         self.leaders_group = dist.new_group(self.layout.leaders, timeout=self.transport.timeout)
         self.region_group = None  # the region's ranks, when there are several (DDP, broadcasts)
