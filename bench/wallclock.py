@@ -1,6 +1,6 @@
 """Wall-clock time on the hosts test bed: GeoMesh and DiLoCo beside torchft's own DiLoCo, real processes only.
 
-Usage:  python bench/wallclock.py [--out runs/bench-wallclock] [--repeats 3] [--time-budget 180]
+Usage:  python bench/wallclock.py [--out runs/bench-wallclock] [--repeats 3] [--time-budget 240]
         [--methods diloco,geomesh,geomesh-overlap,geomesh-sparse,torchft-diloco] [--cpu 0.5,0.25,0.15]
         [--mbps 10] [--preset micro] [--seq-len 64] [--batch 8] [--inner-steps 10] [--tokens N]
 
@@ -8,23 +8,28 @@ Three regions, each a host of the hosts test bed (``geomesh hosts``: its own net
 and torchrun; the quorum service alone), each held to its own CPU quota (``--cpu``, in cores, r0 : r1 : r2;
 their sum below the machine's cores so that no region's speed depends on another's), links limited in the
 kernel to ``--mbps`` (``htb``; delay too where the kernel has ``sch_netem``: elsewhere the links' RTT is 1 ms, as
-torchft's DiLoCo has no shaper to add one). Every method trains the same scenario (the model ``--preset``, the
+torchft's DiLoCo has no shaper to add one). The scenario's timing model is the model that trains, so that what the
+plan expects an exchange to move is what it moves. Every method trains the same scenario (the model ``--preset``, the
 bundled corpus or ``--corpus`` files, the same shards, seed, inner AdamW at one constant learning rate and
 outer Nesterov step) under the same wall-clock time budget (``training.time_budget_s``; ``--tokens`` for a
 token budget instead), with every region in every round (``--min-regions 3``). ``torchft-diloco`` is
 torchft's ``DiLoCo`` with its ``Manager`` and Lighthouse (:mod:`geomesh.integrations.torchft_diloco`).
 The methods run one after another, in a rotated order each repeat.
 
-Everything in the table comes from the runs' records (region r0's events for the clock and the loss curve,
-every host's summary for the spans, every host's interface counters for the wire), never from the timing model:
+Everything in the table comes from the runs' records, never from the timing model. A run is read on the clock of
+the region that was ready last (each region's clock starts when it is ready to train, so the others' first round
+holds their wait for it to start up); its events give the loss curve; every region's spans give the idle; every
+host's interface counters the wire:
 
 - time to DiLoCo's final loss: the first evaluation at or below the final validation loss of ``diloco`` in the
   same repeat (wall seconds of the run's clock);
 - loss at equal wall time: each method's last evaluation at or before the shortest run's last evaluation;
 - loss at equal tokens: each method's loss curve read (linearly) at the smallest final token count of the repeat;
 - tokens/s (tokens whose updates reached θ over the run's clock), wall s per round (the median gap between
-  rounds, the first and last left out), straggler idle and WAN idle (Σ straggler_wait / Σ wall and Σ comm_wait /
-  Σ wall over every region's spans), bytes on the wire per round (what every host's interface sent, control
+  rounds, the first and last left out), the exchange's seconds per round (the comm_wait of the region that
+  computes longest: it arrives last), straggler idle and WAN idle (Σ straggler_wait / Σ wall and Σ comm_wait /
+  Σ wall over every region's spans: from the second round on, and over the whole run with the start-up skew of
+  the first round), bytes on the wire per round (what every host's interface sent, control
   traffic included, over the rounds) beside the bytes the runtime reports for its exchanges.
 
 Each cell is the median over the repeats with the range (min-max). Writes ``OUT/results.json`` (every run and
@@ -56,13 +61,16 @@ class BenchError(Exception):
 
 def scenario(preset: str, seq_len: int, batch: int, inner_steps: int, mbps: float, lr: float,
              corpus: list[str] | None, vocab: int, time_budget: float | None, tokens: int) -> dict:  # fmt: skip
-    n = len(NAMES)
+    from geomesh.model_presets import MODEL_PRESETS
+
+    n, shape = len(NAMES), MODEL_PRESETS[preset]
     return {
         "name": "bench-wallclock",
         "description": f"3 hosts at CPU quotas, {mbps:g} Mbit/s links, the {preset} model",
         "regions": [{"name": r, "gpu": r.split("-")[1].upper(), "count": 1} for r in NAMES],
         "wan": {"rtt": [[0 if i == j else 1 for j in range(n)] for i in range(n)], "bandwidth_gbps": mbps / 1000},
-        "timing_model": {"n_layers": 12, "hidden": 768, "seq_len": 1024, "vocab": 32000},
+        # the timing model is the model that trains: the plan's exchange bytes are then the bytes on the wire
+        "timing_model": {"n_layers": shape["n_layers"], "hidden": shape["d_model"], "seq_len": seq_len, "vocab": vocab},
         "model": {"preset": preset, "seq_len": seq_len},
         "data": {"paths": corpus, "vocab_size": vocab, "val_fraction": 0.05},
         "training": {"tokens": tokens, "batch": batch, "inner_steps": inner_steps, "inner_lr": lr,
@@ -86,22 +94,72 @@ def read_bed(result: dict) -> tuple[dict, dict, dict]:
     return events, summaries, sent
 
 
+def clock_host(events: dict[str, list]) -> str:
+    """The host whose clock the run is read on: the one that ended the first round earliest on its own clock, i.e.
+    the region that was ready last (every region's clock starts when it is ready to train; the others' first
+    round holds their wait for it to start, which is start-up, not training)."""
+    firsts = {h: next((e["time"] for e in ev if e["type"] == "round"), None) for h, ev in events.items()}
+    known = {h: t for h, t in firsts.items() if t is not None}
+    if not known:
+        raise ValueError(f"no host recorded a round ({', '.join(events)})")
+    return min(known, key=known.get)
+
+
+def idle_fractions(events: dict[str, list], from_round: int = 0) -> dict[str, float | None]:
+    """Σ straggler_wait / Σ wall and Σ comm_wait / Σ wall over every region's spans of rounds ``from_round`` on
+    (0-based, as spans count them); each region's spans from the first host that recorded them (ours: every
+    host records every region's; torchft's: each its own)."""
+    by_worker: dict[str, list] = {}
+    for ev in events.values():
+        mine: dict[str, list] = {}
+        for e in ev:
+            if e["type"] == "span" and e["worker"] not in by_worker:
+                mine.setdefault(e["worker"], []).append(e)
+        by_worker.update(mine)
+    total = dict.fromkeys(("straggler_wait", "comm_wait", "compute", "other"), 0.0)
+    for spans in by_worker.values():
+        for e in spans:
+            if e["round"] >= from_round:
+                total[e["kind"]] = total.get(e["kind"], 0.0) + e["end"] - e["start"]
+    wall = sum(total.values())
+    if wall <= 0:
+        return {"straggler": None, "wan": None}
+    return {"straggler": total["straggler_wait"] / wall, "wan": total["comm_wait"] / wall}
+
+
+def exchange_s(events: dict[str, list], from_round: int = 1) -> float | None:
+    """The exchange's seconds per round: the comm_wait of the region that computes longest (it arrives last, so
+    what it waits is the exchange itself, its quorum included), rounds ``from_round`` on."""
+    per: dict[str, dict[str, float]] = {}
+    rounds: dict[str, set] = {}
+    for ev in events.values():
+        mine = {e["worker"] for e in ev if e["type"] == "span"} - set(per)
+        for e in ev:
+            if e["type"] == "span" and e["worker"] in mine and e["round"] >= from_round:
+                t = per.setdefault(e["worker"], {"compute": 0.0, "comm_wait": 0.0})
+                t[e["kind"]] = t.get(e["kind"], 0.0) + e["end"] - e["start"]
+                rounds.setdefault(e["worker"], set()).add(e["round"])
+    if not per:
+        return None
+    slowest = max(per, key=lambda w: per[w]["compute"])
+    return per[slowest]["comm_wait"] / max(len(rounds[slowest]), 1)
+
+
 def run_metrics(events: dict[str, list], summaries: dict[str, dict | None], sent: dict[str, int | None]) -> dict:
     """One run's figures from its records: ``events`` and ``summaries`` per host (region order), ``sent`` the
-    bytes each host's interface sent. The clock and the loss curve are region r0's (its own events)."""
-    ref = next(iter(events))
+    bytes each host's interface sent. The clock and the loss curve are those of the host that was ready last
+    (:func:`clock_host`); idle comes from every region's spans, from the second round on (steady state) and over
+    the whole run (start-up included)."""
+    ref = clock_host(events)
     rounds = [e for e in events[ref] if e["type"] == "round"]
     curve = [(e["time"], e["tokens"], e["val_loss"]) for e in events[ref] if e["type"] == "eval"]
-    if not rounds or not curve:
-        raise ValueError(f"host {ref} recorded no rounds or no evaluations")
+    if not curve:
+        raise ValueError(f"host {ref} recorded no evaluations")
     times = [r["time"] for r in rounds]
     gaps = [b - a for a, b in zip(times, times[1:])][:-1]
     wall = times[-1]
-    per_worker: dict[str, dict] = {}
-    for s in summaries.values():  # ours: every host's summary has every region's spans; torchft's: its own
-        for worker, t in ((s or {}).get("per_worker") or {}).items():
-            per_worker.setdefault(worker, t)
-    total = {k: sum(t.get(k, 0.0) for t in per_worker.values()) for k in ("straggler_wait", "comm_wait", "wall")}
+    steady, whole = idle_fractions(events, from_round=1), idle_fractions(events)
+    exchange = exchange_s(events)
     s_ref = summaries.get(ref) or {}
     peer = str(s_ref.get("runtime", "")).endswith("(torchft)")
     runtime_bytes = (sum((s or {}).get("bytes_per_round") or 0 for s in summaries.values()) if peer
@@ -110,12 +168,12 @@ def run_metrics(events: dict[str, list], summaries: dict[str, dict | None], sent
         "rounds": len(rounds), "tokens": rounds[-1]["tokens"], "wall_s": wall, "curve": curve,
         "final_val_loss": curve[-1][2], "tokens_per_s": rounds[-1]["tokens"] / wall if wall > 0 else None,
         "round_s": median(gaps) if len(gaps) >= 2 else wall / len(rounds),
-        "straggler_idle": total["straggler_wait"] / total["wall"] if total["wall"] > 0 else None,
-        "wan_idle": total["comm_wait"] / total["wall"] if total["wall"] > 0 else None,
+        "straggler_idle": steady["straggler"], "wan_idle": steady["wan"],
+        "straggler_idle_whole": whole["straggler"], "wan_idle_whole": whole["wan"], "clock_host": ref,
         "wire_bytes_per_round": (sum(sent.values()) / len(rounds)) if all(v is not None for v in sent.values())
         else None,
         "runtime_bytes_per_round": runtime_bytes,
-        "exchange_s_per_round": s_ref.get("exchange_s_per_round"),
+        "exchange_s_per_round": exchange,
         "quorum_s_per_round": s_ref.get("quorum_s_per_round"),
         "calibration_s": s_ref.get("calibration_s"), "stopped_by": s_ref.get("stopped_by"),
     }  # fmt: skip
@@ -175,8 +233,10 @@ COLUMNS = [  # (key, header, format)
     ("loss_at_equal_time", "loss at equal wall time", "{:.4f}"),
     ("loss_at_equal_tokens", "loss at equal tokens", "{:.4f}"),
     ("final_val_loss", "final loss", "{:.4f}"),
-    ("straggler_idle", "straggler idle", "{:.1%}"),
-    ("wan_idle", "WAN idle", "{:.1%}"),
+    ("straggler_idle", "straggler idle (round 2 on)", "{:.1%}"),
+    ("wan_idle", "WAN idle (round 2 on)", "{:.1%}"),
+    ("straggler_idle_whole", "straggler idle (whole run)", "{:.1%}"),
+    ("wan_idle_whole", "WAN idle (whole run)", "{:.1%}"),
     ("wire_bytes_per_round", "wire bytes / round (measured)", "{:,.0f}"),
     ("runtime_bytes_per_round", "exchange bytes / round (runtime)", "{:,.0f}"),
 ]
@@ -237,7 +297,7 @@ def plot(repeats: list[dict[str, dict]], path: Path, budget: float | None) -> No
             colours.setdefault(m, line[0].get_color())
     if budget:
         ax.axvline(budget, color="grey", lw=0.8, ls=":")
-    ax.set_xlabel("wall-clock seconds (region r0's clock)")
+    ax.set_xlabel("wall-clock seconds (the clock of the region ready last)")
     ax.set_ylabel("validation loss")
     ax.set_title("hosts test bed: validation loss against wall time (every repeat)")
     ax.legend()
@@ -285,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="runs/bench-wallclock")
     p.add_argument("--methods", default=",".join(METHODS))
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--time-budget", type=float, default=180.0, help="wall-clock seconds of training per run")
+    p.add_argument("--time-budget", type=float, default=240.0, help="wall-clock seconds of training per run")
     p.add_argument("--tokens", type=int, default=None, help="a token budget instead of the time budget")
     p.add_argument("--cpu", default="0.5,0.25,0.15", help="cores of r0,r1,r2 (CPU quotas), or none")
     p.add_argument("--mbps", type=float, default=10.0, help="every link's rate (Mbit/s)")

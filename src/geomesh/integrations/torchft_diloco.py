@@ -240,7 +240,7 @@ class TorchftRegion:
 
         def span(kind: str, until: float) -> None:
             nonlocal cursor
-            tel.span(self.name, kind, cursor, max(until, cursor), rounds + 1)
+            tel.span(self.name, kind, cursor, max(until, cursor), rounds)  # (0-based, as our runtime's spans)
             cursor = max(until, cursor)
 
         with self.diloco:

@@ -11,7 +11,7 @@ bandwidth (``htb``, a class per destination) and delayed by half the link's RTT 
 ``sch_netem`` (elsewhere the ranks' shaper adds the latency only: ``--wan latency``).
 
 CPU quotas (``cpu``: region -> cores): each host runs in a control group of its own with that CPU-time quota
-(:class:`~.quotas.CpuQuotas`) and ten times a default group's weight (so it gets its quota on a machine busy
+(:class:`~.quotas.CpuQuotas`) and 100 times a default group's weight (so it gets its quota on a machine busy
 with other work); its command is started inside the group, so every process of the host, a restarted host's
 too, is held to it, and the regions' speeds differ as their GPUs' would.
 
@@ -113,7 +113,7 @@ def namespace_pids(ns: str) -> set[int]:
 class HostsBed:
     """Namespaces, links and hosts for one run (a context manager; ``close`` removes everything)."""
 
-    CPU_WEIGHT = 10  # a host with a CPU quota weighs as ten busy processes: it gets its quota on a busy machine
+    CPU_WEIGHT = 100  # a host with a CPU quota weighs as 100 busy processes: it gets its quota on a busy machine
 
     wan: WanModel
     names: list[str]

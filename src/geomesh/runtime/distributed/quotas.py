@@ -37,7 +37,7 @@ class CpuQuotas:
     def __init__(self, tag: str, weight: int = 1) -> None:
         if (V1_ROOT / "cpu.cfs_quota_us").exists():
             self.root, self.v2 = V1_ROOT, False
-        elif (V2_ROOT / "cgroup.controllers").exists() and "cpu" in (V2_ROOT / "cgroup.controllers").read_text().split():
+        elif "cpu" in _controllers(V2_ROOT):
             self.root, self.v2 = V2_ROOT, True
         else:
             raise QuotaError("no cgroup cpu controller here (cgroup v1 cpu.cfs_quota_us or cgroup v2 cpu.max)")
@@ -104,6 +104,13 @@ class CpuQuotas:
                 group.rmdir()
             except OSError:
                 pass
+
+
+def _controllers(root: Path) -> list[str]:
+    try:
+        return (root / "cgroup.controllers").read_text().split()
+    except OSError:
+        return []
 
 
 def quota_unavailable_reason() -> str | None:
