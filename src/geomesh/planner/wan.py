@@ -40,7 +40,7 @@ it took. The model is measured ≈ a·latency_s + b·transfer_s.
   factors now and at those the plan in force assumed (:meth:`WanEstimator.assume`).
   :meth:`WanEstimator.should_replan` gives a one-line reason when that drift is past ``threshold`` and past
   ``noise_k``·σ, else None: a change smaller than the measurements' noise is no change. With ``noise_k`` > 0
-  there is no re-plan while σ is unknown (the first six exchanges: probes before round 0 measure it); with
+  there is no re-plan while σ is unknown (the first six exchanges, probes included); with
   ``noise_k`` 0, ``threshold`` alone. Simulated (noise lognormal with σ equal to the 10% threshold, 40
   exchanges of one size around an accurately declared link, 200 seeds), 5% of the runs re-plan on noise
   alone, where the plain threshold rule re-plans 6.5 times per run.
