@@ -176,6 +176,7 @@ def run_metrics(events: dict[str, list], summaries: dict[str, dict | None], sent
         "exchange_s_per_round": exchange,
         "quorum_s_per_round": s_ref.get("quorum_s_per_round"),
         "calibration_s": s_ref.get("calibration_s"), "stopped_by": s_ref.get("stopped_by"),
+        "calibrated_profiles": next((e.get("profiles") for e in events[ref] if e["type"] == "calibration"), None),
     }  # fmt: skip
 
 
@@ -201,10 +202,30 @@ def time_to_loss(curve: list, target: float) -> float | None:
     return None
 
 
-def compare_repeat(runs: dict[str, dict]) -> dict[str, dict]:
+def predicted_round_s(sc, method_name: str, profiles: dict[str, dict]) -> float:
+    """The timing model's round time for ``method_name`` (torchft's DiLoCo: ``diloco``'s): the plan made from the
+    profiles the regions measured of themselves on the bed (GeoMesh's calibration), its compute and the declared
+    WAN's time for the exchange's modeled bytes, as the emulated runtime's clock would charge a round."""
+    from geomesh.hardware import WorkerProfile
+    from geomesh.methods import get_method
+
+    method = get_method("diloco" if method_name == "torchft-diloco" else method_name)
+    measured = {name: WorkerProfile.from_json(p) for name, p in profiles.items()}
+    payload = method.modeled_payload_bytes(sc)
+    exchange_s, _ = method.exchange(sc.wan_model(), payload)
+    return method.plan(sc, sc.worker_profiles(measured), exchange_bytes=payload, exchange_s=exchange_s).round_s
+
+
+def compare_repeat(runs: dict[str, dict], predict=None) -> dict[str, dict]:
     """The cross-method figures of one repeat: time to DiLoCo's final loss, loss at equal wall time and at equal
-    tokens (added to a copy of each run's figures)."""
+    tokens (added to a copy of each run's figures); with ``predict(method, profiles)``, each method's predicted
+    round time from the first profiles a run of the repeat calibrated."""
     out = {m: dict(r) for m, r in runs.items()}
+    profiles = next((r["calibrated_profiles"] for r in runs.values() if r.get("calibrated_profiles")), None)
+    for m, r in out.items():
+        r["predicted_round_s"] = predict(m, profiles) if predict is not None and profiles else None
+        if r["predicted_round_s"] and r.get("round_s"):
+            r["round_s_over_predicted"] = r["round_s"] / r["predicted_round_s"]
     if not runs:
         return out
     t_eq = min(r["curve"][-1][0] for r in runs.values())
@@ -229,6 +250,7 @@ COLUMNS = [  # (key, header, format)
     ("rounds", "rounds", "{:.0f}"),
     ("tokens_per_s", "tokens/s", "{:,.0f}"),
     ("round_s", "wall s / round", "{:.2f}"),
+    ("predicted_round_s", "timing model's s / round", "{:.2f}"),
     ("time_to_diloco_final_s", "s to DiLoCo's final loss", "{:.0f}"),
     ("loss_at_equal_time", "loss at equal wall time", "{:.4f}"),
     ("loss_at_equal_tokens", "loss at equal tokens", "{:.4f}"),
@@ -246,7 +268,7 @@ def aggregate(repeats: list[dict[str, dict]]) -> dict[str, dict]:
     """Per method, per column: the spread over the repeats (a failed run counts as missing)."""
     methods = list(dict.fromkeys(m for rep in repeats for m in rep))
     keys = [k for k, _, _ in COLUMNS] + ["wall_s", "tokens", "exchange_s_per_round", "quorum_s_per_round",
-                                         "equal_time_s", "equal_tokens", "calibration_s"]  # fmt: skip
+                                         "equal_time_s", "equal_tokens", "round_s_over_predicted"]  # fmt: skip
     return {m: {k: spread([rep[m].get(k) if m in rep else None for rep in repeats]) for k in keys} for m in methods}
 
 
@@ -357,12 +379,70 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--corpus", action="append", default=None, help="text files (default: the bundled corpus)")
     p.add_argument("--vocab", type=int, default=4096)
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="more scenario overrides")
+    p.add_argument("--report", action="store_true", help="no runs: the table again from OUT's runs (after a change "
+                                                         "to what the bench reads)")  # fmt: skip
     args = p.parse_args(argv)
     try:
-        return run(args)
+        return report(args) if args.report else run(args)
     except BenchError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+
+
+def read_runs(out: Path, runs: list[dict]) -> tuple[list[dict[str, dict]], int]:
+    """Every run's figures from its bed folder (``OUT/<repeat>/<method>/hosts.json`` and the hosts' folders), per
+    repeat in run order; and how many runs failed (said in one warning line each)."""
+    repeats: dict[int, dict[str, dict]] = {}
+    failed = 0
+    for record in runs:
+        folder, found = Path(record["folder"]), repeats.setdefault(record["repeat"], {})
+        try:
+            if not record.get("ok", True) and record.get("error"):
+                raise ValueError(record["error"])
+            result = json.loads((folder / "hosts.json").read_text())
+            if not result.get("finished") or any(h["exit"] != 0 for h in result["hosts"].values()):
+                raise ValueError("the bed run did not end with every host at exit 0")
+            found[record["method"]] = record["metrics"] = run_metrics(*read_bed(result))
+            record["ok"] = True
+        except (ValueError, OSError, KeyError) as exc:
+            failed += 1
+            record["ok"] = False
+            print(f"warning: repeat {record['repeat']} {record['method']}: {exc} (its folder: {folder})",
+                  file=sys.stderr, flush=True)  # fmt: skip
+    return [repeats[k] for k in sorted(repeats)], failed
+
+
+def finish(out: Path, args: argparse.Namespace, data: dict, runs: list[dict], methods: list[str],
+           budget: float | None) -> int:  # fmt: skip
+    """The repeats compared, aggregated and written: results.json, table.md, the plot; the table printed."""
+    from geomesh.config import load_scenario
+
+    sc = load_scenario(str(out / "scenario.yaml"))
+    per_repeat, failed = read_runs(out, runs)
+    repeats = [compare_repeat({m: rep[m] for m in methods if m in rep}, lambda m, prof: predicted_round_s(sc, m, prof))
+               for rep in per_repeat]  # fmt: skip
+    agg = aggregate(repeats)
+    table = markdown_table(agg)
+    note = overhead(agg)
+    plot(repeats, out / "loss_vs_wall.png", budget)
+    (out / "table.md").write_text(table + ("\n\n" + note if note else "") + "\n")
+    (out / "results.json").write_text(json.dumps({"args": vars(args), "scenario": data, "runs": runs,
+                                                  "repeats": repeats, "aggregate": agg}, indent=1))  # fmt: skip
+    print(table)
+    if note:
+        print(note)
+    return 1 if failed else 0
+
+
+def report(args: argparse.Namespace) -> int:
+    out = Path(args.out).resolve()
+    try:
+        saved = json.loads((out / "results.json").read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise BenchError(f"--report: no results to read in {out} ({exc})") from None
+    methods = [m for m in METHODS if any(r["method"] == m for r in saved["runs"])]
+    budget = saved["scenario"]["training"].get("time_budget_s")
+    return finish(out, argparse.Namespace(**saved["args"]), saved["scenario"], saved["runs"], methods, budget)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -396,42 +476,16 @@ def run(args: argparse.Namespace) -> int:
         raise BenchError(str(exc)) from None
     timeout_s = (budget or 600) * 3 + 600
     runs: list[dict] = []
-    repeats: list[dict[str, dict]] = []
-    failed = 0
     for k in range(args.repeats):
         order = methods[k % len(methods):] + methods[:k % len(methods)]  # rotated: no method always first
-        found: dict[str, dict] = {}
         for m in order:
             folder = out / f"{k + 1}" / m
             result = run_bed(path, m, folder, cpu, timeout_s)
             record = {"repeat": k + 1, "method": m, "ok": result.get("ok"), "error": result.get("error"),
                       "bed_wall_s": result["bed_wall_s"], "folder": str(folder)}  # fmt: skip
-            try:
-                if not result.get("ok"):
-                    raise ValueError(result.get("error") or "the bed run failed")
-                metrics = run_metrics(*read_bed(result))
-                found[m] = metrics
-                record["metrics"] = metrics
-            except (ValueError, OSError, KeyError) as exc:
-                failed += 1
-                record["ok"] = False
-                print(f"warning: repeat {k + 1} {m}: {exc} (its folder: {folder})", file=sys.stderr, flush=True)
             runs.append(record)
-            print(json.dumps({key: v for key, v in record.items() if key != "metrics"}
-                             | {key: record.get("metrics", {}).get(key) for key in
-                                ("rounds", "tokens", "wall_s", "final_val_loss", "round_s")}), flush=True)  # fmt: skip
-        repeats.append(compare_repeat({m: found[m] for m in methods if m in found}))
-    agg = aggregate(repeats)
-    table = markdown_table(agg)
-    note = overhead(agg)
-    plot(repeats, out / "loss_vs_wall.png", budget)
-    (out / "table.md").write_text(table + ("\n\n" + note if note else "") + "\n")
-    (out / "results.json").write_text(json.dumps({"args": vars(args), "scenario": data, "runs": runs,
-                                                  "repeats": repeats, "aggregate": agg}, indent=1))  # fmt: skip
-    print(table)
-    if note:
-        print(note)
-    return 1 if failed else 0
+            print(json.dumps(record), flush=True)
+    return finish(out, args, data, runs, methods, budget)
 
 
 if __name__ == "__main__":

@@ -146,3 +146,61 @@ def test_the_smallest_case_end_to_end_torchft_trains_what_our_diloco_trains(tmp_
     assert [n for _, n, _ in got["curve"]] == [1920, 3840]
     for _, n, loss in got["curve"]:
         assert loss == pytest.approx(by_tokens[n], abs=1e-4)
+
+
+def test_the_timing_models_round_time_is_the_plan_from_the_profiles_measured_on_the_bed(tmp_path):
+    import yaml
+
+    from geomesh.config import load_scenario
+    from geomesh.methods import get_method
+
+    path = tmp_path / "s.yaml"
+    path.write_text(yaml.safe_dump(bench.scenario("micro", 64, 8, 10, 10.0, 0.003, None, 4096, 240.0, 10**12)))
+    sc = load_scenario(str(path))
+    assert sc.timing().params == pytest.approx(1.33e6, rel=0.05)  # (the model that trains)
+    profiles = {p.name: p.to_json() for p in sc.worker_profiles()}
+    diloco = get_method("diloco")
+    payload = diloco.modeled_payload_bytes(sc)
+    want = diloco.plan(sc, sc.worker_profiles(), exchange_bytes=payload,
+                       exchange_s=diloco.exchange(sc.wan_model(), payload)[0]).round_s  # fmt: skip
+    assert bench.predicted_round_s(sc, "diloco", profiles) == pytest.approx(want)
+    assert bench.predicted_round_s(sc, "torchft-diloco", profiles) == pytest.approx(want)
+    runs = {"diloco": {**run([(10, 100, 5.0)]), "round_s": 2 * want},
+            "geomesh": {**run([(8, 300, 4.2)]), "calibrated_profiles": profiles, "round_s": 1.0}}  # fmt: skip
+    got = bench.compare_repeat(runs, lambda m, prof: bench.predicted_round_s(sc, m, prof))
+    assert got["diloco"]["predicted_round_s"] == pytest.approx(want)
+    assert got["diloco"]["round_s_over_predicted"] == pytest.approx(2.0)
+
+
+def test_the_table_is_made_again_from_the_run_folders(tmp_path, capsys):
+    """``--report``: no runs; every run's figures read again from its bed folder, a failed run said in one line."""
+    import yaml
+
+    out = tmp_path / "o"
+    data = bench.scenario("nano", 32, 4, 5, 100.0, 0.003, None, 512, None, 3840)
+    out.mkdir()
+    (out / "scenario.yaml").write_text(yaml.safe_dump(data))
+    runs = []
+    for method, ok in (("diloco", True), ("torchft-diloco", False)):
+        folder = out / "1" / method
+        hosts = {}
+        for k, name in enumerate(NAMES):
+            run_dir = folder / name / "run"
+            run_dir.mkdir(parents=True)
+            spans = round_spans(name, [(1, 0, 1), (1, 0, 1)])
+            lines = events_of([2.0 + k, 4.0 + k], [5.0, 4.0], 100, spans)
+            (run_dir / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in lines))
+            (run_dir / "summary.json").write_text(json.dumps({"runtime": "distributed", "bytes_per_round": 10}))
+            hosts[name] = {"folder": str(folder / name), "exit": 0, "tx_bytes": 30}
+        (folder / "hosts.json").write_text(json.dumps({"hosts": hosts, "finished": True}))
+        runs.append({"repeat": 1, "method": method, "ok": ok, "error": None if ok else "the bed run failed",
+                     "folder": str(folder)})  # fmt: skip
+    (out / "results.json").write_text(json.dumps({"args": {"out": str(out)}, "scenario": data, "runs": runs}))
+    assert bench.main(["--out", str(out), "--report"]) == 1  # (a run failed)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"warning: repeat 1 torchft-diloco: the bed run failed (its folder: {out / '1' / 'torchft-diloco'})"]
+    table = (out / "table.md").read_text().splitlines()
+    assert len(table) == 3 and table[2].startswith("| diloco | 2 | 50 | ")  # 200 tokens in 4 s on r0's clock
+    assert (out / "loss_vs_wall.png").exists()
+    saved = json.loads((out / "results.json").read_text())
+    assert saved["repeats"][0]["diloco"]["clock_host"] == "r0-h100" and saved["runs"][1]["ok"] is False
