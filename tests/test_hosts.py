@@ -3,7 +3,8 @@ namespace, address, folder and torchrun), the quorum service alone, links shaped
 with the method users run (``geomesh`` with calibration and re-planning): hosts lost and restarted with their
 folder kept or deleted, links cut for less and for more than the round deadline, every host killed and resumed
 each from its own folder; the same rejoin for ``geomesh-sparse`` through the sharded exchange; misdeployed
-hosts. Needs root and iproute2: skipped with the reason elsewhere."""
+hosts (another address advertised, a second host started as a region, a host's clocks a day apart). Needs
+root and iproute2: skipped with the reason elsewhere."""
 
 from __future__ import annotations
 
@@ -172,33 +173,48 @@ def test_sparse_payloads_through_the_sharded_exchange_rejoin_on_the_bed(tmp_path
     (["--lose", "r1-a100@2+soon"], "error: --lose 'r1-a100@2+soon': expected REGION@ROUND[+SECONDS][:wipe|:gone]"),
     (["--lose", "r1-a100@2", "--restart", "r1-a100@3"],
      "error: --restart r1-a100@3: the host must be lost with :gone before that round (--lose r1-a100@ROUND:gone)"),
+    (["--twin", "r1-a100@2:now"], "error: --twin 'r1-a100@2:now': expected REGION@ROUND (a second host started as "
+                                  "that region)"),
+    (["--clock", "r1-a100:-5"], "error: --clock 'r1-a100:-5': expected REGION:SECONDS, a whole number of seconds "
+                                "from 1 to 1e9 the host's clocks are ahead of the others'"),
+    (["--clock", "nowhere:60"], "error: --clock 'nowhere:60': no region 'nowhere' (the scenario's: r0-h100, r1-a100, "
+                                "r2-t4)"),
 ])  # fmt: skip
-def test_the_bed_refuses_bad_faults_in_one_line(tmp_path, small_corpus, fault, line):
+def test_the_bed_refuses_bad_faults_in_one_line(tmp_path, small_corpus, capsys, fault, line):
+    from geomesh.cli import main
+
     path = tmp_path / "s.yaml"
     path.write_text(yaml.safe_dump(tiny_scenario_dict(small_corpus)))
-    env = {**os.environ, "PYTHONPATH": SRC}
-    proc = subprocess.run([sys.executable, "-m", "geomesh.cli", "hosts", str(path), "--method", "geomesh", "--out",
-                           str(tmp_path / "o"), *fault], env=env, capture_output=True, text=True)  # fmt: skip
-    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [line]
+    code = main(["hosts", str(path), "--method", "geomesh", "--out", str(tmp_path / "o"), *fault])
+    assert code == 2 and capsys.readouterr().err.strip().splitlines() == [line]
+    assert not (tmp_path / "o").exists()  # refused before anything started
 
 
 @pytest.mark.waits
 @pytest.mark.skipif(REASON is not None, reason=f"the hosts test bed cannot run here: {REASON}")
-def test_a_host_advertising_another_address_stops_with_one_line(tmp_path, small_corpus):
-    """A host deployed wrong stops within its timeout with one ``error:`` line that names what to fix: r1
-    advertising an address that is not its own, while the healthy regions train on without it. (A host without
-    the run key and one given a wrong quorum service address stop with one line each too: tested under
-    ``geomesh launch``, tests/test_elastic.py and tests/test_reliability.py, and seen on the bed by hand.)"""
-    path = bed_scenario(tmp_path, small_corpus)
-    out = tmp_path / "advertise"
-    result = run_bed(path, out, "geomesh", "--tokens", "6000", "--timeout", "15", "--host-env",
-                     "r1-a100:GEOMESH_ADVERTISE_HOST=10.215.0.99", expect_ok=False)  # fmt: skip
-    assert result["hosts"]["r0-h100"]["exit"] == 0 and result["hosts"]["r2-t4"]["exit"] == 0
-    assert result["hosts"]["r1-a100"]["exit"] != 0
-    assert set(result["param_checksums"]) == {"r0-h100", "r2-t4"}
+def test_misdeployed_hosts_stop_with_one_line_each_while_the_run_goes_on(tmp_path, small_corpus):
+    """Hosts deployed wrong, in one run: r1 advertises an address that is not its own; after round 1 a second
+    host is started as r2 (its own address and folder); r0's clocks run a day ahead of the others' (a time
+    namespace). r1 and the second r2 each stop within their timeout with one ``error:`` line that names what to
+    fix, while r0 and r2 train on to one checksum: a clock far apart is no fault (no host's clock is compared
+    with another's). (A host without the run key and one given a wrong quorum service address stop with one
+    line each too: tested under ``geomesh launch``, tests/test_elastic.py and tests/test_reliability.py.)"""
+    path = bed_scenario(tmp_path, small_corpus, rtt_ms=3000)  # (long rounds that sleep: the twin starts in time)
+    out = tmp_path / "misdeployed"
+    result = run_bed(path, out, "geomesh", "--tokens", "36000", "--timeout", "15", "--host-env",
+                     "r1-a100:GEOMESH_ADVERTISE_HOST=10.215.0.99", "--twin", "r2-t4@1", "--clock", "r0-h100:86400",
+                     expect_ok=False)  # fmt: skip
+    hosts = result["hosts"]
+    assert hosts["r0-h100"]["exit"] == 0 and hosts["r2-t4"]["exit"] == 0, _logs(out)
+    assert hosts["r1-a100"]["exit"] != 0 and hosts["r2-t4-twin"]["exit"] != 0
+    assert set(result["param_checksums"]) == {"r0-h100", "r2-t4"} and len(set(result["param_checksums"].values())) == 1
     assert error_lines(out, "r1-a100") == ["error: cannot serve recovery state at the advertised address "
                                            "'10.215.0.99': Cannot assign requested address (set "
                                            "GEOMESH_ADVERTISE_HOST to an address of this host)"]  # fmt: skip
+    assert error_lines(out, "r2-t4-twin") == [
+        "error: rank 0 (region r2-t4): region r2-t4 is already running (an instance that joined at round 0 is live); "
+        "this one stops. Stop that one first to replace it"]  # fmt: skip
+    assert "a second live instance of region 2" in (out / "r0-h100" / "host-1.log").read_text(errors="replace")
 
 
 def error_lines(out: Path, host: str) -> list[str]:

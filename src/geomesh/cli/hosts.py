@@ -13,6 +13,13 @@ next round):
 - ``--partition REGION@ROUND:SECONDS`` the host cut off from every other host for that long;
 - ``--bandwidth REGION@ROUND:FACTOR`` the host's links at FACTOR × their bandwidth from then on.
 
+A misdeployed host: ``--twin REGION@ROUND`` starts a second host as that region after the round (a host, an
+address and a folder of its own, ``DIR/<region>-twin/``, its links not shaped): it must stop with one line
+while the run goes on (it is left out of the exit status). ``--clock REGION:SECONDS`` sets that host's clocks
+SECONDS apart from the others' (a time namespace: its monotonic and boot clocks, which every timeout and span
+of the run reads; the kernel has no per-host realtime clock, and the run compares no host's wall-clock time
+with another's).
+
 CPU quotas: ``--cpu REGION:CORES`` holds every process of that host (restarted hosts too) to CORES of the
 machine's cores (a cgroup of its own, ``cpu.max`` / ``cpu.cfs_quota_us``), so that regions differ in speed as
 their GPUs do (e.g. ``--cpu r0-h100:1 --cpu r1-a100:0.5 --cpu r2-t4:0.3``); root and the cgroup cpu controller.
@@ -49,7 +56,7 @@ PEERS = {"torchft-diloco": "geomesh.integrations.torchft_diloco"}
 
 @dataclass
 class HostFault:
-    kind: str  # lose | restart | partition | bandwidth
+    kind: str  # lose | restart | twin | partition | bandwidth
     region: str
     at_round: int
     arg: str
@@ -67,13 +74,15 @@ def parse_fault(kind: str, text: str) -> HostFault:
         delay_s = -1.0
     if not sep or not region or not at.isdigit() or not 0 <= delay_s < float("inf"):
         raise RunError(f"--{kind} {text!r}: expected REGION@ROUND[+SECONDS]" + ("[:wipe|:gone]" if kind == "lose" else
-                                                                      "" if kind == "restart" else
+                                                                      "" if kind in ("restart", "twin") else
                                                                       ":SECONDS" if kind == "partition" else ":FACTOR"))  # fmt: skip
     if kind == "lose" and arg not in ("", "wipe", "gone"):
         raise RunError(f"--lose {text!r}: after the round, :wipe (its folder deleted) or :gone (not restarted)")
     if kind == "restart" and arg:
         raise RunError(f"--restart {text!r}: expected REGION@ROUND (a host lost with :gone, started again)")
-    if kind not in ("lose", "restart"):
+    if kind == "twin" and arg:
+        raise RunError(f"--twin {text!r}: expected REGION@ROUND (a second host started as that region)")
+    if kind not in ("lose", "restart", "twin"):
         try:
             if float(arg) <= 0:
                 raise ValueError
@@ -109,6 +118,20 @@ def parse_cpu(text: str, names: list[str]) -> tuple[str, float]:
     return region, value
 
 
+def parse_clock(text: str, names: list[str]) -> tuple[str, int]:
+    region, sep, seconds = text.partition(":")
+    try:
+        value = int(seconds)
+    except ValueError:
+        value = -1
+    if not sep or not region or not 0 < value <= 10**9:
+        raise RunError(f"--clock {text!r}: expected REGION:SECONDS, a whole number of seconds from 1 to 1e9 the "
+                       f"host's clocks are ahead of the others'")  # fmt: skip
+    if region not in names:
+        raise RunError(f"--clock {text!r}: no region {region!r} (the scenario's: {', '.join(names)})")
+    return region, value
+
+
 def register(sub) -> None:
     p = sub.add_parser("hosts", help="run a scenario on the hosts test bed: one network namespace, address, folder "
                                      "and torchrun per region (root, iproute2)")  # fmt: skip
@@ -127,6 +150,10 @@ def register(sub) -> None:
     p.add_argument("--lose", action="append", default=[], metavar="REGION@ROUND[:wipe|:gone]")
     p.add_argument("--restart", action="append", default=[], metavar="REGION@ROUND",
                    help="a host lost with :gone started again after that round")
+    p.add_argument("--twin", action="append", default=[], metavar="REGION@ROUND",
+                   help="a second host started as that region after the round (a misdeployment: it must stop alone)")
+    p.add_argument("--clock", action="append", default=[], metavar="REGION:SECONDS",
+                   help="that host's clocks SECONDS ahead of the others' (a time namespace)")
     p.add_argument("--partition", action="append", default=[], metavar="REGION@ROUND:SECONDS")
     p.add_argument("--bandwidth", action="append", default=[], metavar="REGION@ROUND:FACTOR")
     p.add_argument("--cpu", action="append", default=[], metavar="REGION:CORES",
@@ -172,7 +199,7 @@ def cmd_hosts(args: argparse.Namespace) -> int:
     if args.method not in PEERS:
         get_method(args.method)  # an unknown method: one line, before anything starts
     names = [r.name for r in sc.regions]
-    faults = [parse_fault(k, t) for k in ("lose", "restart", "partition", "bandwidth") for t in getattr(args, k)]
+    faults = [parse_fault(k, t) for k in ("lose", "restart", "twin", "partition", "bandwidth") for t in getattr(args, k)]
     for f in faults:
         if f.region not in names:
             raise RunError(f"--{f.kind} {f.region}@...: no region {f.region!r} (the scenario's: {', '.join(names)})")
@@ -182,6 +209,8 @@ def cmd_hosts(args: argparse.Namespace) -> int:
                            f"(--lose {f.region}@ROUND:gone)")  # fmt: skip
     host_env = [parse_host_env(t, names) for t in args.host_env]
     cpu = dict(parse_cpu(t, names) for t in args.cpu)
+    clock = dict(parse_clock(t, names) for t in args.clock)
+    twins = sorted({names.index(f.region) for f in faults if f.kind == "twin"})
     counts = [int(c) for c in str(args.ranks_per_region).split(",")]
     counts = counts * len(names) if len(counts) == 1 else counts
     if len(counts) != len(names) or min(counts) < 1:
@@ -202,7 +231,8 @@ def cmd_hosts(args: argparse.Namespace) -> int:
         extra_sets = [f"reliability.hmac_key_env={key_env}"]
     if not env.get(key_env):  # the run key every host holds (and no one else); kept for --resume (checkpoint
         env[key_env] = _bed_key(out)  # markers are signed with it)
-    bed = HostsBed(sc.wan_model(), names, out, cpu={names.index(r): c for r, c in cpu.items()})
+    bed = HostsBed(sc.wan_model(), names, out, cpu={names.index(r): c for r, c in cpu.items()},
+                   clock={names.index(r): s for r, s in clock.items()}, twins=twins)  # fmt: skip
     try:
         bed.setup()
     except (NetnsError, QuotaError) as exc:
@@ -220,6 +250,7 @@ def cmd_hosts(args: argparse.Namespace) -> int:
             run_argv += ["--set", s]
         module = PEERS.get(args.method, "geomesh.run")
         hosts = [bed.add_host(i, counts[i], run_argv, env, module) for i in range(len(names))]
+        twin_hosts = {i: bed.add_host(i, counts[i], run_argv, env, module, twin=True) for i in twins}
         for region, name, value in host_env:
             host = hosts[names.index(region)]
             host.env.pop(name, None)
@@ -246,6 +277,8 @@ def cmd_hosts(args: argparse.Namespace) -> int:
                     bed.lose(i, wipe=f.arg == "wipe", restart=f.arg != "gone")
                 elif f.kind == "restart":
                     hosts[i].start()
+                elif f.kind == "twin":
+                    twin_hosts[i].start()
                 elif f.kind == "partition":
                     bed.partition_for(i, float(f.arg))
                 else:
@@ -254,11 +287,13 @@ def cmd_hosts(args: argparse.Namespace) -> int:
                             "time_s": round(time.monotonic() - started, 2)})  # fmt: skip
 
         finished = wait_all(hosts, args.run_timeout, tick)
+        wait_all([h for h in twin_hosts.values() if h.proc is not None], args.timeout + 60)  # (its exit, if it stops)
     finally:
         ends = {h.name: (h.proc.poll() if h.proc is not None else None) for h in bed.hosts}
-        sent = {h.name: bed.tx_bytes(h.region) for h in bed.hosts}  # (before the namespaces go)
+        sent = {h.name: bed.tx_bytes(h.region) if h.name == names[h.region] else None for h in bed.hosts}  # (before the namespaces go)
         gone = {f.region for f in faults if f.kind == "lose" and f.arg == "gone"} - {
             f.region for f in faults if f.kind == "restart"}
+        gone |= {h.name for h in bed.hosts if h.name != names[h.region]}  # (a twin must stop: not judged)
         bed.close()
     return _report(out, bed, ends, sent, gone, log, finished, args.json)
 

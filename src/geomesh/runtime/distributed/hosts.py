@@ -64,11 +64,15 @@ class Host:
     log: Path | None = None
     starts: int = 0
     cgroup: Path | None = None  # the cgroup.procs file of its CPU quota's group: the command starts in it
+    clock_s: int = 0  # its clocks' offset from the machine's (a time namespace of its own)
 
     def command(self) -> list[str]:
-        """What starts the host: its argv inside its namespace (and inside its CPU quota's group, entered by a
-        shell that then becomes the command, so every process of the host is born in the group)."""
+        """What starts the host: its argv inside its namespace (in a time namespace whose monotonic and boot
+        clocks run ``clock_s`` apart from the machine's, and inside its CPU quota's group, entered by a shell
+        that then becomes the command, so every process of the host is born in the group)."""
         argv = ["ip", "netns", "exec", self.ns, *self.argv]
+        if self.clock_s:
+            argv = ["unshare", "--time", "--monotonic", str(self.clock_s), "--boottime", str(self.clock_s), *argv]
         if self.cgroup is None:
             return argv
         return ["sh", "-c", 'echo $$ > "$0" && exec "$@"', str(self.cgroup), *argv]
@@ -120,6 +124,8 @@ class HostsBed:
     root: Path
     lan_gbps: float = 10.0
     cpu: dict[int, float] = field(default_factory=dict)  # region -> its CPU quota in cores (none: unlimited)
+    clock: dict[int, int] = field(default_factory=dict)  # region -> its host's clocks' offset in seconds
+    twins: list[int] = field(default_factory=list)  # regions a second host is started as (a misdeployment)
     tag: str = field(default_factory=lambda: uuid.uuid4().hex[:6])
     namespaces: list[str] = field(default_factory=list)
     delay_in_kernel: bool = False
@@ -161,7 +167,9 @@ class HostsBed:
         self.namespaces.append(self.hub)
         _ip("-n", self.hub, "link", "add", "br0", "type", "bridge")
         _ip("-n", self.hub, "link", "set", "br0", "up")
-        for slot in range(len(self.names) + 1):
+        if self.clock and (reason := time_namespace_unavailable_reason()):
+            raise NetnsError(f"a host's clock cannot be set apart here: {reason}")
+        for slot in range(len(self.names) + 1 + len(self.twins)):
             ns = self.ns(slot)
             _ip("netns", "add", ns)
             self.namespaces.append(ns)
@@ -236,19 +244,24 @@ class HostsBed:
                                            stderr=subprocess.STDOUT, start_new_session=True, env=dict(os.environ))  # fmt: skip
 
     def add_host(self, region: int, ranks: int, run_argv: list[str], env: dict[str, str],
-                 module: str = "geomesh.run") -> Host:  # fmt: skip
+                 module: str = "geomesh.run", twin: bool = False) -> Host:  # fmt: skip
         """Region ``region``'s host, started by the cluster recipe's command (``run_argv``: what follows
-        ``-m geomesh.run``, or ``-m module``, a peer system's runner; its ``--out`` is the host's own folder)."""
-        address = host_address(region + 1)
-        folder = self.root / self.names[region]
+        ``-m geomesh.run``, or ``-m module``, a peer system's runner; its ``--out`` is the host's own folder).
+        ``twin``: a second host started as that region (a misdeployment), on a host, address and folder
+        (``<region>-twin``) of its own; its links are not shaped."""
+        slot = len(self.names) + 1 + self.twins.index(region) if twin else region + 1
+        address = host_address(slot)
+        name = f"{self.names[region]}-twin" if twin else self.names[region]
+        folder = self.root / name
         torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(ranks),
                     "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{address}:{RDZV_PORT}", "--rdzv-conf", "is_host=true",
                     "--local-addr", address,
                     "-m", module, *run_argv, "--out", str(folder / "run")]  # fmt: skip
         host_env = dict(env, **{"GEOMESH_REGION": self.names[region], LIGHTHOUSE_ENV: self.lighthouse,
                                 ADVERTISE_ENV: address, "GLOO_SOCKET_IFNAME": "eth0", "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "1")})  # fmt: skip
-        host = Host(region, self.names[region], self.ns(region + 1), address, folder, torchrun, host_env,
-                    cgroup=self.quotas.procs_file(self.names[region]) if region in self.cpu and self.quotas else None)
+        host = Host(region, name, self.ns(slot), address, folder, torchrun, host_env,
+                    cgroup=self.quotas.procs_file(self.names[region]) if region in self.cpu and self.quotas and not twin
+                    else None, clock_s=self.clock.get(region, 0))  # fmt: skip
         self.hosts.append(host)
         return host
 
@@ -276,6 +289,16 @@ class HostsBed:
         for ns in reversed(self.namespaces):
             _ip("netns", "del", ns, check=False)
         self.namespaces.clear()
+
+
+def time_namespace_unavailable_reason() -> str | None:
+    """Why a host's clocks cannot be set apart here (``unshare --time``: Linux 5.6, util-linux 2.36), or None."""
+    if shutil.which("unshare") is None:
+        return "no unshare command (util-linux)"
+    done = subprocess.run(["unshare", "--time", "--monotonic", "1", "true"], capture_output=True, text=True)
+    if done.returncode != 0:
+        return (done.stderr.strip().splitlines() or ["unshare --time failed"])[-1]
+    return None
 
 
 def wait_all(hosts: list[Host], timeout_s: float, tick=None) -> bool:
