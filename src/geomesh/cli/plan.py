@@ -3,7 +3,8 @@
 ``geomesh plan SCENARIO`` prints GeoMesh's per-worker plan beside DiLoCo's uniform one on the same cluster
 (``--json``: one JSON object on stdout, nothing else). ``geomesh plan RUN_FOLDER`` reads a run's records
 instead: every plan it made and why (the start, a member that left or joined, compute or the WAN measured
-against what the plan assumed), and the WAN as declared against as measured. ``geomesh profile`` measures this machine's device
+against what the plan assumed), the WAN as declared against as measured, and the exchange kind the run took
+(chosen over the WAN measured before round 0, with each kind's modeled seconds there). ``geomesh profile`` measures this machine's device
 with the scenario's model and writes a profile that ``plan`` (``--profile REGION=FILE``) and the runtimes
 accept in place of the cost model.
 """
@@ -90,7 +91,7 @@ def run_plans(folder: Path) -> dict[str, Any]:
         events = read_events(folder / "events.jsonl")
     except (OSError, ValueError) as exc:
         raise RunError(f"{folder}: no readable run records (events.jsonl): {exc}") from None
-    plans, rounds, measured = [], [], None
+    plans, rounds, measured, exchange = [], [], None, None
     for e in events:
         if e.get("type") == "plan" and isinstance(e.get("plan"), dict):
             p = e["plan"]
@@ -104,15 +105,20 @@ def run_plans(folder: Path) -> dict[str, Any]:
                            "planned_exchange_s": e.get("planned_exchange_s")})  # fmt: skip
         elif e.get("type") == "wan_probe":
             measured = e.get("wan_measured")
+        elif e.get("type") == "exchange_choice":  # the exchange kind, chosen over the WAN measured before round 0
+            exchange = {k: e.get(k) for k in ("exchange", "wan", "reason", "seconds", "round")}
     summary = folder / "summary.json"
     if summary.exists():
         try:
-            measured = json.loads(summary.read_text()).get("wan_measured") or measured
-        except (OSError, ValueError):
+            fields = json.loads(summary.read_text())
+            measured = fields.get("wan_measured") or measured
+            if exchange is None and fields.get("exchange"):  # (chosen once, over the declared WAN)
+                exchange = {"exchange": fields["exchange"], "wan": "declared", "reason": None, "seconds": None}
+        except (OSError, ValueError, AttributeError):
             pass
     if not plans:
         raise RunError(f"{folder}: its records hold no plan (a run of a method that plans, started at least)")
-    return {"folder": str(folder), "plans": plans, "wan_measured": measured, "rounds": rounds}
+    return {"folder": str(folder), "plans": plans, "wan_measured": measured, "rounds": rounds, "exchange": exchange}
 
 
 def print_run_plans(out: dict[str, Any]) -> None:
@@ -128,6 +134,16 @@ def print_run_plans(out: dict[str, Any]) -> None:
               f"{w.get('held_back', 0)} held back)")  # fmt: skip
     else:
         print("WAN: the declared one throughout (not measured)")
+    x = out.get("exchange")
+    if x:
+        from ..planner.exchange import EXCHANGE_NAMES
+
+        name = EXCHANGE_NAMES.get(x["exchange"], x["exchange"])
+        seconds = x.get("seconds") or {}
+        each = ", ".join(f"{EXCHANGE_NAMES.get(k, k)} {v:.3g} s" for k, v in seconds.items()
+                         if isinstance(v, (int, float)))  # fmt: skip
+        print(f"exchange: {name}, chosen over the {x.get('wan') or 'declared'} WAN"
+              + (f" (modeled per round: {each})" if each else "") + (f": {x['reason']}" if x.get("reason") else ""))
 
 
 def cmd_plan(args: argparse.Namespace) -> int:

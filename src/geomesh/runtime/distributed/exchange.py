@@ -239,16 +239,20 @@ class StaticExchange:
     def end_round(self, result: Exchanged, members: list[int], outcome: dict[str, Any], lost: dict[int, int],
                   planned: dict[int, int], compute_s: float, comm_s: float, *, payload: Any = None,
                   split: Any = None, sent_before: int = 0, wire_before: int | None = None,
-                  wire_after: int | None = None) -> None:  # fmt: skip
-        """Every region reports the round to rank 0 (θ's checksum, spans, bytes), which records it."""
+                  wire_after: int | None = None) -> list[dict[str, Any]] | None:  # fmt: skip
+        """Every region reports the round to rank 0 (θ's checksum, spans, bytes), which records it. Returns
+        the reports on the leaders (every leader gathers them; None elsewhere): overlapped rounds exchange
+        payloads only, and the plan loop measures them from these (each leader's report carries its wire
+        time of the exchange that arrived in the round)."""
         run, loop = self.run, self.loop
         checksum = params_checksum(loop.params) if not loop.outvoted else None  # (a region standing aside)
         run._mark("other")
         parts = payload if split is not None else (payload,)
         clock = {"elapsed_s": run._now()} if run.time_budget_s is not None else {}  # (the time budget's rule)
+        wire = loop.wire if loop.overlap is not None and run.is_leader else {}
         info = run._round_info(checksum, compute_s, comm_s, sent_before, wire_before, wire_after,
                                proxy_bytes=sum(len(p) for p in parts if p is not None) if run.is_leader else 0,
-                               dropped=False, **clock)  # fmt: skip
+                               dropped=False, **clock, **wire)  # fmt: skip
         infos = run._gather_checked(info, "round", "global parameters")
         # every region's clock came with its report: the leaders agree on the run's elapsed time, then their ranks
         run.agree_elapsed([i.get("elapsed_s") for i in infos] if infos is not None else None, in_region=True)
@@ -257,6 +261,7 @@ class StaticExchange:
                               tokens_lost={loop.names[i]: t for i, t in lost.items()},
                               straggler_idle_frac=compute_idle([i["compute_s"] for i in infos]),
                               **({"elapsed_s": run.time_elapsed_s} if clock else {}))  # fmt: skip
+        return infos
 
     def finish(self) -> dict[str, Any]:
         run, loop = self.run, self.loop

@@ -49,6 +49,13 @@ class RankOverlap:
         self.last: Tensors | None = None
         self.in_flight_s = 0.0  # the plan's exchange time of the exchange in flight (0: none)
         self.waited_s = 0.0  # wall seconds this rank waited for exchanges (this round)
+        # wall seconds of this round that are not its compute: the waits above, the outer step and an evaluation
+        # at the apply step (the region's measured compute, which the plan loop re-plans from, leaves them out)
+        self.apart_s = 0.0
+        # (leader) the wire time of the last exchange that arrived: (seconds from its launch to its arrival, its
+        # round), for the plan loop's WAN measurement (plan_loop.py); None once taken, or when none was measured
+        self.wire: tuple[float, int] | None = None
+        self._done_at: list[float] = []  # when the collective in flight completed (its future's callback)
         self._expect = False  # an exchange was launched and is not yet applied
         self._work = None
         self._buffer: torch.Tensor | None = None
@@ -125,6 +132,8 @@ class RankOverlap:
             self.loop.planned_for = None
             self.last = None
             return self.params
+        if run.is_leader and not result.void:  # the exchange thread's own time, launch to arrival (not the wait)
+            self.wire = (result.comm_s, run.rounds)
         outcome = self.loop._apply(result, self._members)
         if outcome.get("update") is not None and len(outcome["update"]) == len(self.params):
             self.last = outcome["update"]
@@ -137,6 +146,11 @@ class RankOverlap:
         self._work, self._buffer = self._start(payload, self.combiner)
         self._since = since
         self._launched_at = self.run._now()
+        done = self._done_at = []  # when the collective completes, not when the region takes it (apply step)
+        try:
+            self._work.get_future().add_done_callback(lambda _: done.append(time.perf_counter()))
+        except (AttributeError, RuntimeError):  # (a backend without futures: measured when it is waited for)
+            pass
 
     def _start(self, payload: bytes | None, codec: Any) -> tuple[Any, torch.Tensor]:
         """Launch the collective of one payload made by ``codec`` (the whole model's or a fragment's):
@@ -233,12 +247,16 @@ class RankOverlap:
             self._arrive_elastic()
             run._mark("comm_wait")
             self.waited_s += run._cursor - waited_from
-            return self._formed()
+            return self._apart(self._formed(), waited_from)
         exchanged = self._buffer
         if run.is_leader:
             run.transport.op = f"the exchange of round {run.rounds} (overlapped)"
             self._work.wait()
+            done = self._done_at[0] if self._done_at else time.perf_counter()
             self.shaper.hold(self.shaper_s, self._since)
+            # its time on the wire: launch to arrival (the collective's completion, held by the shaper to the
+            # modeled WAN), not the wait at the apply step
+            self.wire = (max(done - self._since, self.shaper_s), run.rounds)
             if run.rank == 0:  # the exchange as rank 0 saw it: from its launch to when rank 0 took it
                 run.telemetry.emit({"type": "exchange", "round": run.rounds - 1, "start": self._launched_at,
                                     "end": run._now(), "workers": [r.name for r in run.scenario.regions]})  # fmt: skip
@@ -251,7 +269,17 @@ class RankOverlap:
         run._mark("comm_wait")
         self.waited_s += run._cursor - waited_from
         self._step(self._combined(exchanged, self.combiner))
-        return self._formed()
+        return self._apart(self._formed(), waited_from)
+
+    def _apart(self, params: Tensors, since: float) -> Tensors:
+        """Count the time from ``since`` (the apply step) to now as not this round's compute."""
+        self.apart_s += self.run._cursor - since
+        return params
+
+    def take_wire(self) -> tuple[float, int] | None:
+        """(leader) The wire time of the last exchange that arrived and its round, once (None: none new)."""
+        wire, self.wire = self.wire, None
+        return wire
 
     def _formed(self) -> Tensors:
         """θ after the outer step: nothing is in flight any more; rank 0 evaluates it when it is due."""
@@ -328,8 +356,10 @@ class RankOverlap:
         run._mark("comm_wait")
         self.waited_s += run._cursor - waited_from
         self._step(combined)
-        self._formed()
+        self._apart(self._formed(), waited_from)
 
     def take_waited(self) -> float:
-        waited, self.waited_s = self.waited_s, 0.0
+        """The seconds waited for exchanges since the last call (``comm_wait``); the round's time apart from
+        its compute starts again too."""
+        waited, self.waited_s, self.apart_s = self.waited_s, 0.0, 0.0
         return waited

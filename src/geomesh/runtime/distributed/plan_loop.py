@@ -33,6 +33,13 @@ PROBE_LARGE_MAX = 4 << 20  # the large probe (bandwidth) is the exchange's paylo
 PROBE_REPEATS = 2  # each region's first measured round (start-up, warm-up) is not its speed
 
 
+def seconds(value: Any) -> float | None:
+    """A duration a peer reported (data): finite positive seconds, else None (left out, never a stopped run)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+        return None
+    return float(value)
+
+
 class PlanLoop:
     """Planning, calibration and re-planning of :class:`~geomesh.runtime.distributed.rounds.RoundLoop`."""
 
@@ -47,7 +54,7 @@ class PlanLoop:
         wan = self.planning_wan(members)
         if self.wan_measure is not None:
             self.wan_measure.assume()
-        exchange_s, _ = self.method.exchange(wan, self.kit.modeled_payload_nbytes)
+        exchange_s = self.plan_exchange_s(wan)
         profiles = [self.run.profiles[i] for i in members]
         for p, i in zip(profiles, members):
             p.slowdown = self.sc.regions[i].slowdown * self.faults.speed(i)
@@ -63,6 +70,35 @@ class PlanLoop:
         if known is not None:
             self.online.adopt(known)
         return self.online.plan(self.kit.modeled_payload_nbytes, exchange_s)
+
+    def plan_exchange_s(self, wan: WanModel) -> float:
+        """The plan's exchange time over ``wan``: the exchange kind in force (the sharded one or the method's
+        collective) for the timing model's payload, as the emulated runtime times it."""
+        payload = self.kit.modeled_payload_nbytes
+        if self.sharded is None:
+            return self.method.exchange(wan, payload)[0]
+        from ...planner.exchange import scenario_exchange_seconds
+
+        return scenario_exchange_seconds(self.sc, wan, self.method.collective, payload, "sharded", self.combiner)
+
+    def choose_exchange_measured(self) -> None:
+        """Every rank, after the WAN probe (before round 0's exchange, every rank with the same figures): the
+        exchange kind (all-gather or sharded, ``geomesh.exchange: auto``) chosen again over the WAN as measured,
+        and the choice recorded with the modeled seconds of each kind. Chosen once: a run does not switch kinds
+        mid-run (a sharded layout's owners hold state, and every rank would have to switch at one round)."""
+        from .sharded import exchange_choice, loop_exchange
+
+        wan = self.wan_measure.measured(self.sc.wan_model())
+        choice = exchange_choice(self, wan)
+        if choice is None:
+            return
+        if (choice.name == "sharded") != (self.sharded is not None):
+            self.sharded = loop_exchange(self, wan)
+        w = self.wan_measure
+        self.emit({"type": "exchange_choice", "round": self.run.rounds, "time": self.run._now(),
+                   "exchange": choice.name, "wan": "measured", "latency_factor": w.latency_factor,
+                   "transfer_factor": w.transfer_factor, "reason": choice.reason,
+                   "seconds": {k: c.seconds for k, c in choice.candidates.items()}})  # fmt: skip
 
     def _new_online(self, profiles: list[WorkerProfile]) -> OnlinePlanner:
         g = self.sc.geomesh
@@ -159,50 +195,82 @@ class PlanLoop:
             w = self.wan_measure
             print(f"[{self.method.name}] WAN probed in {self.wan_probe_s:.2f} s: latency x{w.latency_factor:.2f}, "
                   f"transfer x{w.transfer_factor:.2f} the declared", flush=True)  # fmt: skip
+        self.choose_exchange_measured()
+        self._replan_after_probe(members)
 
-    def note_wire(self, seconds: float) -> None:
-        """(leader) This round's exchange took ``seconds`` on the wire (its wait for the slowest member left
-        out): reported with the next round's info."""
-        self.wire = {"wire_s": float(seconds), "wire_round": self.run.rounds + 1}
+    def _replan_after_probe(self, members: list[int]) -> None:
+        """A plan already made over the declared WAN (a static run plans at its start, before the probe) is made
+        again over the measured one when the probes put the exchange past ``replan_threshold`` from what it
+        assumed: probes are deliberate measurements, so no noise band holds them back (the overlapped round's
+        stretch and apply step, and the exchange kind's time, come from the WAN measured before round 0)."""
+        w = self.wan_measure
+        if self.planned_for is None or self.online is None:
+            return
+        lat, t = time_parts(self.exchange_cost(self.planned_for), self.faults.wan(self.planned_for))
+        a0, b0 = w.assumed
+        ratio = w.predict(lat, t) / (a0 * lat + b0 * t)
+        if abs(math.log(ratio)) <= w.threshold:
+            return
+        how = f"{ratio:.1f}x slower" if ratio > 1 else f"{1 / ratio:.1f}x faster"
+        why = (f"the WAN probed {how} than the plan assumed (an exchange of {w.predict(lat, t):.3g} s against "
+               f"{a0 * lat + b0 * t:.3g} s; latency x{w.latency_factor:.2f}, transfer x{w.transfer_factor:.2f} the "
+               f"declared)")  # fmt: skip
+        w.assume()
+        exchange_s = self.plan_exchange_s(self.planning_wan(self.planned_for))
+        self._replanned(self.online.plan(self.kit.modeled_payload_nbytes, exchange_s), {}, why,
+                        {"took_part": list(members)})  # fmt: skip
 
-    def observe_wan(self, result: Exchanged) -> str | None:
-        """Fold the previous round's exchange into the WAN's measurement (every rank alike: the median of the
-        wire times its members' leaders report with this round's infos, against the declared WAN's latency and
-        transfer parts of it); why to re-plan, when the WAN drifted past the measurements' noise."""
+    def note_wire(self, seconds: float, round_number: int | None = None) -> None:
+        """(leader) The exchange of round ``round_number`` (default: this round's) took ``seconds`` on the wire
+        (its wait for the slowest member left out; an overlapped exchange: from its launch to its arrival, its
+        wait at the apply step left out): reported with the next info this leader sends."""
+        number = self.run.rounds + 1 if round_number is None else round_number
+        self.wire = {"wire_s": float(seconds), "wire_round": int(number)}
+
+    def observe_wan(self, result: Exchanged, wire_round: int | tuple[int, ...] | None = None) -> str | None:
+        """Fold the previous exchange into the WAN's measurement (every rank alike: the median of the wire
+        times its members' leaders report with these infos, against the declared WAN's latency and transfer
+        parts of it); why to re-plan, when the WAN drifted past the measurements' noise. ``wire_round``: the
+        round(s) of the exchange the reports may be of (default: the round before this one)."""
         prev, self.wan_members = self.wan_members, sorted(i["region"] for i in result.infos)
         if self.wan_measure is None or prev is None or len(prev) < 2:
             return None
-        wires = [float(i["wire_s"]) for i in result.infos if i.get("region") in prev and i.get("wire_round")
-                 == self.run.rounds - 1 and isinstance(i.get("wire_s"), (int, float)) and not isinstance(
-                     i["wire_s"], bool) and 0 < i["wire_s"] < math.inf]  # (a peer's report is data)  # fmt: skip
+        expected = (self.run.rounds - 1,) if wire_round is None else (
+            wire_round if isinstance(wire_round, tuple) else (wire_round,))  # fmt: skip
+        wires = [s for s in (seconds(i.get("wire_s")) for i in result.infos if i.get("region") in prev
+                             and i.get("wire_round") in expected and not isinstance(i.get("wire_round"), bool))
+                 if s is not None]  # (a peer's report is data)  # fmt: skip
         if not wires:
             return None
         lat, transfer = time_parts(self.exchange_cost(prev), self.faults.wan(prev))
         self.wan_measure.observe(lat, transfer, statistics.median(wires))
         return self.wan_measure.should_replan()
 
-    def observe(self, result: Exchanged, outcome: dict[str, Any], steps: dict[int, int], entries: dict) -> None:
-        """Fold the round's measured compute times (every member's leader reports its own) into the online
+    def observe(self, result: Exchanged, outcome: dict[str, Any], steps: dict[int, int], entries: dict,
+                plan: Plan | None = None, wire_round: int | tuple[int, ...] | None = None) -> None:  # fmt: skip
+        """Fold a round's measured compute times (every member's leader reports its own) into the online
         planner, and re-plan at this round on every rank when a region's speed drifted past the threshold, or
-        the WAN's (:meth:`observe_wan`)."""
-        run, plan = self.run, self.plan
-        wan_drift = self.observe_wan(result) if result.infos else None
+        the WAN's (:meth:`observe_wan`). ``plan``: the plan that round ran (default: the plan in force; an
+        overlapped exchange arrives a round later, maybe under a newer plan); ``wire_round``: see
+        :meth:`observe_wan`."""
+        ran = self.plan if plan is None else plan
+        wan_drift = self.observe_wan(result, wire_round) if result.infos else None
         if self.online is None or not result.infos:
             return
         measured = {}
         for info in result.infos:
-            i, c = info.get("region"), info.get("compute_s")
+            i, c = info.get("region"), seconds(info.get("compute_s"))
             full = i in steps and steps[i] == entries[i].inner_steps  # a shortened last round says nothing new
-            if i in outcome["took_part"] and full and isinstance(c, (int, float)) and c > 0:
-                measured[self.names[i]] = float(c)
+            if i in outcome["took_part"] and full and c is not None:
+                measured[self.names[i]] = c
         for name, c in measured.items():
-            self.online.observe(name, c, plan)
+            self.online.observe(name, c, ran)
         if wan_drift is not None:  # the same members over the measured WAN (their speeds as measured now)
-            exchange_s, _ = self.method.exchange(self.planning_wan(self.planned_for), self.kit.modeled_payload_nbytes)
+            exchange_s = self.plan_exchange_s(self.planning_wan(self.planned_for))
             self.wan_measure.assume()
             self._replanned(self.online.plan(self.kit.modeled_payload_nbytes, exchange_s), measured, wan_drift, outcome)
             return
-        replanned = self.online.maybe_replan(self.kit.modeled_payload_nbytes, plan.exchange_s)
+        replanned = self.online.maybe_replan(self.kit.modeled_payload_nbytes, self.plan.exchange_s)
         if replanned is not None:
             self._replanned(replanned, measured, None, outcome)
 
@@ -212,13 +280,15 @@ class PlanLoop:
         planned_s = {w.name: w.compute_s for w in plan.workers}
         self.plan = replanned
         run.plans.append(replanned)
+        ov = self.overlap
+        if wan_drift is not None and ov is not None and ov.in_flight_s > 0:  # the exchange in flight is now
+            ov.in_flight_s = replanned.exchange_s  # expected as the measured WAN has it (its apply step)
         run.telemetry.count("replans")
+        drift = wan_drift or "compute measured against planned: " + ", ".join(
+            f"{n} measured {m:.3g} s vs planned {planned_s[n]:.3g} s" for n, m in measured.items() if n in planned_s)
         self.emit({"type": "plan", "round": run.rounds, "time": run._now(), "plan": replanned.to_json(),
-                   "replan": True, "measured_s": measured, "planned_s": planned_s,
-                   **({"reason": wan_drift} if wan_drift else {})})  # fmt: skip
+                   "replan": True, "measured_s": measured, "planned_s": planned_s, "reason": drift})  # fmt: skip
         if run.keeps_records and run.region == min(outcome["took_part"] or [self.me]):
-            drift = wan_drift or ", ".join(f"{n} measured {m:.3g} s vs planned {planned_s[n]:.3g} s"
-                                           for n, m in measured.items())  # fmt: skip
             print(f"[{self.method.name}] re-planned after round {run.rounds}: {drift}", flush=True)
 
     def plan_state(self) -> dict[str, Any]:
@@ -232,7 +302,9 @@ class PlanLoop:
                 # region keeps that plan while the members stay, as the uninterrupted run does
                 "planned_for": None if self.planned_for is None else list(self.planned_for),
                 "wan": self.wan_measure.state_dict() if self.wan_measure is not None else None,
-                "wan_members": self.wan_members}  # fmt: skip
+                "wan_members": self.wan_members,
+                # the exchange kind chosen over the WAN measured before round 0 (kept for the rest of the run)
+                "exchange": "sharded" if self.sharded is not None else "all_gather"}  # fmt: skip
 
     def load_plan_state(self, state: dict[str, Any]) -> None:
         """The plan's loop state of :meth:`plan_state` (the run's plans already loaded): the plan in force and the
@@ -246,6 +318,12 @@ class PlanLoop:
         if self.wan_measure is not None and state.get("wan") is not None:
             self.wan_measure.load_state_dict(state["wan"])
         self.wan_members = state.get("wan_members")
+        if state.get("exchange") in ("sharded", "all_gather") and (state["exchange"] == "sharded") != (
+                self.sharded is not None):  # (older states: the kind chosen over the declared WAN)  # fmt: skip
+            from ...codec.sharded_sparse import sharded_exchange
+
+            self.sharded = (sharded_exchange(self.combiner, self.n, self.sc.geomesh.shard_bits)
+                            if state["exchange"] == "sharded" and not self.kit.dense else None)  # fmt: skip
         self.online = None
         if state["online"] is not None:
             names = state["online_for"]

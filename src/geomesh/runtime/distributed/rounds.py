@@ -49,6 +49,9 @@ from .region import lay_out_like
 from .transport import WanShaper, split_gathered, tx_bytes
 
 TEST_KILL_ENV = "GEOMESH_TEST_KILL_MID_ROUND"  # "REGION:ROUND[:hang]": its ranks die (or hang) before that exchange
+# tests: "REGION:ROUND:FACTOR": from the round after ROUND, that region's inner steps are padded with sleep to
+# FACTOR x their time, unknown to the plan (a busy neighbour): only its measured compute can tell the planner
+TEST_SLOW_ENV = "GEOMESH_TEST_SLOW_AFTER_ROUND"
 
 STATIC_MEMBERSHIP_FAULTS = ("the scenario's leave/join faults need elastic regions: set reliability.min_regions "
                             "(or --min-regions N) to at least 1; a static run keeps every region in every round")
@@ -96,6 +99,9 @@ class RoundLoop(PlanLoop):
         region, _, at = os.environ.get(TEST_KILL_ENV, "").partition(":")
         at, _, how = at.partition(":")
         self._kill_at = (region, int(at), how) if at.isdigit() else None
+        region, _, rest = os.environ.get(TEST_SLOW_ENV, "").partition(":")
+        at, _, factor = rest.partition(":")
+        self._slow_after = (region, int(at), float(factor)) if at.isdigit() and factor else None
         if self.elastic:
             from .elastic import QuorumExchange
 
@@ -106,7 +112,7 @@ class RoundLoop(PlanLoop):
             self.exchange = StaticExchange(self)
         from .sharded import loop_exchange  # the plan's exchange: the sharded one, or None (all-gather)
 
-        self.sharded = loop_exchange(self)
+        self.sharded = loop_exchange(self)  # (chosen again over the WAN probed before round 0)
         if method.overlapped(sc):
             from .overlap import RankOverlap
 
@@ -203,7 +209,7 @@ class RoundLoop(PlanLoop):
                 run.worker.optimizer.state.clear()
                 if hasattr(self.codec, "reset_residual"):
                     self.codec.reset_residual()
-            run.worker.slowdown = self.sc.regions[self.me].slowdown * self.faults.speed(self.me)
+            run.worker.slowdown = self.sc.regions[self.me].slowdown * self.faults.speed(self.me) * self._test_slow(r)
             if effects.remake:
                 self.planned_for = None
             in_exchange = [i for i in view.members if not self.faults.away(i)]
@@ -232,12 +238,15 @@ class RoundLoop(PlanLoop):
             if self.me in members:
                 payload, split = self._local_phase(entries, steps, rs, members, plan, once, last or checkpoint_due)
             run._mark("compute")
-            compute_s = run._cursor - round_start - (self.overlap.waited_s if self.overlap is not None else 0.0)
+            # (overlapped: less the wait for the exchange that arrived at the apply step, its outer step and an
+            # evaluation there: the region's own compute, which the plan loop re-plans from)
+            compute_s = run._cursor - round_start - (self.overlap.apart_s if self.overlap is not None else 0.0)
             self._test_kill_point()
             # 4. exchange over the members' leaders
             sent_before, wire_before = run.transport.wan_bytes, tx_bytes(run._iface)
             if self.overlap is not None:
-                result, comm_s = self._exchange_overlapped(payload, split, in_exchange, quorum=not joined_now)
+                result, comm_s = self._exchange_overlapped(payload, split, in_exchange, compute_s,
+                                                           quorum=not joined_now)  # fmt: skip
             else:
                 result, comm_s = self._exchange(payload, members, compute_s)
                 if result.healed_state is not None:  # this region fell behind during the exchange
@@ -253,9 +262,10 @@ class RoundLoop(PlanLoop):
             run.rounds += 1
             if self.overlap is not None:
                 run.tokens_done += rs.tokens  # (the update of these tokens is formed when the exchange arrives)
-                if self.elastic:
-                    self._planned_in_flight.append(planned)
-                if run.budget_spent() or checkpoint_due:
+                if self.elastic:  # (with what the plan loop measures it against when it arrives)
+                    self._planned_in_flight.append((planned, plan, steps, entries))
+                drained = run.budget_spent() or checkpoint_due
+                if drained:
                     # the last round's exchange (nothing is left to hide it under), or one a checkpoint must not
                     # hold: waited for now
                     self.overlap.drain()
@@ -276,9 +286,13 @@ class RoundLoop(PlanLoop):
             self.faults.count_lost(r, lost)
             # 6. records, evaluation, checkpoint
             self._warn(outcome)
-            self.exchange.end_round(result, members, outcome, lost, planned, compute_s, comm_s, payload=payload,
-                                    split=split, sent_before=sent_before, wire_before=wire_before,
-                                    wire_after=wire_after)  # fmt: skip
+            if self.overlap is not None:  # (the leader) the exchange that arrived this round goes with the report
+                self._note_overlap_wire()
+            reports = self.exchange.end_round(result, members, outcome, lost, planned, compute_s, comm_s,
+                                              payload=payload, split=split, sent_before=sent_before,
+                                              wire_before=wire_before, wire_after=wire_after)  # fmt: skip
+            if self.overlap is not None:  # (static) measured and re-planned from the round's reports
+                self._observe_reports(reports, members, steps, entries, drained)
             if self.elastic:  # the members' clocks came with the round's exchange (static: with its report)
                 run.agree_elapsed([i.get("elapsed_s") for i in result.infos])
             if self.overlap is not None and run.time_up:  # the time budget is spent: the exchange in flight is
@@ -303,9 +317,13 @@ class RoundLoop(PlanLoop):
     def _record_arrived(self, compute_s: float, comm_s: float) -> None:
         """Elastic overlapped rounds: warnings and records of the exchanges that arrived (each labelled with
         its own round). A region lost while its exchange was in flight is left out by the survivors, who
-        redo the exchange with the payloads they have; its tokens of that round are counted as lost."""
+        redo the exchange with the payloads they have; its tokens of that round are counted as lost. Each
+        arrived exchange is measured as a plain round's is, here, where every rank of every member has it: its
+        infos carry each member's compute of that round (under that round's plan) and its leader's wire time
+        of the exchange before (plan_loop.py); a re-plan takes effect from the next round on every rank, and
+        the exchange in flight keeps the plan digest it was made under."""
         for result, outcome, members in self.overlap.arrived:
-            planned = self._planned_in_flight.pop(0)
+            planned, plan, steps, entries = self._planned_in_flight.pop(0)
             number = self.run.rounds - len(self._planned_in_flight)
             lost = {i: planned[i] for i in outcome["lost"] if i in planned}
             self.run.tokens_lost += sum(lost.values())
@@ -313,7 +331,38 @@ class RoundLoop(PlanLoop):
             self.exchange.end_round(result, members or outcome["took_part"], outcome, lost, planned, compute_s,
                                     comm_s, round_number=number)  # fmt: skip
             self.run.agree_elapsed([i.get("elapsed_s") for i in result.infos])  # (the clocks it carried)
+            self.observe(result, outcome, steps, entries, plan=plan, wire_round=number - 1)
         self.overlap.arrived.clear()
+
+    def _note_overlap_wire(self) -> None:
+        """(leader) The wire time of the overlapped exchange that arrived (its launch to its arrival), for the
+        next report or info this leader sends."""
+        wire = self.overlap.take_wire() if self.run.is_leader else None
+        if wire is not None:
+            self.note_wire(*wire)
+
+    def _observe_reports(self, reports: list[dict] | None, members: list[int], steps: dict[int, int],
+                         entries: dict, drained: bool) -> None:  # fmt: skip
+        """Static overlapped rounds (their exchange carries payloads only): the plan loop measures the round from
+        the regions' reports (every leader gathers them, then shares them inside its region, so every rank folds
+        in the same figures at the same round): each region's compute of this round, and its leader's wire time
+        of the exchange that arrived in it (the last round's, or this round's own when it was drained whole;
+        every leader drains alike, so every report is of one exchange). A re-plan
+        takes effect from the next round; the exchange in flight applies as launched."""
+        if self.online is None and self.wan_measure is None:
+            return
+        run = self.run
+        keys = ("compute_s", "wire_s", "wire_round")
+        infos = None
+        if run.is_leader:  # (each region's report is data: observe() checks every figure)
+            infos = [{"region": k, **{f: i.get(f) for f in keys}} for k, i in enumerate(reports or [])
+                     if isinstance(i, dict)]  # fmt: skip
+            self.wire = {}  # reported once
+        if run.region_group is not None:
+            infos = run.transport.broadcast_json(infos, run.leader, run.region_group, what="the round's reports")
+        self.observe(Exchanged(infos=infos, payloads=None, summed=None, comm_s=0.0, wan_bytes=0),
+                     {"took_part": list(members)}, steps, entries,
+                     wire_round=(run.rounds - 1, run.rounds) if drained else run.rounds - 1)  # fmt: skip
 
     # ---- the parts of a round ----------------------------------------------------------------------------
     def _local_phase(self, entries, steps, rs, members, plan, once, drains: bool):
@@ -346,6 +395,11 @@ class RoundLoop(PlanLoop):
             parts = tuple(corrupt_payload(p) if p is not None else None for p in parts)
             payload = parts if split is not None else parts[0]
         return payload, split
+
+    def _test_slow(self, round_index: int) -> float:
+        """Tests: this region's hidden slowdown in round ``round_index`` (0-based; :data:`TEST_SLOW_ENV`)."""
+        slow = self._slow_after
+        return slow[2] if slow is not None and slow[0] == self.names[self.me] and round_index >= slow[1] else 1.0
 
     def _test_kill_point(self) -> None:
         """Tests: this region's ranks die (or hang) with their payload unsent (:data:`TEST_KILL_ENV`)."""
@@ -391,12 +445,16 @@ class RoundLoop(PlanLoop):
         run._mark("comm_wait")
         return result, run._cursor - comm_start
 
-    def _exchange_overlapped(self, payload, split, members, quorum: bool = True) -> tuple[Exchanged, float]:
+    def _exchange_overlapped(self, payload, split, members, compute_s: float,
+                             quorum: bool = True) -> tuple[Exchanged, float]:  # fmt: skip
         """The overlapped round: the leader passes the barrier and launches the exchange (or its last
-        fragment); it arrives inside the next round. Returns the round's info exchange, done with it."""
+        fragment); it arrives inside the next round. Returns the round's info exchange, done with it.
+        Elastic, the info carries this region's measured compute of the round and its wire time of the last
+        exchange that arrived."""
         run, ov = self.run, self.overlap
         comm_start = run._cursor
         if run.is_leader:
+            self._note_overlap_wire()
             self.exchange.straggler_barrier(run.rounds + 1)
             run._mark("straggler_wait")
             comm_start = run._cursor
@@ -410,7 +468,7 @@ class RoundLoop(PlanLoop):
                     reason = screen_payload(self.combiner, payload) if payload is not None else None
                     summed = self.combiner.reducible(payload if reason is None else None)
                 trained = now if quorum else [i for i in now if i != self.me]  # (one healed now trained nothing)
-                info = self._info(payload, 0.0, trained, reason)
+                info = self._info(payload, compute_s if quorum else 0.0, trained, reason)
                 ov.launch_on_thread(lambda: self.exchange.exchange(payload, summed, info, now), now)
             elif split is not None:  # the last fragment, launched as the others were; drained below
                 ov.launch_fragment(split.fragments - 1, payload[-1])

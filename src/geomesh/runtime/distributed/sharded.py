@@ -373,21 +373,28 @@ def _offsets(sizes: list[int]) -> list[int]:
 # ---- the sharded exchange in the one round loop ----------------------------------------------------------------
 
 
-def loop_exchange(loop: Any) -> ShardedExchange | None:
-    """The sharded exchange a run's rounds use when the plan picks it (planner/exchange.py: the scenario's
-    ``geomesh.exchange``, else the cheaper by the WAN model), or None: the all-gather (or the dense sum).
-    Its layout is for every region of the scenario; elastic rounds cut one per quorum size
-    (:func:`layout_for`). Overlapped rounds all-gather (the plan keeps them on it, static or elastic)."""
+def loop_exchange(loop: Any, wan: Any = None) -> ShardedExchange | None:
+    """The sharded exchange a run's rounds use when the plan picks it (:func:`exchange_choice`), or None: the
+    all-gather (or the dense sum). Its layout is for every region of the scenario; elastic rounds cut one per
+    quorum size (:func:`layout_for`). Overlapped rounds all-gather (the plan keeps them on it, static or
+    elastic)."""
+    choice = exchange_choice(loop, wan)
+    if choice is None or choice.name != "sharded":
+        return None
+    return sharded_exchange(loop.combiner, loop.n, loop.sc.geomesh.shard_bits)
+
+
+def exchange_choice(loop: Any, wan: Any = None) -> Any:
+    """The plan's choice of exchange for a run's payloads (planner/exchange.py: the scenario's
+    ``geomesh.exchange``, else the cheaper by the WAN model over ``wan``: the declared WAN unless given, the
+    measured one after the WAN probe); None where there is no choice (dense payloads, one region)."""
     from ...planner.exchange import scenario_exchange
 
     sc, method, kit = loop.sc, loop.method, loop.kit
     if kit.dense or loop.n < 2:
         return None
-    choice = scenario_exchange(sc, sc.wan_model(), method.collective, kit.modeled_payload_nbytes, loop.combiner,
-                               overlap=method.overlapped(sc))  # fmt: skip
-    if choice.name != "sharded":
-        return None
-    return sharded_exchange(loop.combiner, loop.n, sc.geomesh.shard_bits)
+    return scenario_exchange(sc, wan if wan is not None else sc.wan_model(), method.collective,
+                             kit.modeled_payload_nbytes, loop.combiner, overlap=method.overlapped(sc))  # fmt: skip
 
 
 def layout_for(loop: Any, m: int) -> ShardedExchange:
