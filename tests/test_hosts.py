@@ -20,12 +20,14 @@ import yaml
 from conftest import FIXED_PLAN, tiny_scenario_dict
 
 from geomesh.cli import launch as cli_launch
+from geomesh.runtime.distributed.quotas import quota_unavailable_reason
 from geomesh.runtime.distributed.transport import netns_unavailable_reason
 from geomesh.telemetry import read_events
 
 pytestmark = pytest.mark.bed
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 REASON = netns_unavailable_reason()
+QUOTA_REASON = quota_unavailable_reason() if REASON is None else None
 NAMES = ["r0-h100", "r1-a100", "r2-t4"]
 
 
@@ -166,6 +168,32 @@ def test_sparse_payloads_through_the_sharded_exchange_rejoin_on_the_bed(tmp_path
     one_checksum(result)
     summary = json.loads(Path(result["summary_from"]).read_text())
     assert summary["exchange"] == "sharded" and summary["elastic"]["joins"] >= 1
+
+
+@pytest.mark.waits
+@pytest.mark.skipif(REASON is not None or QUOTA_REASON is not None,
+                    reason=f"the hosts test bed with CPU quotas cannot run here: {REASON or QUOTA_REASON}")
+def test_an_overlapped_run_takes_back_a_restarted_host(tmp_path, small_corpus):
+    """geomesh-overlap with the plan loop on: r1's host lost after round 2 and started again with its folder.
+    Healed at the quorum of an exchange about to leave, it joins that exchange with no update and trains from
+    the next round on with the others (before, it asked for a quorum of its own, was healed again one round off
+    and stopped with ``no quorum``): exit 0 and one checksum on every host, one leave and one join. An
+    overlapped round computes while its exchange is in flight, so every host runs under a quarter-core CPU
+    quota (the run takes 3/4 of a core, however long it lasts), and a wall-clock time budget makes the run
+    outlast the restart however busy the machine is."""
+    out = tmp_path / "bed"
+    quotas = [x for name in NAMES for x in ("--cpu", f"{name}:0.25")]
+    result = run_bed(bed_scenario(tmp_path, small_corpus, rtt_ms=1000), out, "geomesh-overlap", "--set",
+                     "training.time_budget_s=90", *quotas, "--lose", "r1-a100@2")  # fmt: skip
+    one_checksum(result)
+    assert result["hosts"]["r1-a100"]["starts"] == 2
+    recs = records(out, "r0-h100")
+    assert [e["region"] for e in recs if e["type"] == "leave"] == ["r1-a100"]
+    assert [e["region"] for e in recs if e["type"] == "join"] == ["r1-a100"]  # (once: healed, then trained)
+    summary = json.loads(Path(result["summary_from"]).read_text())
+    assert summary["stopped_by"] == "time_budget" and summary["calibration_s"]
+    last = max((e for e in recs if e["type"] == "round"), key=lambda e: e["round"])
+    assert sorted(last["members"]) == NAMES
 
 
 @pytest.mark.parametrize("fault, line", [

@@ -511,12 +511,14 @@ class QuorumExchange(ElasticState):
         infos = result.infos
         took_part = outcome["took_part"]
         for i in members:
-            if i not in took_part:  # lost during the round: its tokens never reached θ
+            # lost during the round: its tokens never reached θ (overlapped, a region healed at this exchange's
+            # quorum is a member that trained nothing in it: not planned, nothing lost)
+            if i not in took_part and i in planned:
                 self.stats["leaves"] += 1
                 self._emit({"type": "leave", "round": number, "time": run._now(), "region": names[i],
                             "reason": "lost during the round's exchange", "tokens_lost": planned[i]})  # fmt: skip
                 lost[i] = planned[i]
-        self.members = [i for i in members if i in took_part]
+        self.members = [i for i in members if i in took_part or i not in planned]  # (healed now: still a member)
         for i in range(self.n):
             if i not in took_part:
                 self.stats["rounds_without"][names[i]] += 1
