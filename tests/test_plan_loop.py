@@ -1,8 +1,8 @@
 """The plan as a loop in real processes: regions measure their step time in place before round 0, and every
 round's measured compute times re-plan the run when speeds drift, on every rank alike.
 
-The speed changes here are real, never declared: CPU affinity puts two regions' processes on one core partway
-through a run (a busy neighbour), or the scenario declares H100, A100 and T4 for processes that all run at one
+The speed changes here are real, never declared: CPU quotas slow two regions partway through a run, or the
+scenario declares H100, A100 and T4 for processes that all run at one
 speed. Assertions are on the plan's direction (the slowed regions get less work, on every rank the same), never
 on seconds.
 """
@@ -24,10 +24,10 @@ from conftest import tiny_scenario_dict
 from test_elastic import processes, start, wait_for_round
 
 from geomesh.cli import launch as cli_launch
+from geomesh.runtime.distributed.quotas import CpuQuotas, quota_unavailable_reason
 from geomesh.telemetry import read_events
 
-pytestmark = pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
-                                reason="needs CPU affinity and two cores")  # fmt: skip
+QUOTA_REASON = quota_unavailable_reason()
 
 
 def write(tmp_path, small_corpus, gpus=("A100", "A100", "A100"), elastic=False, **geomesh):
@@ -45,39 +45,27 @@ def work(plan: dict, region: str) -> int:
     return w["batch"] * w["inner_steps"]
 
 
-def pin(tag: str, region: str, cpus: set[int]) -> None:
-    for pid in processes(tag, region):
-        os.sched_setaffinity(pid, cpus)
-
-
-# alone on the machine (make test runs these after the parallel part): the cores the test pins processes to
-# must not be shared with another test's processes, or the speeds it makes are not the ones it asserts on
-@pytest.mark.serial
+@pytest.mark.skipif(QUOTA_REASON is not None, reason=f"CPU quotas cannot be set here: {QUOTA_REASON}")
 @pytest.mark.parametrize("elastic", [False, True], ids=["static", "elastic"])
-def test_regions_slowed_by_a_busy_neighbour_are_replanned(tmp_path, small_corpus, elastic):
-    """Regions declared alike; after round 3, r1 and r2 are moved onto one core together, beside a busy
-    neighbour (a third of a core each; r0 is alone on the other): the measured compute times re-plan the run,
-    giving them less work than r0."""
+def test_regions_slowed_mid_run_are_replanned(tmp_path, small_corpus, elastic):
+    """Regions declared alike; after round 3 each region's processes are held to a CPU quota, r0 at 0.6 of a
+    core, r1 and r2 at 0.2 (a control group each, weighing 100 default groups: each gets its share however
+    busy the machine is, and each region's speed is its own): the measured compute times re-plan the run,
+    giving r1 and r2 less work than r0."""
     path = write(tmp_path, small_corpus, elastic=elastic)
     out, tag = tmp_path / "run", uuid.uuid4().hex
     cmd = ["launch", str(path), "--nproc", "3", "--method", "geomesh", "--out", str(out), "--tokens", "40000",
            "--quiet", "--wan", "none", "--timeout", "90"]  # fmt: skip
     proc = start(cmd, tag, out)
-    neighbour = None
+    quotas = CpuQuotas(tag, weight=100)
     try:
         wait_for_round(out, proc, 3)
-        pin(tag, "r0-a100", {1})
-        pin(tag, "r1-a100", {0})
-        pin(tag, "r2-a100", {0})
-        # and a busy neighbour on their core: rounds compute for tens of milliseconds, so two regions that
-        # take turns on one core are barely slower; beside a process that never yields they get a third each
-        neighbour = subprocess.Popen([sys.executable, "-c", "while True: pass"])
-        os.sched_setaffinity(neighbour.pid, {0})
+        for region, share in (("r0-a100", 0.6), ("r1-a100", 0.2), ("r2-a100", 0.2)):
+            quotas.set(region, share, pids=processes(tag, region))
         stdout, stderr = proc.communicate(timeout=300)
     finally:
         proc.kill()
-        if neighbour is not None:
-            neighbour.kill()
+        quotas.close()
     assert proc.returncode == 0, stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     events = read_events(out / "events.jsonl")
