@@ -137,6 +137,7 @@ class RankOverlap:
         outcome = self.loop._apply(result, self._members)
         if outcome.get("update") is not None and len(outcome["update"]) == len(self.params):
             self.last = outcome["update"]
+        self.loop.observe_arrived(result, outcome)  # (measured now, before the next exchange's quorum)
         self.arrived.append((result, outcome, self._members))
         return self.params
 

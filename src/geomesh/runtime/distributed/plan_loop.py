@@ -247,12 +247,14 @@ class PlanLoop:
         return self.wan_measure.should_replan()
 
     def observe(self, result: Exchanged, outcome: dict[str, Any], steps: dict[int, int], entries: dict,
-                plan: Plan | None = None, wire_round: int | tuple[int, ...] | None = None) -> None:  # fmt: skip
+                plan: Plan | None = None, wire_round: int | tuple[int, ...] | None = None,
+                after_round: int | None = None) -> None:  # fmt: skip
         """Fold a round's measured compute times (every member's leader reports its own) into the online
         planner, and re-plan at this round on every rank when a region's speed drifted past the threshold, or
         the WAN's (:meth:`observe_wan`). ``plan``: the plan that round ran (default: the plan in force; an
         overlapped exchange arrives a round later, maybe under a newer plan); ``wire_round``: see
-        :meth:`observe_wan`."""
+        :meth:`observe_wan`; ``after_round``: the round after which a re-plan is in force (default: this
+        one, counted)."""
         ran = self.plan if plan is None else plan
         wan_drift = self.observe_wan(result, wire_round) if result.infos else None
         if self.online is None or not result.infos:
@@ -268,15 +270,18 @@ class PlanLoop:
         if wan_drift is not None:  # the same members over the measured WAN (their speeds as measured now)
             exchange_s = self.plan_exchange_s(self.planning_wan(self.planned_for))
             self.wan_measure.assume()
-            self._replanned(self.online.plan(self.kit.modeled_payload_nbytes, exchange_s), measured, wan_drift, outcome)
+            self._replanned(self.online.plan(self.kit.modeled_payload_nbytes, exchange_s), measured, wan_drift, outcome,
+                            after_round)  # fmt: skip
             return
         replanned = self.online.maybe_replan(self.kit.modeled_payload_nbytes, self.plan.exchange_s)
         if replanned is not None:
-            self._replanned(replanned, measured, None, outcome)
+            self._replanned(replanned, measured, None, outcome, after_round)
 
-    def _replanned(self, replanned: Plan, measured: dict[str, float], wan_drift: str | None, outcome) -> None:
+    def _replanned(self, replanned: Plan, measured: dict[str, float], wan_drift: str | None, outcome,
+                   after_round: int | None = None) -> None:  # fmt: skip
         """A re-plan at this round (every rank alike): in force from the next round, recorded with its reason."""
         run, plan = self.run, self.plan
+        number = run.rounds if after_round is None else after_round
         planned_s = {w.name: w.compute_s for w in plan.workers}
         self.plan = replanned
         run.plans.append(replanned)
@@ -286,10 +291,10 @@ class PlanLoop:
         run.telemetry.count("replans")
         drift = wan_drift or "compute measured against planned: " + ", ".join(
             f"{n} measured {m:.3g} s vs planned {planned_s[n]:.3g} s" for n, m in measured.items() if n in planned_s)
-        self.emit({"type": "plan", "round": run.rounds, "time": run._now(), "plan": replanned.to_json(),
+        self.emit({"type": "plan", "round": number, "time": run._now(), "plan": replanned.to_json(),
                    "replan": True, "measured_s": measured, "planned_s": planned_s, "reason": drift})  # fmt: skip
         if run.keeps_records and run.region == min(outcome["took_part"] or [self.me]):
-            print(f"[{self.method.name}] re-planned after round {run.rounds}: {drift}", flush=True)
+            print(f"[{self.method.name}] re-planned after round {number}: {drift}", flush=True)
 
     def plan_state(self) -> dict[str, Any]:
         """The plan's loop state (JSON): the profiles measured in place and the online planner's speed factors,

@@ -122,7 +122,9 @@ class RoundLoop(PlanLoop):
                                        self.kit.payload_nbytes)  # fmt: skip
             if self.elastic:  # the quorum's exchange runs on the leader's thread; this loop applies it
                 self.overlap.loop = self
-        self._planned_in_flight: list[dict[int, int]] = []  # elastic overlap: planned tokens of exchanges in flight
+        # elastic overlap, the exchanges in flight: (planned tokens, plan, steps, plan entries, round number)
+        self._planned_in_flight: list[tuple] = []
+        self._in_round = False
 
     @property
     def wire_nbytes(self) -> int:
@@ -231,6 +233,7 @@ class RoundLoop(PlanLoop):
             checkpoint_due = saver is not None and every > 0 and (run.rounds + 1) % every == 0  # after this round
             last = run.tokens_done + rs.tokens >= run.token_cap  # (a time budget: known once the round is reported)
             # 3. inner steps
+            self._in_round = True  # (until the round is counted: an exchange arriving now re-plans the next)
             run._mark("other")
             round_start = run._cursor
             once = effects.once.get(self.me, set())
@@ -260,10 +263,11 @@ class RoundLoop(PlanLoop):
             # 5. screen, combine, step (overlapped: the previous round's update, applied inside this round)
             outcome = self._apply(result, members) if self.overlap is None else None
             run.rounds += 1
+            self._in_round = False
             if self.overlap is not None:
                 run.tokens_done += rs.tokens  # (the update of these tokens is formed when the exchange arrives)
                 if self.elastic:  # (with what the plan loop measures it against when it arrives)
-                    self._planned_in_flight.append((planned, plan, steps, entries))
+                    self._planned_in_flight.append((planned, plan, steps, entries, run.rounds))
                 drained = run.budget_spent() or checkpoint_due
                 if drained:
                     # the last round's exchange (nothing is left to hide it under), or one a checkpoint must not
@@ -317,13 +321,10 @@ class RoundLoop(PlanLoop):
     def _record_arrived(self, compute_s: float, comm_s: float) -> None:
         """Elastic overlapped rounds: warnings and records of the exchanges that arrived (each labelled with
         its own round). A region lost while its exchange was in flight is left out by the survivors, who
-        redo the exchange with the payloads they have; its tokens of that round are counted as lost. Each
-        arrived exchange is measured as a plain round's is, here, where every rank of every member has it: its
-        infos carry each member's compute of that round (under that round's plan) and its leader's wire time
-        of the exchange before (plan_loop.py); a re-plan takes effect from the next round on every rank, and
-        the exchange in flight keeps the plan digest it was made under."""
+        redo the exchange with the payloads they have; its tokens of that round are counted as lost. (The plan
+        loop measured each when it arrived: :meth:`observe_arrived`.)"""
         for result, outcome, members in self.overlap.arrived:
-            planned, plan, steps, entries = self._planned_in_flight.pop(0)
+            planned = self._planned_in_flight.pop(0)[0]
             number = self.run.rounds - len(self._planned_in_flight)
             lost = {i: planned[i] for i in outcome["lost"] if i in planned}
             self.run.tokens_lost += sum(lost.values())
@@ -331,8 +332,20 @@ class RoundLoop(PlanLoop):
             self.exchange.end_round(result, members or outcome["took_part"], outcome, lost, planned, compute_s,
                                     comm_s, round_number=number)  # fmt: skip
             self.run.agree_elapsed([i.get("elapsed_s") for i in result.infos])  # (the clocks it carried)
-            self.observe(result, outcome, steps, entries, plan=plan, wire_round=number - 1)
         self.overlap.arrived.clear()
+
+    def observe_arrived(self, result: Exchanged, outcome: dict[str, Any]) -> None:
+        """Elastic overlapped rounds, every rank of every member, when an exchange arrives (at the apply step,
+        or drained): the plan loop measures it as a plain round's exchange (its infos carry each member's
+        compute of that round, under that round's plan, and its leader's wire time of the exchange before).
+        Here, before the next exchange's quorum, so that a region healed at that quorum receives the plan loop
+        as the others hold it when they launch. A re-plan is in force from the next round."""
+        k = len(self.overlap.arrived)
+        if k >= len(self._planned_in_flight):  # (an exchange this region launched nothing for: not measured)
+            return
+        _, plan, steps, entries, number = self._planned_in_flight[k]
+        self.observe(result, outcome, steps, entries, plan=plan, wire_round=number - 1,
+                     after_round=self.run.rounds + (1 if self._in_round else 0))  # fmt: skip
 
     def _note_overlap_wire(self) -> None:
         """(leader) The wire time of the overlapped exchange that arrived (its launch to its arrival), for the
@@ -461,6 +474,10 @@ class RoundLoop(PlanLoop):
             since = time.perf_counter()
             if self.elastic:  # this exchange's quorum now (the barrier), then the exchange on a thread
                 now = self.exchange.launch_quorum() if quorum else list(members)
+                # the quorum waits for the slowest member, as the static barrier does: straggler_wait (it was
+                # booked as comm_wait, so overlapped elastic rounds showed their stragglers as WAN idle)
+                run._mark("straggler_wait")
+                comm_start = run._cursor
                 if not quorum:  # healed at this exchange's quorum: its next round starts with these members,
                     self.exchange.launch_members = list(now)  # as the others' does (no quorum of its own)
                 summed, reason = None, None
