@@ -160,3 +160,35 @@ def test_the_exchange_kind_is_chosen_over_the_measured_wan_and_geomesh_plan_says
     assert main(["plan", str(tmp_path)]) == 0
     text = capsys.readouterr().out
     assert "exchange: sharded exchange, chosen over the measured WAN" in text and "all-gather" in text
+
+
+def test_a_plan_made_before_the_probes_is_made_again_over_the_wan_they_measured():
+    """A static run plans at its start, before the WAN probes: probes that put the exchange 4x slower than the
+    declared WAN re-plan at round 0 with the reason (an overlapped round's stretch and apply step follow);
+    probes that find the declared WAN leave the plan as it is."""
+    from geomesh.network import WanModel
+    from geomesh.planner.wan import WanEstimator
+
+    wan = WanModel(rtt_s=((0, 0.05, 0.05), (0.05, 0, 0.05), (0.05, 0.05, 0)), bandwidth_Bps=((1e6,) * 3,) * 3)
+
+    class ProbedLoop(PlanLoop):
+        def __init__(self, transfer: float):
+            self.faults = SimpleNamespace(wan=lambda members: wan.subset(members))
+            self.sharded, self.summed, self.wire_nbytes = None, False, 1_000_000
+            self.method = SimpleNamespace(exchange=lambda w, nbytes: (w.allgather_s(nbytes), 0.0))
+            self.kit = SimpleNamespace(modeled_payload_nbytes=1_000_000)
+            self.wan_measure = WanEstimator()
+            self.wan_measure._a, self.wan_measure._b = 1.0, transfer
+            self.planned_for, self.made = [0, 1, 2], []
+            self.online = SimpleNamespace(plan=lambda nbytes, exchange_s: SimpleNamespace(exchange_s=exchange_s))
+            self._replanned = lambda plan, measured, why, outcome: self.made.append((plan.exchange_s, why))
+
+    slow = ProbedLoop(4.0)
+    slow._replan_after_probe([0, 1, 2])
+    (exchange_s, why), = slow.made
+    assert exchange_s == pytest.approx(wan.scaled(1.0, 4.0).allgather_s(1_000_000))
+    assert why.startswith("the WAN probed") and "slower than the plan assumed" in why
+    assert slow.wan_measure.assumed == (1.0, 4.0)
+    right = ProbedLoop(1.02)  # within replan_threshold of the declared: no re-plan
+    right._replan_after_probe([0, 1, 2])
+    assert right.made == []
