@@ -74,9 +74,10 @@ class RankOverlap:
         self.arrived: list[tuple[Any, Any, list[int]]] = []  # (exchanged, outcome, members) not yet recorded
         self._dropped: list[int] = []  # regions whose slot arrived empty (no update) since last taken
 
-    def apply_at(self, wp: Any, steps: int) -> int:
-        """This round's apply step, from the plan's predicted step time (as the emulated runtime)."""
-        return apply_step(self.in_flight_s, wp.compute_s / max(wp.inner_steps, 1), steps)
+    def apply_at(self, wp: Any, steps: int, margin: float = 1.0) -> int:
+        """This round's apply step, from the plan's predicted step time (as the emulated runtime); ``margin``:
+        the exchange expected that many times later (the plan loop's, from the measurements' noise)."""
+        return apply_step(self.in_flight_s * margin, wp.compute_s / max(wp.inner_steps, 1), steps)
 
     @torch.no_grad()
     def prepare_next(self, payload: bytes | None, plan: Any, steps: list[int], exchange_s: float) -> None:
@@ -114,9 +115,10 @@ class RankOverlap:
         """(elastic, every rank) The members of the exchange now in flight (the leader launched it)."""
         self._members = list(members)
 
-    def _arrive_elastic(self) -> Tensors:
-        """The elastic exchange in flight, joined (leader), shared inside the region, screened, combined and
-        applied by the round loop; remembered for its round's records."""
+    def _arrive_elastic(self, waited_from: float) -> Tensors:
+        """The elastic exchange in flight, joined (leader), shared inside the region (the wait: ``comm_wait``
+        from ``waited_from``), screened, combined and applied by the round loop (``other``, as the static
+        round's outer step); remembered for its round's records."""
         run = self.run
         result = None
         if run.is_leader:
@@ -127,6 +129,8 @@ class RankOverlap:
                 raise box["error"]
             result = box["result"]
         result = self.loop._share(result)
+        run._mark("comm_wait")
+        self.waited_s += run._cursor - waited_from
         if result.healed_state is not None:  # this region fell behind during the exchange: the live state
             self.loop.exchange.apply_healed(result.healed_state)
             self.loop.planned_for = None
@@ -245,9 +249,7 @@ class RankOverlap:
         run._mark(before)
         waited_from = run._cursor
         if self.loop is not None:
-            self._arrive_elastic()
-            run._mark("comm_wait")
-            self.waited_s += run._cursor - waited_from
+            self._arrive_elastic(waited_from)
             return self._apart(self._formed(), waited_from)
         exchanged = self._buffer
         if run.is_leader:

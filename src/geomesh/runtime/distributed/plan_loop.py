@@ -71,6 +71,19 @@ class PlanLoop:
             self.online.adopt(known)
         return self.online.plan(self.kit.modeled_payload_nbytes, exchange_s)
 
+    def arrival_margin(self) -> float:
+        """How much later than the plan's exchange time this region's overlapped round applies the exchange in
+        flight, when the loop measures the WAN: exp(k·σ), σ the measurements' noise (the WAN's exchanges and this
+        region's compute, as the estimators know them; k ``geomesh.replan_noise_k``), so that an exchange a
+        little slower, or a round a little faster, than planned does not leave the region waiting at its apply
+        step. 1 when the WAN is not measured (both runtimes then apply at the same step)."""
+        if self.wan_measure is None:
+            return 1.0
+        name = self.names[self.me]
+        wan = self.wan_measure.noise() or 0.0
+        compute = (self.online.noise(name) if self.online is not None and name in self.online.factors else None) or 0.0
+        return math.exp(max(self.sc.geomesh.replan_noise_k, 0.0) * math.hypot(wan, compute))
+
     def plan_exchange_s(self, wan: WanModel) -> float:
         """The plan's exchange time over ``wan``: the exchange kind in force (the sharded one or the method's
         collective) for the timing model's payload, as the emulated runtime times it."""

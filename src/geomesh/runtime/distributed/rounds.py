@@ -393,7 +393,7 @@ class RoundLoop(PlanLoop):
                     # for) leaves in fragments (elastic: one exchange, the quorum's)
                     split = ov.tail_split(self.planning_wan(members), self.kit.modeled_payload_nbytes,
                                           round_compute_s([entries[i] for i in members], [steps[i] for i in members]))  # fmt: skip
-                apply_at = ov.apply_at(wp, h)
+                apply_at = ov.apply_at(wp, h, self.arrival_margin())
                 tail = ov.tail_send(split, wp, h, apply_at) if split is not None else None
                 payload, _ = method.local_phase_overlapped(run.worker, h, wp.batch, ov.start, apply_at, ov.arrive,
                                                            self.codec, lr_at, tail)  # fmt: skip
