@@ -49,9 +49,12 @@ def run_bed(path: Path, out: Path, method: str, *args: str, expect_ok: bool = Tr
     from geomesh.cli import main
 
     printed = io.StringIO()
+    # (a restarted host imports, calibrates and rejoins within its quorum timeout: 120 s leaves room for a busy
+    # machine; the timeout costs nothing when the run is well)
+    timeout = [] if "--timeout" in args else ["--timeout", "120"]
     with contextlib.redirect_stdout(printed):
-        code = main(["hosts", str(path), "--method", method, "--out", str(out), "--json", "--run-timeout", "400",
-                     *args])  # fmt: skip
+        code = main(["hosts", str(path), "--method", method, "--out", str(out), "--json", "--run-timeout", "600",
+                     *timeout, *args])  # fmt: skip
     if expect_ok:
         assert code == 0, printed.getvalue()[-3000:] + _logs(out)
     return json.loads(printed.getvalue().strip().splitlines()[-1])
@@ -231,7 +234,7 @@ def test_misdeployed_hosts_stop_with_one_line_each_while_the_run_goes_on(tmp_pat
     line each too: tested under ``geomesh launch``, tests/test_elastic.py and tests/test_reliability.py.)"""
     path = bed_scenario(tmp_path, small_corpus, rtt_ms=3000)  # (long rounds that sleep: the twin starts in time)
     out = tmp_path / "misdeployed"
-    result = run_bed(path, out, "geomesh", "--tokens", "36000", "--timeout", "15", "--host-env",
+    result = run_bed(path, out, "geomesh", "--tokens", "36000", "--timeout", "90", "--host-env",
                      "r1-a100:GEOMESH_ADVERTISE_HOST=10.215.0.99", "--twin", "r2-t4@1", "--clock", "r0-h100:86400",
                      expect_ok=False)  # fmt: skip
     hosts = result["hosts"]
