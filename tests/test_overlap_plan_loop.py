@@ -192,3 +192,19 @@ def test_a_plan_made_before_the_probes_is_made_again_over_the_wan_they_measured(
     right = ProbedLoop(1.02)  # within replan_threshold of the declared: no re-plan
     right._replan_after_probe([0, 1, 2])
     assert right.made == []
+
+
+def test_the_bed_bench_reads_wan_idle_over_the_rounds_an_exchange_can_hide_under():
+    """bench/wan_loop_bed.py: comm_wait over wall of every region's spans from round 2 to the last but the
+    final one (the last exchange has nothing to hide it), each region's spans once."""
+    from conftest import bench_script
+
+    bench = bench_script("wan_loop_bed")
+
+    def span(worker, r, kind, seconds):
+        return {"type": "span", "worker": worker, "round": r, "kind": kind, "start": 0.0, "end": seconds}
+
+    spans = [span(w, r, k, s) for w in ("a", "b") for r in range(4) for k, s in
+             (("compute", 9.0), ("comm_wait", 1.0 if r in (1, 2) else 0.0))] + [span("a", 4, "comm_wait", 5.0)]
+    events = {"h0": spans, "h1": list(spans)}  # (every host records every region's spans: counted once)
+    assert bench.hidden_idle(events) == pytest.approx(4.0 / 58.0)  # rounds 1..3: 3 x 2 x 9 compute + 4 waits
