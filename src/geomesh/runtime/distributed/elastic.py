@@ -511,9 +511,7 @@ class QuorumExchange(ElasticState):
         infos = result.infos
         took_part = outcome["took_part"]
         for i in members:
-            # lost during the round: its tokens never reached θ (overlapped, a region healed at this exchange's
-            # quorum is a member that trained nothing in it: not planned, nothing lost)
-            if i not in took_part and i in planned:
+            if i not in took_part and i in planned:  # lost in the round (healed at its quorum: trained nothing)
                 self.stats["leaves"] += 1
                 self._emit({"type": "leave", "round": number, "time": run._now(), "region": names[i],
                             "reason": "lost during the round's exchange", "tokens_lost": planned[i]})  # fmt: skip
