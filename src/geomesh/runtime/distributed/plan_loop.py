@@ -24,7 +24,7 @@ from ...hardware import WorkerProfile
 from ...network import WanModel
 from ...planner import OnlinePlanner, Plan
 from ...planner.settle import settled_profiles
-from ...planner.wan import WanEstimator, time_parts
+from ...planner.wan import time_parts
 from .exchange import Exchanged
 
 WARMUP_ROUNDS = 1
@@ -352,3 +352,46 @@ class PlanLoop:
             self.online = self._new_online(profiles)
             self.online.load_state_dict(state["online"])
 
+    # ---- overlapped rounds: measured where every rank has the same figures ----------------------------
+    def observe_arrived(self, result: Exchanged, outcome: dict[str, Any]) -> None:
+        """Elastic overlapped rounds, every rank of every member, when an exchange arrives (at the apply step,
+        or drained): the plan loop measures it as a plain round's exchange (its infos carry each member's
+        compute of that round, under that round's plan, and its leader's wire time of the exchange before).
+        Here, before the next exchange's quorum, so that a region healed at that quorum receives the plan loop
+        as the others hold it when they launch. A re-plan is in force from the next round."""
+        k = len(self.overlap.arrived)
+        if k >= len(self._planned_in_flight):  # (an exchange this region launched nothing for: not measured)
+            return
+        _, plan, steps, entries, number = self._planned_in_flight[k]
+        self.observe(result, outcome, steps, entries, plan=plan, wire_round=number - 1,
+                     after_round=self.run.rounds + (1 if self._in_round else 0))  # fmt: skip
+
+    def _note_overlap_wire(self) -> None:
+        """(leader) The wire time of the overlapped exchange that arrived (its launch to its arrival), for the
+        next report or info this leader sends."""
+        wire = self.overlap.take_wire() if self.run.is_leader else None
+        if wire is not None:
+            self.note_wire(*wire)
+
+    def _observe_reports(self, reports: list[dict] | None, members: list[int], steps: dict[int, int],
+                         entries: dict, drained: bool) -> None:  # fmt: skip
+        """Static overlapped rounds (their exchange carries payloads only): the plan loop measures the round from
+        the regions' reports (every leader gathers them, then shares them inside its region, so every rank folds
+        in the same figures at the same round): each region's compute of this round, and its leader's wire time
+        of the exchange that arrived in it (the last round's, or this round's own when it was drained whole;
+        every leader drains alike, so every report is of one exchange). A re-plan
+        takes effect from the next round; the exchange in flight applies as launched."""
+        if self.online is None and self.wan_measure is None:
+            return
+        run = self.run
+        keys = ("compute_s", "wire_s", "wire_round")
+        infos = None
+        if run.is_leader:  # (each region's report is data: observe() checks every figure)
+            infos = [{"region": k, **{f: i.get(f) for f in keys}} for k, i in enumerate(reports or [])
+                     if isinstance(i, dict)]  # fmt: skip
+            self.wire = {}  # reported once
+        if run.region_group is not None:
+            infos = run.transport.broadcast_json(infos, run.leader, run.region_group, what="the round's reports")
+        self.observe(Exchanged(infos=infos, payloads=None, summed=None, comm_s=0.0, wan_bytes=0),
+                     {"took_part": list(members)}, steps, entries,
+                     wire_round=(run.rounds - 1, run.rounds) if drained else run.rounds - 1)  # fmt: skip
