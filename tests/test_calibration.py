@@ -11,8 +11,8 @@ import torch
 from geomesh.hardware import WorkerProfile
 from geomesh.methods import get_method
 from geomesh.planner.settle import table_noise
-from geomesh.profiler import (CALIBRATION_STEP_LIMIT, DEFAULT_REPEATS, Calibration, calibrate_worker,
-                              default_micro_batches, linear_fit)
+from geomesh.profiler import (CALIBRATION_STEP_LIMIT, DEFAULT_REPEATS, MAX_WINDOW_STEPS, Calibration,
+                              calibrate_worker, default_micro_batches, linear_fit, next_micro_batch)
 from geomesh.profiler import timing_noise
 from geomesh.runtime.distributed.region import RegionWorker, build_training
 
@@ -47,8 +47,10 @@ def test_calibration_leaves_training_bit_identical(tiny_scenario, trained_before
     plain, calibrated = region_worker(sc), region_worker(sc)
     train(plain, trained_before), train(calibrated, trained_before)
     result = calibrate_worker(calibrated)
-    # 1 warm-up + DEFAULT_REPEATS timed per candidate
-    assert result.steps == len(default_micro_batches(sc.training.batch)) * (1 + DEFAULT_REPEATS)
+    # per candidate 1 warm-up + DEFAULT_REPEATS timed samples, each a window of steps
+    windows = result.profile.extra["window_steps"]
+    assert sorted(int(m) for m in windows) == default_micro_batches(sc.training.batch)
+    assert result.steps == sum(1 + DEFAULT_REPEATS * n for n in windows.values())
     assert calibrated.max_proxy_micro_batch == plain.max_proxy_micro_batch
     assert_same_training_state(plain, calibrated)
     torch.manual_seed(123)  # the same random state for both from here: calibration restored the generator too
@@ -61,7 +63,7 @@ def test_calibration_leaves_training_bit_identical(tiny_scenario, trained_before
 def test_the_measured_profile_plans_the_region(tiny_scenario):
     sc = tiny_scenario()
     worker = region_worker(sc, region=1)
-    result = calibrate_worker(worker, [1, 2, 4], warmup_steps=1, repeats=2)
+    result = calibrate_worker(worker, [1, 2, 4], warmup_steps=1, repeats=2, window_s=0)
     assert isinstance(result, Calibration) and result.seconds > 0 and result.steps == 9
     profile = result.profile
     assert isinstance(profile, WorkerProfile) and profile.source == "measured"
@@ -71,7 +73,7 @@ def test_the_measured_profile_plans_the_region(tiny_scenario):
     assert profile.max_micro_batch == worker.max_proxy_micro_batch  # on CPU the worker's own bound
     assert profile.extra["seq_len"] == sc.model.seq_len and profile.extra["calibration_s"] == result.seconds
     assert "peak_memory_bytes" not in profile.extra  # CUDA only
-    # how far one timed step is from the line: the planner's measure of what the table can tell apart
+    # how well the medians are known: the planner's measure of what the table can tell apart
     assert 0 <= profile.extra["table_noise"] < 1 and table_noise(profile) == profile.extra["table_noise"]
     # as a `geomesh profile` file would be: it round-trips and plans the region in place of the cost model
     assert WorkerProfile.from_json(profile.to_json()).table == profile.table
@@ -99,6 +101,8 @@ def test_default_candidates_and_bad_arguments(tiny_scenario):
         calibrate_worker(worker, [1, 2, 4, 8, 16], repeats=4)
     with pytest.raises(ValueError, match="repeats=0"):
         calibrate_worker(worker, [1], repeats=0)
+    with pytest.raises(ValueError, match="window_s=-1"):
+        calibrate_worker(worker, [1], window_s=-1)
 
 
 def test_the_planner_sees_the_measured_times_as_a_line():
@@ -115,11 +119,19 @@ def test_the_planner_sees_the_measured_times_as_a_line():
     assert linear_fit({4: 0.5}) == {4: 0.5}
 
 
-def test_the_table_noise_is_one_steps_dispersion_around_the_table():
-    line = {1: 0.01, 16: 0.04}
-    assert timing_noise({1: [0.01, 0.01], 16: [0.04, 0.04]}, line) == 0.0
+def test_the_table_noise_is_the_uncertainty_of_the_medians():
+    """The samples' dispersion around each candidate's own median (not around a line that may not fit the
+    curve: that misfit is no noise), over √n for the median of n samples."""
+    assert timing_noise({1: [0.01, 0.01], 16: [0.04, 0.04]}) == 0.0
     noisy = {1: [0.01 * 1.05, 0.01 / 1.05], 16: [0.04 * 1.05, 0.04 / 1.05]}
-    assert timing_noise(noisy, line) == pytest.approx(1.4826 * math.log(1.05))
+    assert timing_noise(noisy) == pytest.approx(1.4826 * math.log(1.05) * 1.2533 / math.sqrt(2))
+    # a curve the line through it misses is known as well as its samples say: a straight line is no noise
+    curved = {1: [0.010] * 4, 8: [0.030] * 4, 16: [0.090] * 4}
+    assert timing_noise(curved) == 0.0
+    # four times the samples: half the uncertainty
+    four = {m: [t * 1.05, t / 1.05] * 4 for m, t in ((1, 0.01), (16, 0.04))}
+    assert timing_noise(four) == pytest.approx(timing_noise(noisy) / 2)
+    assert timing_noise({1: [0.01]}) == 0.0  # (one sample tells nothing of its noise)
 
 
 def test_the_line_ignores_a_slow_step():
@@ -146,6 +158,104 @@ def test_calibration_interleaves_the_candidates(tiny_scenario, monkeypatch):
         return real(worker, m, lr, device)
 
     monkeypatch.setattr(profiler, "_timed_training_step", spy)
-    result = calibrate_worker(region_worker(tiny_scenario()), [1, 2, 4], warmup_steps=1, repeats=2)
+    result = calibrate_worker(region_worker(tiny_scenario()), [1, 2, 4], warmup_steps=1, repeats=2, window_s=0)
     assert order == [1, 2, 4, 4, 2, 1, 1, 2, 4] and result.steps == 9
     assert sorted(result.profile.extra["measured_table"]) == ["1", "2", "4"]
+
+
+def simulated(monkeypatch, step_s):
+    """Calibration's clock replaced: each training step really runs (and is undone), but takes ``step_s(m, k)``
+    seconds (forward + backward; the optimizer step a tenth of a millisecond), k counting every step of m."""
+    import geomesh.profiler as profiler
+
+    real, counts, order = profiler._timed_training_step, {}, []
+
+    def fake(worker, m, lr, device):
+        _, _, tokens = real(worker, m, lr, device)
+        k = counts[m] = counts.get(m, -1) + 1
+        order.append(m)
+        return step_s(m, k), 1e-4, tokens
+
+    monkeypatch.setattr(profiler, "_timed_training_step", fake)
+    return order
+
+
+def test_a_timed_sample_is_a_window_of_steps_that_averages_out_a_quota(tiny_scenario, monkeypatch):
+    """Under a CPU quota a short step either runs unthrottled or waits out the rest of the quota's period: its
+    times are bimodal (here 5 and 25 ms in turn). Each timed sample is the mean of the steps that fill
+    ``window_s`` (by the warm-up step's time), so the medians are the mean step time and their noise vanishes;
+    one step per sample sees the two modes."""
+    bimodal = lambda m, k: (0.005 if k % 2 else 0.025) * m  # noqa: E731
+    simulated(monkeypatch, bimodal)
+    worker = region_worker(tiny_scenario())
+    result = calibrate_worker(worker, [1, 2, 4], warmup_steps=1, repeats=4, window_s=0.2)
+    extra = result.profile.extra
+    # the warm-up step took 25 ms x m: 8, 4 and 2 steps fill 0.2 s
+    assert extra["window_steps"] == {"1": 8, "2": 4, "4": 2}
+    assert result.steps == 3 + 4 * (8 + 4 + 2)
+    assert {m: t / int(m) for m, t in extra["measured_table"].items()} == pytest.approx({"1": 0.015, "2": 0.015, "4": 0.015})
+    assert extra["table_noise"] == 0.0
+    single = calibrate_worker(worker, [1, 2, 4], warmup_steps=1, repeats=4, window_s=0).profile.extra
+    assert single["window_steps"] == {} and single["table_noise"] > 0.5
+    # a window is never more than MAX_WINDOW_STEPS steps
+    simulated(monkeypatch, lambda m, k: 1e-6)
+    assert set(calibrate_worker(worker, [1, 2], window_s=1.0).profile.extra["window_steps"].values()) == {MAX_WINDOW_STEPS}
+
+
+def test_larger_micro_batches_are_measured_only_while_they_pay(tiny_scenario, monkeypatch):
+    """The candidates up to the reference batch (the tiny scenario's 4) are measured; larger ones, doubling up to
+    the largest given, only while the line through the two largest measured still has its knee above them. A CPU
+    (time in proportion to the batch) stops at the reference: a slow region is not held at the micro-batches a
+    fast GPU's datasheet plan would use; a GPU (time nearly flat) grows to the top."""
+    worker = region_worker(tiny_scenario())
+    cpu = simulated(monkeypatch, lambda m, k: 0.001 + 0.010 * m)
+    profile = calibrate_worker(worker, [1, 4, 64], window_s=0).profile
+    assert sorted(profile.table) == [1, 4] and set(cpu) == {1, 4}
+    gpu = simulated(monkeypatch, lambda m, k: 0.010 + 0.0001 * m)
+    profile = calibrate_worker(worker, [1, 4, 64], window_s=0).profile
+    assert sorted(profile.table) == [1, 4, 8, 16, 32, 64]
+    assert gpu[: 2 * (1 + DEFAULT_REPEATS)] == [1, 4, 4, 1, 1, 4, 4, 1, 1, 4]  # the first stage interleaved
+    # a knee between: a fixed part a = 0.02 s, c = 0.01 s per sequence: the knee at 9a/c = 18 sequences, so 32 is
+    # measured (16 is below the knee) and 64 is not
+    simulated(monkeypatch, lambda m, k: 0.02 + 0.01 * m)
+    assert sorted(calibrate_worker(worker, [1, 4, 64], window_s=0).profile.table) == [1, 4, 8, 16, 32]
+    simulated(monkeypatch, lambda m, k: 0.05 + 0.01 * m)  # the knee at 45: up to the largest given, 40
+    assert sorted(calibrate_worker(worker, [1, 4, 40], window_s=0).profile.table) == [1, 4, 8, 16, 32, 40]
+
+
+def test_a_larger_size_is_measured_beside_the_smallest_so_a_busy_spell_cancels(tiny_scenario, monkeypatch):
+    """A grown size is measured alone after the first stage (seconds, on a slow region): a busy spell of the host
+    that lasts it (here every step three times slower from the growth stage on) would make it look 3x slower,
+    the line through it wrong at every size (on the bed: a 0.15-core region's 16 measured at 3.0 s against 0.86 s
+    at 8). Measured beside the smallest size, interleaved, and scaled onto the first stage by that one's
+    medians, it is what it is."""
+    import geomesh.profiler as profiler
+
+    real, count = profiler._timed_training_step, [0]
+
+    def fake(worker, m, lr, device):
+        _, _, tokens = real(worker, m, lr, device)
+        count[0] += 1
+        spell = 3.0 if count[0] > 2 * (1 + DEFAULT_REPEATS) else 1.0  # from the second stage on
+        return spell * (0.05 + 0.01 * m), 1e-4, tokens
+
+    monkeypatch.setattr(profiler, "_timed_training_step", fake)
+    extra = calibrate_worker(region_worker(tiny_scenario()), [1, 4, 8], window_s=0).profile.extra
+    assert extra["measured_table"] == pytest.approx({"1": 0.06, "4": 0.09, "8": 0.13})
+    assert extra["stage_scale"] == pytest.approx({"8": 1 / 3})
+    assert count[0] == 2 * (1 + DEFAULT_REPEATS) + (1 + 2 * DEFAULT_REPEATS)  # the anchor: timed samples only
+
+
+def test_next_micro_batch():
+    cpu = {1: 0.2, 8: 0.92}  # the bed's slowest region: a = 0.097, c = 0.103, knee at 8.5
+    assert next_micro_batch(cpu, [1, 8, 64]) == 16
+    assert next_micro_batch({**cpu, 16: 1.95}, [1, 8, 64]) is None  # the robust line's knee, 6, is passed
+    # one median 10% high: the last two points alone would put the knee at 17 (and measure 32: 23 s at 0.15 of a
+    # core on the bed); the line through all three keeps it at 10
+    assert next_micro_batch({1: 0.249, 8: 1.105, 16: 2.002}, [1, 8, 64]) is None
+    assert next_micro_batch({1: 0.010, 8: 0.011}, [1, 8, 64]) == 16  # a GPU: barely grows
+    assert next_micro_batch({1: 0.010, 8: 0.010}, [1, 8, 64]) == 16  # no growth at all: grow past it
+    assert next_micro_batch({1: 0.010, 8: 0.011}, [1, 8, 12, 64]) == 12  # a candidate given nearer than 2x
+    assert next_micro_batch({1: 0.010, 32: 0.011}, [1, 32, 48]) == 48  # never past the largest given
+    assert next_micro_batch({1: 0.010, 48: 0.011}, [1, 32, 48]) is None
+    assert next_micro_batch({8: 0.9}, [1, 8, 64]) is None  # one point: no line

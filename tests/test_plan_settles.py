@@ -15,8 +15,8 @@ from test_planner import cluster
 
 from geomesh.hardware import WorkerProfile
 from geomesh.planner import OnlinePlanner, PlanConstraints, plan_balanced
-from geomesh.planner.settle import (ALIKE_FLOOR, AdjustedProfile, alike_groups, correction_at, pooled,
-                                    settled_profiles, table_noise)
+from geomesh.planner.settle import (ALIKE_CEILING, ALIKE_FLOOR, AdjustedProfile, alike_groups, correction_at,
+                                    pooled, settled_profiles, table_noise)
 
 # the tiny scenario's two ways to plan (tests/conftest.py): the planning rule (the round: DiLoCo's 5 steps of 4
 # sequences on the slowest region) and the sequence target N·b·H that its distributed tests run
@@ -117,6 +117,44 @@ def test_regions_measured_apart_are_not_pooled():
     plan = plan_balanced(settled_profiles(profiles, RULE, 2.5), RULE)
     a, b, c = shape(plan)
     assert a == b and c != a and plan.workers[2].sequences < plan.workers[0].sequences
+
+
+@pytest.mark.parametrize("noise", [0.05, 0.15, 0.3, 0.47])
+def test_regions_whose_speeds_differ_are_never_pooled_however_noisy_their_calibrations(noise):
+    """The hosts bed's regions at 0.5, 0.25 and 0.15 of a core (speeds 1 : 0.5 : 0.3), their calibrations as noisy
+    as a busy host made them (up to 47%): planned apart, whatever the noise (k·√(u_i² + u_j²) would be 0.25-1.7,
+    1.5-5x in speed; no two regions more than ALIKE_CEILING apart are one). Regions 1.1x apart are apart too, and
+    regions a few percent apart with a few percent of noise are pooled."""
+    for speeds in ((1.0, 2.0, 3.3), (1.0, 1.5, 2.25), (1.0, 1.12, 1.25)):
+        profiles = [measured(n, g, dict.fromkeys((1, 4, 47), s), noise) for (n, g), s in zip(REGIONS, speeds)]
+        for constraints in (RULE, TARGET):
+            settled = settled_profiles(profiles, constraints, 2.5)
+            assert [p.step_s(4, 1) for p in settled] == [p.step_s(4, 1) for p in profiles]  # none pooled
+            online = OnlinePlanner(profiles, constraints, noise_k=2.5)
+            assert shape(online.plan()) == shape(plan_balanced(profiles, constraints))
+            assert all(len(g) == 1 for g in online.groups), online.groups
+    close = [measured(n, g, dict.fromkeys((1, 4, 47), s), 0.02) for (n, g), s in zip(REGIONS, (1.0, 1.04, 0.97))]
+    assert len(set(shape(plan_balanced(settled_profiles(close, RULE, 2.5), RULE)))) == 1
+    assert ALIKE_FLOOR < ALIKE_CEILING < math.log(1.15)
+
+
+def test_the_online_planner_never_pools_regions_apart_in_speed_however_noisy_their_rounds():
+    """Calibrated alike (one plan for the three), the regions in fact 1 : 0.5 : 0.3 in speed, their rounds with
+    25% noise (a busy host): from the first re-plan on, in no plan of 30 rounds are two of them planned as one."""
+    speed = {"r0-h100": 1.0, "r1-a100": 2.0, "r2-t4": 3.3}
+    for seed in range(1, 4):
+        op = OnlinePlanner(alike_regions(), RULE, noise_k=2.5, warmup_rounds=1)
+        plan, groups = op.plan(), []
+        assert op.groups == [[n for n, _ in REGIONS]]
+        rng = random.Random(seed)
+        for r in range(30):
+            for w in plan.workers:
+                op.observe(w.name, w.inner_steps * true_step(w.batch, speed[w.name]) * rng.lognormvariate(0, 0.25)
+                           * (3.0 if r == 0 else 1.0), plan)  # fmt: skip
+            if (new := op.maybe_replan()) is not None:
+                plan = new
+                groups.append(op.groups)
+        assert groups and all(len(g) == 1 for gs in groups for g in gs), (seed, groups)
 
 
 def test_alike_groups_are_deterministic_and_anchored_at_the_fastest():

@@ -33,10 +33,16 @@ from .models import build_proxy_model, enable_activation_checkpointing, model_na
 from .worker import Worker, autocast_dtype, make_inner_optimizer
 
 WARMUP_STEPS = 2  # full steps per micro-batch before timing: kernels chosen, AdamW state allocated
-CALIBRATION_STEP_LIMIT = 24  # training steps one calibration may run in all, so that start-up stays short
+CALIBRATION_STEP_LIMIT = 24  # warm-ups and timed samples the given candidates may take in all (start-up stays short)
 DEFAULT_CANDIDATES = 3  # micro-batches a calibration measures by default (fewer, each timed more often)
-DEFAULT_REPEATS = 4  # timed steps per candidate (the median and the robust line count)
+DEFAULT_REPEATS = 4  # timed samples per candidate (the median and the robust line count)
 MEMORY_HEADROOM = 0.9  # the share of the device's memory a micro-batch may fill (as the memory model counts)
+# a timed sample lasts at least this long: the mean of several steps where one step is shorter. A process under a
+# CPU quota (CFS bandwidth control, 10-100 ms periods) runs a short step unthrottled or waits out the rest of a
+# period, so one short step's time is bimodal; a window of many periods averages that out
+WINDOW_S = 0.25
+MAX_WINDOW_STEPS = 16  # at most this many steps in one timed sample
+KNEE = 0.9  # the planner's knee (PlanConstraints.knee): larger micro-batches are measured while they still pay
 
 
 def _device_name(device: str) -> str:
@@ -156,32 +162,42 @@ def default_micro_batches(batch: int, cap: int | None = None, reference: int | N
 
 
 def calibrate_worker(worker: Worker, micro_batches: Sequence[int] | None = None, *, warmup_steps: int = 1,
-                     repeats: int = DEFAULT_REPEATS) -> Calibration:  # fmt: skip
+                     repeats: int = DEFAULT_REPEATS, window_s: float = WINDOW_S) -> Calibration:  # fmt: skip
     """Measure ``worker``'s step time in place, for the model it really trains, and leave it as it was.
 
-    For each candidate micro-batch ``m`` (the region's micro-batch: a region of ``size`` ranks splits it
-    over them; default :func:`default_micro_batches` of ``training.batch``), ``warmup_steps`` then
-    ``repeats`` full training steps: forward + backward of ``m`` sequences from the worker's own stream in
-    one pass per rank (``accumulate_grad``), then the optimizer step (``apply_step``). The candidates are
-    interleaved: each pass over them runs one step of every candidate (ascending, then descending, and so on),
-    so a busy spell of the host (other processes, a neighbour's job) falls on all of them alike instead of
-    skewing one candidate against the others; the first ``warmup_steps`` passes are not timed. The profile's
-    ``table`` is the robust line through every timed forward + backward (:func:`linear_fit`: Theil-Sen,
-    monotone in the micro-batch), the median optimizer step its ``step_overhead_s``; the medians per
-    candidate are kept (``extra["measured_table"]``). On CUDA the peak memory of each micro-batch
-    (``torch.cuda.max_memory_allocated``) is recorded (``extra["peak_memory_bytes"]``) and bounds
-    ``max_micro_batch``: the micro-batch at which the line through the two largest candidates' peaks reaches
-    90% of the device (a candidate that runs out of memory is dropped with every larger one); on CPU it is the
-    worker's own bound (``max_proxy_micro_batch`` per rank).
+    The candidates are micro-batches ``m`` (the region's micro-batch: a region of ``size`` ranks splits it over
+    them; default :func:`default_micro_batches` of ``training.batch``). Those up to the reference batch
+    (``training.batch``: the planning rule's round is made of it; at least the two smallest) are always
+    measured; larger ones only while they still pay: after each stage :func:`next_micro_batch` says whether the
+    next size up (twice the largest measured, or the next candidate given if nearer, up to the largest given)
+    is worth measuring, i.e. whether the throughput of the largest measured is still below :data:`KNEE` of what
+    the measured line promises. A plan uses micro-batches near the knee of its throughput, so a slow region is
+    not held for minutes at the micro-batches a fast GPU's datasheet would use. Each candidate runs
+    ``warmup_steps`` untimed steps, then ``repeats`` timed samples, each the mean of ``n`` consecutive full
+    training steps (forward + backward of ``m`` sequences from the worker's own stream in one pass per rank,
+    ``accumulate_grad``, then the optimizer step, ``apply_step``), ``n`` the steps that fill ``window_s`` by the
+    first warm-up step (at most :data:`MAX_WINDOW_STEPS`; 1 without warm-up or with ``window_s`` 0). The
+    candidates of a stage are interleaved: each pass over them runs one sample of every candidate (ascending,
+    then descending, and so on), so a busy spell of the host falls on all of them alike. The profile's ``table``
+    is the robust line through every timed sample (:func:`linear_fit`: Theil-Sen, monotone in the micro-batch),
+    the median optimizer step its ``step_overhead_s``, the medians per candidate kept as
+    ``extra["measured_table"]`` and their uncertainty as ``extra["table_noise"]`` (:func:`timing_noise`). On
+    CUDA the peak memory of each micro-batch (``torch.cuda.max_memory_allocated``) is recorded
+    (``extra["peak_memory_bytes"]``) and bounds ``max_micro_batch``: the micro-batch at which the line through
+    the two largest candidates' peaks reaches 90% of the device (a candidate that runs out of memory is dropped
+    with every larger one, and no larger one is grown to); on CPU it is the worker's own bound
+    (``max_proxy_micro_batch`` per rank).
 
     Afterwards parameters, buffers, gradients, the optimizer's state and settings, the stream's position,
     the random generators' states and the micro-batch bound are restored exactly. The worker's declared
     ``slowdown`` (an injected fault) is not measured: the scenario applies it to the profile.
 
-    No communication of its own: in a region of several ranks every rank calls it with the same arguments
-    (the steps run the region's gradient reduction, which is part of its step time; each rank measures its
-    own device). At most :data:`CALIBRATION_STEP_LIMIT` steps in all; bad arguments raise ValueError, a
-    smallest candidate that does not fit in memory :class:`~geomesh.errors.RunError`.
+    In a region of several ranks every rank calls it with the same arguments (the steps run the region's
+    gradient reduction, which is part of its step time; each rank measures its own device); its own
+    communication is only what keeps the ranks' steps alike: the window's steps and whether to grow are agreed
+    (the largest over the region's ranks). At most :data:`CALIBRATION_STEP_LIMIT` warm-ups and samples for the
+    candidates given (the sizes grown to between them come on top, one doubling each); bad arguments raise
+    ValueError, a smallest candidate that does not fit in memory :class:`~geomesh.errors.RunError`.
     """
     started = time.perf_counter()
     device = next(worker.model.parameters()).device
@@ -192,73 +208,179 @@ def calibrate_worker(worker: Worker, micro_batches: Sequence[int] | None = None,
     for label, value, least in (("warmup_steps", warmup_steps, 0), ("repeats", repeats, 1)):
         if isinstance(value, bool) or not isinstance(value, int) or value < least:
             raise ValueError(f"{label}={value!r}: expected an integer >= {least}")
+    if isinstance(window_s, bool) or not isinstance(window_s, (int, float)) or not 0 <= window_s < math.inf:
+        raise ValueError(f"window_s={window_s!r}: expected seconds >= 0")
     steps_needed = len(candidates) * (warmup_steps + repeats)
     if steps_needed > CALIBRATION_STEP_LIMIT:
         raise ValueError(f"calibration of {len(candidates)} micro-batches x {warmup_steps + repeats} steps = "
                          f"{steps_needed} steps; at most {CALIBRATION_STEP_LIMIT}: fewer candidates or repeats")  # fmt: skip
 
     saved = _save_training_state(worker, device)
-    lr = worker.optimizer.param_groups[0]["lr"]  # any rate runs the same kernels; the step is undone
-    samples: dict[int, list[float]] = {m: [] for m in candidates}  # timed forward + backward per candidate
-    peaks: dict[int, int] = {}
-    step_times: list[float] = []
-    active = list(candidates)
-    out_of_memory_at: int | None = None
-    steps = 0
-    seq_len = 0
+    run = _Measurement(worker, device, size, worker.optimizer.param_groups[0]["lr"], warmup_steps, repeats, window_s)
     try:
         worker.model.train()
         base = torch.cuda.memory_allocated(device) if on_cuda else 0
-        for k in range(warmup_steps + repeats):
-            for m in list(active if k % 2 == 0 else active[::-1]):
-                if m not in active:  # (dropped in this pass: a smaller one ran out of memory)
-                    continue
-                worker.max_proxy_micro_batch = -(-m // size)  # one forward/backward per rank: the micro-batch
-                try:
-                    if on_cuda:
-                        torch.cuda.reset_peak_memory_stats(device)
-                    forward_backward_s, optimizer_s, tokens = _timed_training_step(worker, m, lr, device)
-                    steps += 1
-                    if on_cuda:
-                        peaks[m] = max(peaks.get(m, 0), int(torch.cuda.max_memory_allocated(device)))
-                except torch.cuda.OutOfMemoryError:
-                    worker.optimizer.zero_grad(set_to_none=True)
-                    torch.cuda.empty_cache()
-                    if m == active[0]:
-                        raise RunError(f"calibration of {worker.name}: a micro-batch of {m} does not fit in "
-                                       f"{torch.cuda.get_device_name(device)}'s memory; give smaller micro-batches") from None  # fmt: skip
-                    out_of_memory_at = m if out_of_memory_at is None else min(out_of_memory_at, m)
-                    active = [x for x in active if x < m]
-                    continue
-                seq_len = tokens // m
-                if k >= warmup_steps:
-                    samples[m].append(forward_backward_s)
-                    step_times.append(optimizer_s)
+        stage = [m for m in candidates if m <= worker.cfg.batch]
+        stage = stage if len(stage) >= 2 else candidates[:2]  # (a line needs two)
+        anchor = None
+        while stage:
+            run.measure(stage, anchor)
+            if not run.active or run.active[-1] != stage[-1]:  # (the largest ran out of memory: no larger one)
+                break
+            anchor = run.active[0]  # a larger size is measured beside the smallest, on the first stage's scale
+            medians = {m: statistics.median(run.samples[m]) for m in run.active}
+            wanted = next_micro_batch(medians, candidates) is not None
+            larger = _larger(max(medians), candidates)  # (the same on every rank: the same candidates measured)
+            stage = [larger] if larger is not None and _agreed_max(worker, device, [float(wanted)])[0] > 0 else []
     finally:
         _restore_training_state(worker, saved, device)
-    samples = {m: ts for m, ts in samples.items() if m in active and ts}
-    peaks = {m: b for m, b in peaks.items() if m in active}
+    samples = {m: ts for m, ts in run.samples.items() if m in run.active and ts}
+    peaks = {m: b for m, b in run.peaks.items() if m in run.active}
     table = {m: statistics.median(ts) for m, ts in samples.items()}
     if on_cuda:
         usable = MEMORY_HEADROOM * torch.cuda.get_device_properties(device).total_memory
-        cap = _memory_cap(peaks, base, usable, out_of_memory_at)
+        cap = _memory_cap(peaks, base, usable, run.out_of_memory_at)
     else:
         cap = cpu_cap
     seconds = time.perf_counter() - started
     extra: dict[str, Any] = {
-        "device": str(device), "seq_len": seq_len, "params": sum(p.numel() for p in worker.model.parameters()),
+        "device": str(device), "seq_len": run.seq_len, "params": sum(p.numel() for p in worker.model.parameters()),
         "precision": str(worker.autocast_dtype or torch.float32), "warmup": warmup_steps, "repeats": repeats,
-        "calibrated_in_place": True, "calibration_s": seconds, "calibration_steps": steps,
+        "calibrated_in_place": True, "calibration_s": seconds, "calibration_steps": run.steps,
+        "window_steps": {str(m): n for m, n in run.window.items() if m in table},
+        "stage_scale": {str(m): f for m, f in run.scale.items() if m in table},
     }  # fmt: skip
     if on_cuda:
         extra["peak_memory_bytes"] = {str(m): b for m, b in peaks.items()}
     extra["measured_table"] = {str(m): s for m, s in table.items()}
-    fitted = linear_fit(samples)
-    extra["table_noise"] = timing_noise(samples, fitted)
+    extra["table_noise"] = timing_noise(samples)
     profile = WorkerProfile(name=worker.name, gpu=torch.cuda.get_device_name(device) if on_cuda else "cpu",
-                            gpu_count=size, max_micro_batch=cap, table=fitted,
-                            step_overhead_s=statistics.median(step_times), source="measured", extra=extra)  # fmt: skip
-    return Calibration(profile=profile, seconds=seconds, steps=steps)
+                            gpu_count=size, max_micro_batch=cap, table=linear_fit(samples),
+                            step_overhead_s=statistics.median(run.step_times), source="measured", extra=extra)  # fmt: skip
+    return Calibration(profile=profile, seconds=seconds, steps=run.steps)
+
+
+class _Measurement:
+    """What one calibration measured so far (its samples, peaks and steps); :meth:`measure` runs one stage."""
+
+    def __init__(self, worker: Worker, device: torch.device, size: int, lr: float, warmup_steps: int, repeats: int,
+                 window_s: float) -> None:  # fmt: skip
+        self.worker, self.device, self.size, self.lr = worker, device, size, lr  # (any rate: the steps are undone)
+        self.warmup_steps, self.repeats, self.window_s = warmup_steps, repeats, window_s
+        self.samples: dict[int, list[float]] = {}  # timed forward + backward per candidate (a window's mean each)
+        self.window: dict[int, int] = {}  # steps per timed sample
+        self.scale: dict[int, float] = {}  # a grown size's samples: the factor onto the first stage's scale
+        self.peaks: dict[int, int] = {}
+        self.step_times: list[float] = []
+        self.active: list[int] = []  # the candidates measured that fit in memory, ascending
+        self.out_of_memory_at: int | None = None
+        self.steps = 0
+        self.seq_len = 0
+
+    def measure(self, stage: list[int], anchor: int | None = None) -> None:
+        """``warmup_steps`` then ``repeats`` timed samples of every micro-batch of ``stage``, interleaved; with
+        ``anchor`` (a micro-batch measured before), its timed samples too, interleaved with the stage's, and the
+        stage's samples scaled by its median before over its median now: a busy spell of the host that lasts
+        the stage (a larger size alone takes many seconds on a slow region) moves the anchor as much as the
+        stage, and cancels, so every size is on the first stage's scale (``scale`` records the factors)."""
+        on_cuda = self.device.type == "cuda"
+        self.active = sorted({*self.active, *stage})
+        first: dict[int, float] = {}
+        now: list[float] = []  # the anchor's samples in this stage
+        for k in range(self.warmup_steps + self.repeats):
+            if k == 1 and first and self.window_s > 0:  # after the first warm-up pass: the window's steps, agreed
+                longest = _agreed_max(self.worker, self.device, [first.get(m, 0.0) for m in stage])
+                self.window = {**self.window, **{m: _window_steps(self.window_s, t) for m, t in zip(stage, longest)}}
+            timed = k >= self.warmup_steps
+            order = [anchor, *stage] if anchor is not None and timed else stage
+            for m in order if k % 2 == 0 else order[::-1]:
+                if m not in self.active:  # (dropped in this pass: a smaller one ran out of memory)
+                    continue
+                n = self.window.get(m, 1) if timed else 1
+                self.worker.max_proxy_micro_batch = -(-m // self.size)  # one forward/backward per rank
+                fb_total = opt_total = 0.0
+                try:
+                    if on_cuda:
+                        torch.cuda.reset_peak_memory_stats(self.device)
+                    for _ in range(n):
+                        fb_s, opt_s, tokens = _timed_training_step(self.worker, m, self.lr, self.device)
+                        fb_total, opt_total = fb_total + fb_s, opt_total + opt_s
+                        self.steps += 1
+                    if on_cuda:
+                        self.peaks[m] = max(self.peaks.get(m, 0), int(torch.cuda.max_memory_allocated(self.device)))
+                except torch.cuda.OutOfMemoryError:
+                    self.worker.optimizer.zero_grad(set_to_none=True)
+                    torch.cuda.empty_cache()
+                    if m == self.active[0]:
+                        raise RunError(f"calibration of {self.worker.name}: a micro-batch of {m} does not fit in "
+                                       f"{torch.cuda.get_device_name(self.device)}'s memory; give smaller micro-batches") from None  # fmt: skip
+                    self.out_of_memory_at = m if self.out_of_memory_at is None else min(self.out_of_memory_at, m)
+                    self.active = [x for x in self.active if x < m]
+                    continue
+                self.seq_len = tokens // m
+                if not timed:
+                    first.setdefault(m, fb_total + opt_total)
+                    continue
+                if m == anchor and m not in stage:
+                    now.append(fb_total / n)
+                    continue
+                self.samples.setdefault(m, []).append(fb_total / n)
+                self.step_times.append(opt_total / n)
+        if anchor is not None and now and anchor in self.samples:
+            f = statistics.median(self.samples[anchor]) / statistics.median(now)
+            for m in stage:
+                if m in self.samples:
+                    self.samples[m] = [t * f for t in self.samples[m]]
+                    self.scale[m] = f
+
+
+def _window_steps(window_s: float, step_s: float) -> int:
+    """The steps of one timed sample: as many as fill ``window_s`` at ``step_s`` each, 1 to MAX_WINDOW_STEPS."""
+    if step_s <= 0:
+        return MAX_WINDOW_STEPS
+    return max(1, min(MAX_WINDOW_STEPS, math.ceil(window_s / step_s)))
+
+
+def _agreed_max(worker: Worker, device: torch.device, values: list[float]) -> list[float]:
+    """Each of ``values`` as the largest over the region's ranks (every rank of a region decides alike); as given in
+    a region of one rank."""
+    if int(getattr(worker, "size", 1)) <= 1 or not values:
+        return values
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return values
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=getattr(worker, "group", None))
+    return [float(v) for v in t.tolist()]
+
+
+def next_micro_batch(medians: Mapping[int, float], candidates: Sequence[int], *, knee: float = KNEE) -> int | None:
+    """The next micro-batch a calibration measures above those measured (``medians``: micro-batch -> its median
+    forward + backward time), or None: larger micro-batches are not worth measuring. Up to ``max(candidates)``,
+    the next size is twice the largest measured, or the next candidate above it when that is nearer.
+
+    Worth it while the largest measured, m₁, is below the knee of the line through the measured medians
+    (:func:`linear_fit`, t = a + c·m, what the planner will read): its throughput m/t(m) reaches ``knee`` of the
+    line's best, 1/c, at m = knee/(1−knee)·a/c, and a plan uses micro-batches up to about there. A GPU's times
+    barely grow at small micro-batches (c small, the knee far off): the sizes grow; a CPU's grow in proportion
+    (a small, the knee passed): they stop. The robust line, not the last two points: one noisy median would
+    otherwise move the knee by its whole error times knee/(1−knee)."""
+    if len(medians) < 2:
+        return None
+    fit = linear_fit(medians)
+    lo, hi = min(fit), max(fit)
+    slope = (fit[hi] - fit[lo]) / (hi - lo)
+    intercept = fit[lo] - slope * lo
+    if intercept <= 0 or knee / (1.0 - knee) * intercept / slope <= hi:
+        return None
+    return _larger(hi, candidates)
+
+
+def _larger(last: int, candidates: Sequence[int]) -> int | None:
+    """The next size up from ``last``: twice it, or the next of ``candidates`` above it when nearer; None past them."""
+    above = sorted(m for m in candidates if m > last)
+    return min(2 * last, above[0]) if above else None
 
 
 def linear_fit(table: Mapping[int, float | Sequence[float]]) -> dict[int, float]:
@@ -283,15 +405,25 @@ def linear_fit(table: Mapping[int, float | Sequence[float]]) -> dict[int, float]
     return {m: a + b * m for m in xs}
 
 
-def timing_noise(samples: Mapping[int, Sequence[float]], table: Mapping[int, float]) -> float:
-    """How far one timed step may be from the profile's ``table`` (relative): the robust dispersion (1.4826 ×
-    the median absolute log-ratio) of every timed step around the table's time at its micro-batch. The
-    planner takes it as the uncertainty of the table's times (``extra["table_noise"]``): regions whose
-    tables differ by less than their noise can tell are planned alike (:mod:`geomesh.planner.settle`). One
-    step's dispersion rather than that of a median of several: a line through two or three candidates is
-    known at the micro-batches between them no better than that."""
-    residuals = [abs(math.log(t / table[m])) for m, ts in samples.items() if m in table for t in ts if t > 0]
-    return 1.4826 * statistics.median(residuals) if residuals else 0.0
+def timing_noise(samples: Mapping[int, Sequence[float]]) -> float:
+    """How well a calibration knows its step times (relative): the uncertainty of a candidate's median, from the
+    dispersion of its timed samples around it (1.4826 × the median absolute log-ratio, pooled over the
+    candidates), × 1.2533/√n for the median of n samples. The planner takes it as the uncertainty of the table's
+    times (``extra["table_noise"]``): regions whose tables differ by less than their noise can tell are planned
+    alike (:mod:`geomesh.planner.settle`). Not one sample's dispersion: two regions compared at a micro-batch are
+    compared by their medians there, and a sample is a window of many quota periods (``WINDOW_S``), not one short
+    step; what the line misses between candidates, the plan's rounds measure and correct where the plan runs."""
+    residuals, counts = [], []
+    for ts in samples.values():
+        ts = [t for t in ts if t > 0]
+        if len(ts) < 2:
+            continue
+        mid = statistics.median(ts)
+        residuals += [abs(math.log(t / mid)) for t in ts]
+        counts.append(len(ts))
+    if not residuals:
+        return 0.0
+    return 1.4826 * statistics.median(residuals) * 1.2533 / math.sqrt(statistics.median(counts))
 
 
 def _candidates(given: Sequence[int] | None, batch: int, cap: int | None) -> list[int]:

@@ -237,7 +237,8 @@ class OnlinePlanner:
         :func:`~geomesh.planner.settle.alike_groups` with each pair's tolerance ``noise_k·√(u_a² + u_b²)``: at
         a batch both measured, u is the noise of their estimates (:meth:`uncertainty`; ``threshold/noise_k``
         while unknown); elsewhere their calibrations' (:func:`~geomesh.planner.settle.table_noise`) when
-        larger; at least :data:`~geomesh.planner.settle.ALIKE_FLOOR`."""
+        larger; at least :data:`~geomesh.planner.settle.ALIKE_FLOOR` (and never more than
+        :data:`~geomesh.planner.settle.ALIKE_CEILING`: workers further apart are planned apart)."""
         measured = {k: set(self.level_at[k]) | set(self.shape[k]) for k in self.factors}
         unknown = self.threshold / self.noise_k
         uncertainty = {k: unknown if u is None else u for k, u in ((k, self.uncertainty(k)) for k in self.factors)}

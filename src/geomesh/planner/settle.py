@@ -11,9 +11,12 @@ a plan from measurements settle:
 
 * **Alike workers are planned as one** (:func:`alike_groups`, :func:`pooled`): measured workers whose step
   times differ by less than their measurements can tell (``k·√(u_i² + u_j²)``, u a worker's relative
-  uncertainty; at least :data:`ALIKE_FLOOR`) are planned with one profile, the geometric mean of theirs, so
-  they get the same plan whatever GPU each declared. A worker whose uncertainty is 0 (a datasheet profile)
-  is never pooled: those plans are unchanged.
+  uncertainty; at least :data:`ALIKE_FLOOR`, at most :data:`ALIKE_CEILING`) are planned with one profile, the
+  geometric mean of theirs, so they get the same plan whatever GPU each declared. A worker whose uncertainty
+  is 0 (a datasheet profile) is never pooled: those plans are unchanged. Workers further apart than the
+  ceiling are never pooled, however noisy their measurements: planned as one, each would run
+  half their difference off its own speed, every round, which costs more idle than the lattice's choice
+  pooling avoids (on a busy host calibrations measured with 15-47% noise pooled regions 1.5-3× apart).
 * **The table is corrected where the plan runs** (:class:`AdjustedProfile`, :func:`corrected`): a round's
   compute time measures the step time at the batch the plan gives the worker; where it finds the table wrong
   (beyond the noise, at a batch not measured before), the online planner keeps a correction at that batch
@@ -38,6 +41,10 @@ Points = tuple[tuple[int, float], ...]  # (batch, factor) measured, ascending ba
 # measured workers whose step times differ by less than this are planned as one even when their noise is lower:
 # a few percent apart is not worth another lattice point of (batch, steps), which is often no better balanced
 ALIKE_FLOOR = 0.03
+# ... and never when they differ by more than this (in log, about 10%), however noisy: pooled, each would be planned
+# half that far from its own speed (the faster waiting that long every round), and a plan apart costs at most
+# the lattice point it picks
+ALIKE_CEILING = 0.10
 
 
 def correction_at(points: Points, batch: int) -> float:
@@ -116,10 +123,10 @@ def alike_groups(profiles: Sequence[WorkerProfile], batches: Sequence[int],
     """Indices of ``profiles`` in groups of workers that measure alike, fastest group first.
 
     Two workers are alike when at every batch b of ``batches`` their step times (accumulated as the planner
-    would) differ by at most ``tolerance(name_i, name_j, b)`` in log (0: never alike), and their largest
-    micro-batches by at most the smallest of those. Deterministic: the workers in order of their step time at
-    the first batch (then name); each group starts at the fastest worker not yet grouped and takes every later
-    one alike with it."""
+    would) differ by at most ``tolerance(name_i, name_j, b)`` in log (0: never alike; never more than
+    :data:`ALIKE_CEILING`, whatever it says), and their largest micro-batches by at most the smallest of those.
+    Deterministic: the workers in order of their step time at the first batch (then name); each group starts at
+    the fastest worker not yet grouped and takes every later one alike with it."""
     n = len(profiles)
     if n < 2 or not batches:
         return [[i] for i in range(n)]
@@ -130,7 +137,7 @@ def alike_groups(profiles: Sequence[WorkerProfile], batches: Sequence[int],
     order = sorted(range(n), key=lambda i: (times[i][0], profiles[i].name))
 
     def alike(i: int, j: int) -> bool:
-        tols = [tolerance(profiles[i].name, profiles[j].name, b) for b in batches]
+        tols = [min(ALIKE_CEILING, tolerance(profiles[i].name, profiles[j].name, b)) for b in batches]
         if min(tols) <= 0:
             return False
         ci, cj = profiles[i].max_micro_batch, profiles[j].max_micro_batch
