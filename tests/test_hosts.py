@@ -250,6 +250,29 @@ def test_misdeployed_hosts_stop_with_one_line_each_while_the_run_goes_on(tmp_pat
     assert "a second live instance of region 2" in (out / "r0-h100" / "host-1.log").read_text(errors="replace")
 
 
+def test_a_region_advertising_loopback_to_a_quorum_service_elsewhere_is_one_line(monkeypatch):
+    """The other regions would reach this region's group store at a loopback address (MASTER_ADDR left at
+    torchrun's default, no GEOMESH_ADVERTISE_HOST) while the quorum service is on another host: refused before
+    the quorum, in one line naming the host, the address and the fix (before, every region died a minute later
+    with a store timeout and C++ frames). On one machine (the quorum service on loopback too) it is right."""
+    import socket
+
+    from geomesh.runtime.distributed.membership import ADVERTISE_ENV, MembershipError, group_store_host
+
+    monkeypatch.delenv(ADVERTISE_ENV, raising=False)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    assert group_store_host("http://127.0.0.1:29510", "r1-a100") == "127.0.0.1"
+    with pytest.raises(MembershipError) as err:
+        group_store_host("http://10.215.0.1:29510", "r1-a100")
+    assert str(err.value) == (
+        f"region r1-a100 on host {socket.gethostname()}: the other regions would reach its group at 127.0.0.1 "
+        "(GEOMESH_ADVERTISE_HOST or MASTER_ADDR), a loopback address, while the quorum service is at 10.215.0.1; "
+        "set GEOMESH_ADVERTISE_HOST to this host's address on the network the regions share (or start torchrun "
+        "with --local-addr / --rdzv-endpoint on that address)")  # fmt: skip
+    monkeypatch.setenv(ADVERTISE_ENV, "10.215.0.3")  # the recipe's
+    assert group_store_host("http://10.215.0.1:29510", "r1-a100") == "10.215.0.3"
+
+
 def error_lines(out: Path, host: str) -> list[str]:
     """The ``error:`` lines of a host's log (torchrun's own report of a failed child follows them)."""
     text = "\n".join(p.read_text(errors="replace") for p in sorted((out / host).glob("host-*.log")))
