@@ -107,7 +107,7 @@ def profile_device(scenario: ScenarioConfig, device: str, batches: list[int], *,
         extra={"device": device, "model": model_name(scenario.model, model), "seq_len": seq,
                "params": sum(p.numel() for p in model.parameters()), "precision": str(dtype or torch.float32),
                "activation_checkpointing": activation_checkpointing, "repeats": repeats, "warmup": WARMUP_STEPS,
-               "table_noise": timing_noise(samples, table)},
+               "table_noise": timing_noise(samples)},
     )  # fmt: skip
 
 
