@@ -290,10 +290,11 @@ def cmd_hosts(args: argparse.Namespace) -> int:
         wait_all([h for h in twin_hosts.values() if h.proc is not None], args.timeout + 60)  # (its exit, if it stops)
     finally:
         ends = {h.name: (h.proc.poll() if h.proc is not None else None) for h in bed.hosts}
-        sent = {h.name: bed.tx_bytes(h.region) if h.name == names[h.region] else None for h in bed.hosts}  # (before the namespaces go)
+        # (before the namespaces go; a twin's interface is not its region's)
+        sent = {h.name: None if h.twin else bed.tx_bytes(h.region) for h in bed.hosts}
         gone = {f.region for f in faults if f.kind == "lose" and f.arg == "gone"} - {
             f.region for f in faults if f.kind == "restart"}
-        gone |= {h.name for h in bed.hosts if h.name != names[h.region]}  # (a twin must stop: not judged)
+        gone |= {h.name for h in bed.hosts if h.twin}  # (a twin must stop: not judged)
         bed.close()
     return _report(out, bed, ends, sent, gone, log, finished, args.json)
 

@@ -65,6 +65,7 @@ class Host:
     starts: int = 0
     cgroup: Path | None = None  # the cgroup.procs file of its CPU quota's group: the command starts in it
     clock_s: int = 0  # its clocks' offset from the machine's (a time namespace of its own)
+    twin: bool = False  # a second host started as a live region (a misdeployment)
 
     def command(self) -> list[str]:
         """What starts the host: its argv inside its namespace (in a time namespace whose monotonic and boot
@@ -261,7 +262,7 @@ class HostsBed:
                                 ADVERTISE_ENV: address, "GLOO_SOCKET_IFNAME": "eth0", "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "1")})  # fmt: skip
         host = Host(region, name, self.ns(slot), address, folder, torchrun, host_env,
                     cgroup=self.quotas.procs_file(self.names[region]) if region in self.cpu and self.quotas and not twin
-                    else None, clock_s=self.clock.get(region, 0))  # fmt: skip
+                    else None, clock_s=self.clock.get(region, 0), twin=twin)  # fmt: skip
         self.hosts.append(host)
         return host
 
