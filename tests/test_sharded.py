@@ -132,3 +132,83 @@ def test_the_plan_takes_the_cheapest_exchange():
     assert choose_exchange(uniform(128), "all_reduce", 4 * 335e6).name == "all_reduce"
     flat = [choose_exchange(uniform(n), "all_gather", 42e6, SIZES).cost.received_bytes for n in (16, 256)]
     assert flat[1] < 2 * flat[0]
+
+
+# ---- dense payloads (DiLoCo with a run key): float32 slices, float32 shards back -------------------------------
+
+
+def dense_gather(codec, ps):
+    """The dense all-gather path's combine (runtime/distributed/rounds.py): Σ reducible forms, in order."""
+    summed = torch.zeros(codec.manifest.numel + 1)
+    for p in ps:
+        summed.add_(codec.reducible(p))
+    return codec.reduced_update(summed)
+
+
+@pytest.mark.parametrize("weighting,dtype", [("equal", torch.float32), ("tokens", torch.float32),
+                                             ("equal", torch.bfloat16)])  # fmt: skip
+@pytest.mark.parametrize("n_shards", [1, 3, 7, 300])
+def test_dense_sharded_combine_is_the_all_gather_sum_bit_for_bit(weighting, dtype, n_shards):
+    from geomesh.codec import DenseCodec
+    from geomesh.codec.sharded_sparse import sharded_exchange
+
+    codec = DenseCodec(Manifest.from_shapes(SHAPES), weighting=weighting, dtype=dtype, key=b"k" * 16)
+    p = payloads(codec, n=4)
+    ex = sharded_exchange(codec, n_shards, bits=8)  # (bits ignored: a dense shard comes back in float32)
+    got, tokens = ex.combine_with_tokens(p)
+    ref = dense_gather(codec, p)
+    assert all(torch.equal(got[k], ref[k]) for k in ref) and tokens == 1000 and ex.bits == 32
+    d, n = codec.manifest.numel, n_shards
+    assert [b - a for a, b in ex.bounds] == [(k + 1) * d // n - k * d // n for k in range(n)]
+    if n_shards == 3 and dtype == torch.float32:  # per region: the bytes of a ring all-reduce, plus headers
+        sent, received = ex.bytes_per_region(0)
+        ring = 2 * (n - 1) / n * 4 * d
+        assert sent == received and ring < sent < ring + 2 * (n - 1) * (52 + 32)
+
+
+def test_a_hostile_dense_slice_drops_only_its_sender():
+    from geomesh.codec import DenseCodec
+    from geomesh.codec.sharded import ShardedDenseExchange
+
+    codec = DenseCodec(Manifest.from_shapes(SHAPES), key=b"k" * 16)
+    p = payloads(codec, n=4)
+    ex = ShardedDenseExchange(codec, 3)
+    cut = [ex.slices(x) for x in p]
+    assert all(ex.screen_slice(1, c[1]) is None for c in cut)
+    assert "manifest mismatch" in ex.screen_slice(1, cut[0][0])  # a slot swap (another shard's slice)
+    bad = bytearray(cut[2][1])
+    bad[60] ^= 1
+    assert "HMAC" in ex.screen_slice(1, bytes(bad))
+    assert "truncated" in ex.screen_slice(1, cut[2][1][:-1])
+    assert ex.screen_slice(1, cut[2][1] + b"x") is not None
+    shard = ex.codecs[1]  # a well-signed slice of a non-finite value (a sender that holds the key): refused
+    values = torch.zeros(ex.numel(1))
+    values[5] = float("inf")
+    assert "non-finite" in ex.screen_slice(1, shard._assemble(7, [values.numpy()]))
+    unsigned = ShardedDenseExchange(DenseCodec(codec.manifest), 3).slices(payloads(DenseCodec(codec.manifest))[0])
+    assert ex.screen_slice(1, unsigned[1]) is not None  # an unsigned slice under the key
+    # the owner combines the slices that passed: the same as the all-gather of the other senders' payloads
+    kept = [c[1] for i, c in enumerate(cut) if i != 2]
+    values, tokens = ex.combine_shard(1, kept)
+    a, b = ex.bounds[1]
+    ref = torch.cat([v.reshape(-1) for v in dense_gather(codec, [x for i, x in enumerate(p) if i != 2]).values()])
+    assert torch.equal(values, ref[a:b]) and tokens == 100 + 200 + 400
+    frame = ex.encode_combined(1, values, tokens)
+    assert len(frame) == ex.combined_nbytes(1) == 52 + 4 * (b - a) + 32
+    assert torch.equal(ex.decode_combined(1, frame)[0], values)
+
+
+def test_the_plan_shards_dense_payloads_when_a_run_key_rules_out_the_all_reduce():
+    big = 4 * 335e6
+    dense = ShardedSizes(slices_body=big, slice_header=80, combined_body=big, combined_header=84, kind="dense",
+                         exact=True)  # fmt: skip
+    plain = choose_exchange(uniform(3), "all_reduce", big, dense)
+    assert plain.name == "all_reduce" and list(plain.candidates) == ["all_reduce"] and "no run key" in plain.reason
+    keyed = choose_exchange(uniform(3), "all_reduce", big, dense, keyed=True)
+    assert keyed.name == "sharded" and "run key" in keyed.reason and "float32" in keyed.reason
+    ag, sh = keyed.candidates["all_gather"], keyed.candidates["sharded"]
+    assert sh.sent_bytes == pytest.approx(WanModel.allreduce_bytes_per_worker(big, 3), rel=1e-6)
+    assert ag.sent_bytes == 2 * big and sh.seconds < ag.seconds
+    two = choose_exchange(uniform(2), "all_reduce", big, dense, keyed=True)  # two regions: one gather is less
+    assert two.name == "all_gather" and "run key" in two.reason
+    assert choose_exchange(uniform(3), "all_reduce", big, dense, keyed=True, overlap=True).name == "all_gather"

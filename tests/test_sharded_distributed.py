@@ -119,6 +119,8 @@ def _checks(rank: int, sd) -> None:
         ref = torch.cat([v.reshape(-1) for v in codec.combine(p[:3]).values()])
         assert torch.equal(flat[:a], ref[:a]) and not flat[a:b].any()
 
+    _dense_checks(rank, sd)
+
     q = sd.sharded_round(p[rank], ShardedExchange(codec, 4, bits=8))  # 5. quantised: the same everywhere
     flat = torch.cat([v.reshape(-1) for v in q.update.values()])
     every = [torch.empty_like(flat) for _ in range(4)]
@@ -126,6 +128,48 @@ def _checks(rank: int, sd) -> None:
     assert all(torch.equal(every[0], e) for e in every)
     ref = torch.cat([v.reshape(-1) for v in codec.combine(p).values()])
     assert 0 < float((flat - ref).abs().max()) < 0.05 * float(ref.abs().max())
+
+
+def _dense_checks(rank: int, sd) -> None:
+    """7. signed dense payloads (DiLoCo with a run key): the owners' float32 shards are the all-gather path's
+    sum bit for bit, a ring all-reduce's bytes go out, and a hostile slice drops only its sender."""
+    from geomesh.codec import DenseCodec
+    from geomesh.codec.sharded import ShardedDenseExchange
+
+    codec = DenseCodec(Manifest.from_shapes(SHAPES), key=KEY)
+    p = _payloads(codec)
+
+    def gathered(ps):
+        summed = torch.zeros(codec.manifest.numel + 1)
+        for x in ps:
+            summed.add_(codec.reducible(x))
+        return codec.reduced_update(summed)
+
+    ex = ShardedDenseExchange(codec, 4)
+    signed = dict(key=b"run-key", run_id="run-1", round_number=3)
+    r = sd.sharded_round(p[rank], ex, **signed)
+    assert r.accepted == [0, 1, 2, 3] and _same(r.update, gathered(p)), rank
+    d, tag, w = codec.manifest.numel, 32, 9 + 32  # a slot's flag, round and tag
+    ring = 2 * 3 / 4 * 4 * d
+    assert ring < r.sent_bytes - 2 * 3 * (4 + tag + 9) < ring + 2 * 3 * (w + 52 + 2 * tag)
+    if rank == 0:  # rank 0's slice for shard 2 holds an infinity under a good signature (it has the key)
+        real = ex.slices
+
+        def hostile(payload):
+            s = real(payload)
+            values = torch.zeros(ex.numel(2))
+            values[3] = float("inf")
+            s[2] = ex.codecs[2]._assemble(codec.tokens_of(payload), [values.numpy()])
+            return s
+
+        ex.slices = hostile
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        r = sd.sharded_round(p[rank], ex, **signed)
+    if rank == 0:
+        ex.slices = real
+    assert r.accepted == [1, 2, 3] and list(r.rejected) == [0] and "non-finite" in r.rejected[0] or rank != 2
+    assert r.accepted == [1, 2, 3] and not r.lost_shards and _same(r.update, gathered(p[1:])), (rank, r.rejected)
 
 
 def test_sharded_exchange_over_gloo(tmp_path):

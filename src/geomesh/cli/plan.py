@@ -73,7 +73,7 @@ def cluster_exchanges(scenario) -> dict[str, Any]:
         payload = method.modeled_payload_bytes(scenario, manifest)
         choice = scenario_exchange(scenario, wan, method.collective, payload, method.make_codec(manifest, scenario),
                                    overlap=method.overlapped(scenario))  # fmt: skip
-        if choice.name != "sharded":  # the method's own timing of its collective
+        if choice.name == method.collective:  # the method's own timing of its collective
             seconds, sent = method.exchange(wan, payload)
             choice = dataclasses.replace(choice, cost=dataclasses.replace(choice.cost, seconds=seconds, sent_bytes=sent))
         out[name] = choice

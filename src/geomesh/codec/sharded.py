@@ -58,11 +58,13 @@ import hmac
 import struct
 import zlib
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
 
 from ..errors import PayloadError
+from .dense import DenseCodec
 from .manifest import Manifest, TensorSpec
 from .sign import SignCodec
 from .wire import MAX_TOKENS, _as_bytes_view, _frombuffer
@@ -135,8 +137,12 @@ class ShardedExchange:
         self.bounds = shard_bounds(edges, n_shards)
         self.chunk_bounds = [(bisect.bisect_left(edges, a), bisect.bisect_left(edges, b)) for a, b in self.bounds]
         self._widths = widths
+        self._cut(manifest)
+
+    def _cut(self, manifest: Manifest) -> None:
+        """Each shard's manifest (the pieces of the model's tensors in it), its slices' codec and digest."""
         self.manifests: list[Manifest | None] = []
-        self.codecs: list[SignCodec | None] = []
+        self.codecs: list[Any] = []
         for a, b in self.bounds:
             specs = []
             for spec, off in zip(manifest, manifest.offsets):
@@ -146,7 +152,7 @@ class ShardedExchange:
             m = Manifest(specs) if specs else None
             self.manifests.append(m)
             self.codecs.append(None if m is None else self._shard_codec(m))
-        self._digests = [self._combined_digest(k) for k in range(n_shards)]
+        self._digests = [self._combined_digest(k) for k in range(self.n)]
 
     def _check_codec(self, codec) -> None:
         if not isinstance(codec, SignCodec):
@@ -239,7 +245,7 @@ class ShardedExchange:
     def _combined_digest(self, k: int) -> bytes:
         h = hashlib.sha256()
         h.update(f"geomesh-sharded\0combined{self._digest_kind};bits={self.bits};shard={k}/{self.n};"
-                 f"chunk={self.codec.chunk_size}\0".encode())
+                 f"chunk={getattr(self.codec, 'chunk_size', None)}\0".encode())
         m = self.manifests[k]
         h.update(m.canonical() if m is not None else b"")
         return h.digest()[:16]
@@ -369,6 +375,90 @@ class ShardedExchange:
     def decode(self, payload: bytes, *, device: torch.device | str = "cpu"):
         """A whole payload, checked and decoded as the run's codec does (receivers screen payloads with it)."""
         return self.codec.decode(payload, device=device)
+
+
+class ShardedDenseExchange(ShardedExchange):
+    """The sharded exchange of dense payloads (:class:`DenseCodec`, DiLoCo's float32 pseudo-gradients): the
+    bytes of a ring all-reduce, with every sender's contribution checked before it is combined.
+
+    A signed sum cannot be checked per sender once it is summed, so with a run key dense payloads would have
+    to be gathered whole ((N−1)·4P bytes out of each region). Here each region sends shard k's owner only
+    its *slice* of shard k: a dense payload of the shard's own manifest (the pieces ``"name[lo:hi]"`` of the
+    model's tensors in it; its header, the sender's token count, crc32 and, with the key, its HMAC tag), the
+    owner screens the N slices of its shard as any payload is screened, combines those that pass and sends
+    its combined shard in float32 (the combined frame of this module, ``bits`` 32, exact) to every region.
+    Per region that is (N−1)/N·4P bytes out in slices and as much in combined shards: 2(N−1)/N·4P, a ring
+    all-reduce's, plus a header (and tag) per slice and frame.
+
+    Shards are equal ranges of the flat element space (no chunks: any cut is a valid slice). The owner's
+    combine is the dense all-gather path's arithmetic on its elements, in the order the slices are given:
+    the sum of the senders' :meth:`DenseCodec.reducible` forms ``[w·Δ, w]`` from zero, divided by Σ w
+    (:meth:`DenseCodec.reduced_update`); element-wise and in the same order, so the update equals the
+    gathered payloads' sum bit for bit (tested). ``bits`` is ignored: a dense combined shard is float32.
+    """
+
+    _digest_kind = ";dense"
+
+    def __init__(self, codec: DenseCodec, n_shards: int, bits: int = 32):
+        self._check_codec(codec)
+        if isinstance(n_shards, bool) or not isinstance(n_shards, int) or not 1 <= n_shards <= MAX_SHARDS:
+            raise ValueError(f"n_shards must be an int in [1, {MAX_SHARDS}], got {n_shards!r}")
+        if bits not in COMBINED_BITS:
+            raise ValueError(f"bits must be one of {', '.join(map(str, COMBINED_BITS))}, got {bits!r}")
+        self.codec, self.n, self.bits, self.key = codec, n_shards, 32, codec.key
+        d = codec.manifest.numel
+        self.bounds = [(k * d // n_shards, (k + 1) * d // n_shards) for k in range(n_shards)]
+        self.chunk_bounds = [(k, k + 1) for k in range(n_shards)]  # one "chunk" per shard
+        self._widths = [b - a for a, b in self.bounds]
+        self._elem = codec._elem
+        self._cut(codec.manifest)
+
+    def _check_codec(self, codec) -> None:
+        if not isinstance(codec, DenseCodec):
+            raise TypeError(f"the sharded dense exchange needs a DenseCodec, got {type(codec).__name__}")
+
+    def _shard_codec(self, manifest: Manifest):
+        c = self.codec
+        return DenseCodec(manifest, weighting=c.weighting, dtype=c.dtype, key=c.key)
+
+    def slices(self, payload: bytes) -> list[bytes]:
+        """The N slices of one region's payload (its header, size, tag and checksum checked first): slice k
+        holds the payload's own values of shard k, as they are (no decoding), under the sender's tokens."""
+        tokens, body = self.codec._parse(payload)
+        e = self._elem
+        return [b"" if c is None else c._assemble(tokens, [body[e * a : e * b]])
+                for c, (a, b) in zip(self.codecs, self.bounds)]  # fmt: skip
+
+    def _check_slice(self, k: int, frame: bytes) -> None:
+        c = self.codecs[k]
+        if c is None:
+            return super()._check_slice(k, frame)
+        c._values(c._parse(frame)[1])  # header, size, tag, checksum, then every value finite
+
+    def combine_shard(self, k: int, slices: Sequence[bytes], *, device: torch.device | str = "cpu",
+                      ) -> tuple[torch.Tensor, int]:  # fmt: skip
+        """Shard ``k``'s combine of the (already screened) ``slices``, in their order: Σ [w_i·Δ_i, w_i] from
+        zero, then the values divided by Σ w_i, as the dense all-gather path combines whole payloads."""
+        c = self.codecs[k]
+        if not slices:
+            raise ValueError("combine_shard needs at least one slice")
+        if c is None:
+            return super().combine_shard(k, slices, device=device)
+        n = self.numel(k)
+        summed = torch.zeros(n + 1, dtype=_F32, device=torch.device(device))
+        tokens = 0
+        flat = torch.empty(n + 1, dtype=_F32, device=torch.device(device))
+        for s in slices:  # each as DenseCodec.reducible forms it (one parse of the slice, not three)
+            t, body = c._parse(s)
+            w = c.reduce_weight(t)
+            flat[:n].copy_(c._values(body))
+            flat[:n].mul_(w)
+            flat[n] = w
+            summed.add_(flat)
+            tokens += t
+        if float(summed[n]) <= 0:
+            raise ValueError(f"shard {k}: the slices weigh nothing")
+        return summed[:n].div(summed[n]), tokens
 
 
 # ---- bit and code kernels (numpy / torch, O(elements)) -------------------------------------

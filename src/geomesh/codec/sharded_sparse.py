@@ -45,7 +45,8 @@ import numpy as np
 import torch
 
 from .manifest import Manifest
-from .sharded import ShardedExchange
+from .dense import DenseCodec
+from .sharded import ShardedDenseExchange, ShardedExchange
 from .sparse import SparseSignCodec
 
 _F32 = torch.float32
@@ -185,17 +186,22 @@ class ShardedSparseExchange(ShardedExchange):
 
 def sharded_exchange(codec: Any, n_shards: int, bits: int = 8) -> ShardedExchange:
     """The sharded exchange for ``codec``'s payloads: :class:`ShardedSparseExchange` for sparse sign payloads,
-    :class:`ShardedExchange` for sign payloads (TypeError / ValueError for payloads it cannot shard)."""
+    :class:`~geomesh.codec.sharded.ShardedDenseExchange` for dense ones, :class:`ShardedExchange` for sign
+    payloads (TypeError / ValueError for payloads it cannot shard)."""
     if isinstance(codec, SparseSignCodec):
         return ShardedSparseExchange(codec, n_shards, bits)
+    if isinstance(codec, DenseCodec):  # dense payloads: float32 slices, float32 shards back (bits ignored)
+        return ShardedDenseExchange(codec, n_shards, bits)
     return ShardedExchange(codec, n_shards, bits)
 
 
 def shardable(codec: Any) -> bool:
     """Whether ``codec``'s payloads can go through the sharded exchange: token-weighted sign payloads, or sparse
-    sign payloads (either weighting: an owner combines its shard with the codec's own rule)."""
+    sign payloads (either weighting: an owner combines its shard with the codec's own rule), or dense payloads."""
     from .sign import SignCodec
 
     if isinstance(codec, SparseSignCodec):
         return codec.manifest.numel > 0 and not codec.layout_tag
+    if isinstance(codec, DenseCodec):
+        return codec.manifest.numel > 0
     return isinstance(codec, SignCodec) and codec.combine_rule == "weighted" and codec.manifest.numel > 0

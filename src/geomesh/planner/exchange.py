@@ -3,7 +3,10 @@ scenario forces (``geomesh.exchange``).
 
 Candidates, for a payload of P parameters over N regions (:class:`~geomesh.network.WanModel` times them):
 
-- ``all_reduce`` (dense fp32 payloads, DiLoCo): a ring, 2(N−1) latency steps, 2(N−1)/N·4P bytes per region;
+- ``all_reduce`` (dense fp32 payloads, DiLoCo, without a run key): a ring, 2(N−1) latency steps, 2(N−1)/N·4P
+  bytes per region. With the run's key it is not available: a sum in flight cannot carry each sender's tag, and
+  every payload must be checked before it is combined; dense payloads then take the cheaper of the
+  ``all_gather`` of whole signed payloads ((N−1)·4P bytes per region) and the ``sharded`` exchange below;
 - ``all_gather`` (sign payloads): a ring, N−1 latency steps, (N−1)·P/8 bytes per region, and every region
   combines N payloads (O(N·P) work);
 - ``sharded`` (sign payloads, :mod:`geomesh.codec.sharded`): two direct all-to-alls (the 1-bit slices to
@@ -13,7 +16,10 @@ Candidates, for a payload of P parameters over N regions (:class:`~geomesh.netwo
 - ``sharded`` (sparse sign payloads, :mod:`geomesh.codec.sharded_sparse`): the same steps, each region's
   slices its entries in each shard and each combined shard re-sparsified by its owner (or float32 with
   ``bits`` 32, the exact variant): (N−1)/N·(p + c) bytes per region, p a payload and c a combined payload
-  (p, or 4·P bytes exact), against the all-gather's (N−1)·p.
+  (p, or 4·P bytes exact), against the all-gather's (N−1)·p;
+- ``sharded`` (dense payloads with a run key, :class:`~geomesh.codec.sharded.ShardedDenseExchange`): the
+  signed float32 slices to the owners, the float32 combined shards back: (N−1)/N·(4P + 4P) bytes per region
+  plus a header and tag per piece, a ring all-reduce's bytes, in four latency steps.
 
 Sign and sparse payloads take the cheaper of the all-gather and the sharded exchange by modeled time; two
 candidates whose times are within :data:`SAME_TIME` of each other are the same time, and the one that moves
@@ -43,7 +49,8 @@ class ShardedSizes:
     combined_body: float  # all combined shards' bodies (codes + per-chunk ranges) at the timing model's size
     combined_header: int  # one combined frame's header (+ tag)
     # what the slices and combined shards are, for the plan's reason: "sign" (1-bit slices, combined shards
-    # in bits per element) or "sparse" (sparse slices, combined shards re-sparsified, or float32 when exact)
+    # in bits per element), "sparse" (sparse slices, combined shards re-sparsified, or float32 when exact) or
+    # "dense" (float32 slices and shards)
     kind: str = "sign"
     exact: bool = False
 
@@ -83,15 +90,16 @@ class ExchangeChoice:
                                for k, c in self.candidates.items()}}  # fmt: skip
 
 
-def exchange_costs(wan: WanModel, collective: str, payload_bytes: float,
-                   sharded: ShardedSizes | None = None) -> dict[str, ExchangeCost]:  # fmt: skip
+def exchange_costs(wan: WanModel, collective: str, payload_bytes: float, sharded: ShardedSizes | None = None,
+                   keyed: bool = False) -> dict[str, ExchangeCost]:  # fmt: skip
     """Every candidate exchange's cost on ``wan`` for one round (``collective``: the method's, ``all_reduce``
-    for dense payloads, ``all_gather`` for sign payloads; ``sharded`` sizes add the sharded exchange)."""
+    for dense payloads, ``all_gather`` for sign payloads; ``sharded`` sizes add the sharded exchange).
+    ``keyed``: a run key signs the payloads, so dense ones are gathered or sharded, never summed unchecked."""
     n = wan.n
-    if collective == "all_reduce":
+    if collective == "all_reduce" and not keyed:
         b = WanModel.allreduce_bytes_per_worker(payload_bytes, n)
         return {"all_reduce": ExchangeCost("all_reduce", wan.allreduce_s(payload_bytes), b, b, 1)}
-    if collective != "all_gather":
+    if collective not in ("all_gather", "all_reduce"):
         raise ValueError(f"collective {collective!r}: expected all_reduce or all_gather")
     b = WanModel.allgather_bytes_per_worker(payload_bytes, n)
     out = {"all_gather": ExchangeCost("all_gather", wan.allgather_s(payload_bytes), b, b, n)}
@@ -103,14 +111,19 @@ def exchange_costs(wan: WanModel, collective: str, payload_bytes: float,
 
 
 def choose_exchange(wan: WanModel, collective: str, payload_bytes: float, sharded: ShardedSizes | None = None,
-                    forced: str = "auto", overlap: bool = False, bits: int | None = None) -> ExchangeChoice:  # fmt: skip
+                    forced: str = "auto", overlap: bool = False, bits: int | None = None,
+                    keyed: bool = False) -> ExchangeChoice:  # fmt: skip
     """The exchange of one round: ``forced`` (``all_gather`` or ``sharded``) when a sign or sparse method's
     scenario names one, else the cheapest candidate by modeled time (of two within :data:`SAME_TIME`, the one
-    with fewer bytes); ``overlap`` keeps the all-gather."""
-    costs = exchange_costs(wan, collective, payload_bytes, None if overlap else sharded)
+    with fewer bytes); ``overlap`` keeps the all-gather. Dense payloads (``all_reduce``) are all-reduced
+    unless ``keyed``: then they take the all-gather of whole signed payloads or the sharded exchange, as sign
+    payloads do."""
+    costs = exchange_costs(wan, collective, payload_bytes, None if overlap else sharded, keyed)
     n = wan.n
-    if collective == "all_reduce":
-        return ExchangeChoice("all_reduce", costs["all_reduce"], "dense payloads are all-reduced", costs)
+    if collective == "all_reduce" and not keyed:
+        return ExchangeChoice("all_reduce", costs["all_reduce"], "dense payloads are all-reduced (no run key: the "
+                              "sum needs no per-sender check)", costs)  # fmt: skip
+    signed = collective == "all_reduce"  # dense and keyed: why the all-reduce is out, before the choice
     if forced not in ("auto", "all_gather", "sharded"):
         raise ValueError(f"exchange {forced!r}: expected auto, all_gather or sharded")
     if forced != "auto":
@@ -121,7 +134,8 @@ def choose_exchange(wan: WanModel, collective: str, payload_bytes: float, sharde
         name = "all_gather"
         why = ("overlapped rounds all-gather (their last exchange leaves in fragments)" if overlap
                else "a single region exchanges nothing" if n < 2
-               else "these payloads are all-gathered (they are neither sign nor sparse sign payloads: no sharding)")  # fmt: skip
+               else "these payloads are all-gathered (they are neither sign, sparse sign nor dense payloads: no "
+                    "sharding)")  # fmt: skip
     else:
         ag, sh = costs["all_gather"], costs["sharded"]
         if abs(ag.seconds - sh.seconds) <= SAME_TIME * max(ag.seconds, sh.seconds):
@@ -144,6 +158,12 @@ def choose_exchange(wan: WanModel, collective: str, payload_bytes: float, sharde
     elif "sharded" in costs:
         why += (f"; each region receives {_mb(cost.received_bytes)} ({n - 1} payloads) against the sharded "
                 f"exchange's {_mb(costs['sharded'].received_bytes)} ({what})")  # fmt: skip
+    if signed:
+        why = ("a run key signs every dense payload, so the unsigned all-reduce is out (a sum in flight cannot be "
+               "checked per sender); " + why)  # fmt: skip
+        if name == "sharded":
+            ring = WanModel.allreduce_bytes_per_worker(payload_bytes, n)
+            why += f" (a ring all-reduce would send {_mb(ring)} unchecked)"
     return ExchangeChoice(name, cost, why, costs)
 
 
@@ -152,6 +172,8 @@ def _pieces(sizes: ShardedSizes | None, bits: int | None) -> str:
     if sizes is not None and sizes.kind == "sparse":
         back = "in float32 (exact)" if sizes.exact else "re-sparsified by its owner, with the owner's error feedback"
         return f"the sparse slices of its shard, then every shard combined {back}"
+    if sizes is not None and sizes.kind == "dense":
+        return "the signed float32 slices of its shard, then every shard combined in float32 (exact)"
     return f"the 1-bit slices of its shard, then every shard combined in {bits or '?'} bits"
 
 
@@ -159,18 +181,26 @@ def _mb(nbytes: float) -> str:
     return f"{nbytes / 1e6:.1f} MB" if nbytes < 1e9 else f"{nbytes / 1e9:.2f} GB"
 
 
-def sharded_sizes(codec, bits: int, params: int) -> ShardedSizes | None:
+def sharded_sizes(codec, bits: int, params: int, keyed: bool | None = None) -> ShardedSizes | None:
     """The sharded exchange's bytes for a timing model of ``params`` parameters, measured on ``codec`` (the
-    run's sign or sparse codec on the model that trains: its bytes per parameter, headers and tags); None
-    when its payloads cannot be sharded (not a token-weighted sign codec, nor a sparse one)."""
-    from ..codec import SparseSignCodec
+    run's sign, sparse or dense codec on the model that trains: its bytes per parameter, headers and tags;
+    ``keyed``: count a tag per piece whether or not ``codec`` holds the key); None when its payloads cannot
+    be sharded (not a token-weighted sign codec, a sparse one, nor a dense one)."""
+    from ..codec import DenseCodec, SparseSignCodec
     from ..codec.sharded import COMBINED_HEADER_NBYTES
     from ..codec.sharded_sparse import shardable, sharded_exchange
 
     if not shardable(codec):
         return None
+    numel = codec.manifest.numel
+    keyed = codec.key is not None if keyed is None else keyed
+    tag = 32 if keyed else 0
+    if isinstance(codec, DenseCodec):  # slices: the payload's values cut in N; shards back in float32
+        header = 48 + tag
+        return ShardedSizes(slices_body=codec._body_len / numel * params, slice_header=header,
+                            combined_body=4.0 * params, combined_header=COMBINED_HEADER_NBYTES + tag,
+                            kind="dense", exact=True)  # fmt: skip
     whole = sharded_exchange(codec, 1, bits)
-    numel, tag = codec.manifest.numel, 32 if codec.key else 0
     header = 48 + tag  # a slice is a payload of its shard: the payload header (+ tag) each
     sparse = isinstance(codec, SparseSignCodec)
     if sparse and whole.resparsify:  # a combined shard is a payload of the shard, as a slice is
@@ -182,20 +212,39 @@ def sharded_sizes(codec, bits: int, params: int) -> ShardedSizes | None:
                         kind="sparse" if sparse else "sign", exact=sparse and not whole.resparsify)  # fmt: skip
 
 
+def scenario_keyed(scenario, codec=None) -> bool:
+    """Whether a run of ``scenario`` signs its payloads: ``codec`` holds the run key, or the scenario names
+    one (``reliability.hmac_key_env`` / ``hmac_key_file``; ``geomesh plan`` reads no secret)."""
+    if codec is not None and getattr(codec, "key", None) is not None:
+        return True
+    rel = getattr(scenario, "reliability", None)
+    return rel is not None and (rel.hmac_key_env is not None or rel.hmac_key_file is not None)
+
+
+def _sizes(scenario, collective: str, codec, keyed: bool) -> ShardedSizes | None:
+    if collective == "all_reduce" and not keyed:
+        return None
+    return sharded_sizes(codec, scenario.geomesh.shard_bits, scenario.timing().params,
+                         keyed=keyed if collective == "all_reduce" else None)  # fmt: skip
+
+
 def scenario_exchange(scenario, wan: WanModel, collective: str, payload_bytes: float, codec=None,
                       overlap: bool = False) -> ExchangeChoice:  # fmt: skip
     """The exchange of a method on ``scenario``'s cluster (or the live part of it, ``wan``): the scenario's
-    ``geomesh.exchange`` and ``geomesh.shard_bits``, sizes measured on ``codec`` at the timing model's size."""
+    ``geomesh.exchange`` and ``geomesh.shard_bits``, sizes measured on ``codec`` at the timing model's size.
+    Dense payloads with a run key (:func:`scenario_keyed`) cannot be all-reduced: gathered or sharded."""
     g = scenario.geomesh
-    sizes = sharded_sizes(codec, g.shard_bits, scenario.timing().params) if collective == "all_gather" else None
+    keyed = collective == "all_reduce" and scenario_keyed(scenario, codec)
+    sizes = _sizes(scenario, collective, codec, keyed) if codec is not None else None
     forced = g.exchange if sizes is not None and wan.n >= 2 else "auto"
-    return choose_exchange(wan, collective, payload_bytes, sizes, forced=forced, overlap=overlap, bits=g.shard_bits)
+    return choose_exchange(wan, collective, payload_bytes, sizes, forced=forced, overlap=overlap, bits=g.shard_bits,
+                           keyed=keyed)  # fmt: skip
 
 
 def scenario_exchange_seconds(scenario, wan: WanModel, collective: str, payload_bytes: float, name: str,
                               codec=None) -> float:  # fmt: skip
     """The time on ``wan`` of the exchange ``name`` that :func:`scenario_exchange` chose (on another WAN: the
     plan chooses on the WAN it assumes, the cluster's own WAN times it)."""
-    g = scenario.geomesh
-    sizes = sharded_sizes(codec, g.shard_bits, scenario.timing().params) if name == "sharded" else None
-    return exchange_costs(wan, collective, payload_bytes, sizes)[name].seconds
+    keyed = collective == "all_reduce" and scenario_keyed(scenario, codec)
+    sizes = _sizes(scenario, collective, codec, keyed) if name == "sharded" else None
+    return exchange_costs(wan, collective, payload_bytes, sizes, keyed)[name].seconds

@@ -1,5 +1,5 @@
 """The sharded exchange over ``torch.distributed``: the transport half of :mod:`geomesh.codec.sharded` (sign
-payloads) and :mod:`geomesh.codec.sharded_sparse` (sparse payloads: the same steps, its own slices and
+payloads, and signed dense payloads: float32 slices and shards, a ring all-reduce's bytes) and :mod:`geomesh.codec.sharded_sparse` (sparse payloads: the same steps, its own slices and
 combined shards; an owner re-sparsifies its shard with the residual it holds), and its place in the one round
 loop (:func:`static_sharded_exchange` for static runs,
 :func:`quorum_sharded_exchange` for elastic regions, :func:`apply_sharded`).
@@ -254,7 +254,9 @@ def sharded_round(payload: bytes | None, ex: ShardedExchange, group: Any = None,
     frame: bytes | None = None  # a suspect owner lacks slices it refused: it sends no shard (lost this round)
     if me not in suspect:
         try:
-            values, tokens = ex.combine_shard(me, [pieces[j] for j in accepted])
+            # in the senders' identity order (static: global rank; elastic: region), the all-gather's order
+            order = sorted(accepted, key=lambda j: trust.ranks[j])
+            values, tokens = ex.combine_shard(me, [pieces[j] for j in order])
             frame = ex.encode_combined(me, values, tokens) if values.numel() else b""
         except (PayloadError, ValueError) as exc:  # (a non-finite combine)
             warnings.warn(f"region {names[me]}: its shard {me} cannot be combined this round: {exc}")
@@ -387,11 +389,12 @@ def loop_exchange(loop: Any, wan: Any = None) -> ShardedExchange | None:
 def exchange_choice(loop: Any, wan: Any = None) -> Any:
     """The plan's choice of exchange for a run's payloads (planner/exchange.py: the scenario's
     ``geomesh.exchange``, else the cheaper by the WAN model over ``wan``: the declared WAN unless given, the
-    measured one after the WAN probe); None where there is no choice (dense payloads, one region)."""
+    measured one after the WAN probe); None where there is no choice (unsigned dense payloads, summed by an
+    all-reduce; one region). Signed dense payloads are gathered whole or sharded, as the plan picks."""
     from ...planner.exchange import scenario_exchange
 
     sc, method, kit = loop.sc, loop.method, loop.kit
-    if kit.dense or loop.n < 2:
+    if (kit.dense and kit.key is None) or loop.n < 2:
         return None
     return scenario_exchange(sc, wan if wan is not None else sc.wan_model(), method.collective,
                              kit.modeled_payload_nbytes, loop.combiner, overlap=method.overlapped(sc))  # fmt: skip

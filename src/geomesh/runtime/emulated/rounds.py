@@ -93,6 +93,8 @@ class RoundsLoop(EmulatedCore):
                                       start_kind=g.overlap_start,
                                       make_codec=lambda m: method.make_codec(m, self.scenario, key=self._key),
                                       tail_fragments=tail_fragments(self.scenario))  # fmt: skip
+        # the sharded sparse exchange's owners' residuals (codec/sharded_sparse.py) per live workers, from a checkpoint
+        self._owners_resumed = dict(self._resume.get("owners") or {}) if self._resume is not None else {}
         if self._resume is not None:
             self._restore(cluster, loop, outer=outer, codecs=codecs, make_online=make_online, overlap=overlap,
                           make_wan=make_wan)  # fmt: skip
@@ -179,7 +181,8 @@ class RoundsLoop(EmulatedCore):
         def checkpoint_state() -> dict[str, Any]:
             if pool is not None:
                 self._pull(pool, cluster, codecs)
-            return self._state(cluster, loop, outer=outer, codecs=codecs, overlap=overlap)
+            return {**self._state(cluster, loop, outer=outer, codecs=codecs, overlap=overlap),
+                    "owners": self._owners_state()}
 
         while self.tokens_done < self.budget:
             effects = self._apply_faults(loop.cluster)
@@ -324,15 +327,18 @@ class RoundsLoop(EmulatedCore):
         wan = self._plan_wan(loop, live)
         choice = self._exchange_choice(method, wan, combiner, modeled_payload)
         loop.kind = choice.name
-        if choice.name == "sharded":
+        # the plan's own exchange: the sharded one, or (signed dense payloads) the all-gather in place of the
+        # method's all-reduce; else the method's collective as it times it
+        planned = choice.name == "sharded" or choice.name != method.collective
+        if planned:
             loop.exchange_s, loop.sent = choice.seconds, choice.cost.sent_bytes
         else:
             loop.exchange_s, loop.sent = method.exchange(wan, modeled_payload)
 
         def seconds(on: Any) -> float:
-            if choice.name != "sharded":
+            if not planned:
                 return method.exchange(on, modeled_payload)[0]
-            return scenario_exchange_seconds(self.scenario, on, method.collective, modeled_payload, "sharded",
+            return scenario_exchange_seconds(self.scenario, on, method.collective, modeled_payload, choice.name,
                                              combiner)  # fmt: skip
 
         loop.actual_s = seconds(loop.cluster.actual_wan(live))
@@ -349,7 +355,21 @@ class RoundsLoop(EmulatedCore):
         if key not in cache:
             sharded = kind == "sharded"
             cache[key] = sharded_exchange(combiner, len(live), self.scenario.geomesh.shard_bits) if sharded else combiner
+            same = [c for k, c in cache.items() if k[:2] == key[:2] and c is not cache[key]]
+            if sharded and hasattr(cache[key], "load_owner_state"):  # the owners' residuals of these workers go on
+                state = same[-1].owner_state() if same else self._owners_resumed.pop(_live_key(live), None)
+                if state:
+                    cache[key].load_owner_state(state)
         return cache[key]
+
+    def _owners_state(self) -> dict[str, Any]:
+        """The sharded sparse exchange's owners' residuals per live workers (the newest layout of each), and
+        those a resume restored that no round has taken up yet: a checkpoint's ``owners``."""
+        out = dict(self._owners_resumed)
+        for (live, _kind, _wan), c in self._combiners.items():
+            if hasattr(c, "owner_state"):
+                out[_live_key(live)] = c.owner_state()
+        return out
 
     def _rejoin(self, i: int, worker: Worker, codec: Any, params: dict[str, torch.Tensor]) -> None:
         """A worker that comes back is a restarted process: it receives the current global parameters (the
