@@ -576,7 +576,7 @@ class QuorumExchange(ElasticState):
             **run._exchange_fields(loop.wire_nbytes, loop.kit.payload_nbytes, loop.kit.modeled_payload_nbytes,
                                    self.shaper_s(final), self.method.collective),  # fmt: skip
             "status": "complete",
-            "exchange": "sharded" if loop.sharded is not None else self.method.collective,
+            "exchange": "sharded" if loop.sharded is not None else "all_reduce" if loop.summed else "all_gather",
             "shard_bits": loop.sharded.bits if loop.sharded is not None else None,
             "world_size": None,
             "ranks_per_region": None,

@@ -269,7 +269,7 @@ class StaticExchange:
         every = list(range(self.n))
         return {**run._exchange_fields(loop.wire_nbytes, loop.kit.payload_nbytes, loop.kit.modeled_payload_nbytes,
                                        self.shaper_s(every), loop.method.collective),
-                "exchange": "sharded" if loop.sharded is not None else loop.method.collective,
+                "exchange": "sharded" if loop.sharded is not None else "all_reduce" if loop.summed else "all_gather",
                 "shard_bits": loop.sharded.bits if loop.sharded is not None else None,
                 "overlap": loop.overlap is not None, "faults": loop.faults.records, **loop.summary_fields(),
                 "rejected_payloads": int(run.telemetry.counters.get("rejected_payloads", 0)),
