@@ -74,9 +74,9 @@ def processes(tag: str, region: str | None = None) -> list[int]:
     return found
 
 
-def start(cmd: list[str], tag: str, out: Path) -> subprocess.Popen:
+def start(cmd: list[str], tag: str, out: Path, extra_env: dict[str, str] | None = None) -> subprocess.Popen:
     env = {**{k: v for k, v in os.environ.items() if k != "GEOMESH_REGION"}, "PYTHONPATH": SRC,
-           "OMP_NUM_THREADS": "1", TAG_ENV: tag}  # the launcher must not look like a region's process
+           "OMP_NUM_THREADS": "1", TAG_ENV: tag, **(extra_env or {})}  # the launcher must not look like a region's
     return subprocess.Popen([sys.executable, "-m", "geomesh.cli", *cmd], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)  # fmt: skip
 

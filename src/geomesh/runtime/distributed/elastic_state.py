@@ -97,7 +97,7 @@ class ElasticState:
         run.plans = [Plan.from_json(p) for p in s["plans"]]
         self.stats = s["stats"]
         self.faults.load_state_dict(s["faults"])
-        self.loop.load_plan_state(s["plan_loop"])
+        self.loop.load_plan_state(s["plan_loop"], healed=True)
         self.streams = dict(s["streams"])
         self.members = list(s["members"])
         run.worker.slowdown = self.sc.regions[self.me].slowdown * self.faults.speed(self.me)

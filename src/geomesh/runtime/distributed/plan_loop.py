@@ -16,6 +16,7 @@ class: it reads the loop's fields (run, scenario, method, kit, faults, plan)."""
 from __future__ import annotations
 
 import math
+import os
 import statistics
 import time
 from typing import Any, Callable
@@ -31,6 +32,26 @@ WARMUP_ROUNDS = 1
 PROBE_SMALL = 512  # bytes per leader of the small WAN probe (latency), before round 0
 PROBE_LARGE_MAX = 4 << 20  # the large probe (bandwidth) is the exchange's payload, up to this
 PROBE_REPEATS = 2  # each region's first measured round (start-up, warm-up) is not its speed
+# tests: "K" or "K:ROUND:K2": every probe and every exchange takes, as measured, what the declared WAN K times
+# slower gives it (latencies x K, bandwidths / K; K2 for the exchanges of rounds after ROUND): each leader's
+# report is replaced, as received, by that function of the exchange's bytes, so that every run measures the
+# same WAN and re-plans for it at the same round (real wire times differ between runs)
+TEST_WAN_ENV = "GEOMESH_TEST_WAN"
+# tests: "1": every region's measured compute of a round is replaced, as received, by what the plan that round
+# ran says (its compute_s): the online planner sees the same figures in every run (with TEST_WAN_ENV, a
+# re-plan for the measured WAN is the same plan in every run)
+TEST_COMPUTE_ENV = "GEOMESH_TEST_COMPUTE_AS_PLANNED"
+
+
+def test_wan_factor(round_number: int) -> float | None:
+    """Tests: how many times slower than declared the WAN is, as measured, for the exchange of
+    ``round_number`` (1-based; 0: the probes before round 0), or None without :data:`TEST_WAN_ENV`."""
+    spec = os.environ.get(TEST_WAN_ENV, "")
+    if not spec:
+        return None
+    k, _, rest = spec.partition(":")
+    after, _, k2 = rest.partition(":")
+    return float(k2) if after and round_number > int(after) else float(k)
 
 
 def seconds(value: Any) -> float | None:
@@ -38,6 +59,16 @@ def seconds(value: Any) -> float | None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
         return None
     return float(value)
+
+
+def _wire_report(value: Any) -> dict[str, Any]:
+    """A checkpoint's wire report (:meth:`PlanLoop.note_wire`): {} unless it is one."""
+    if not isinstance(value, dict) or not value:
+        return {}
+    wire, number = seconds(value.get("wire_s")), value.get("wire_round")
+    if wire is None or not isinstance(number, int) or isinstance(number, bool):
+        return {}
+    return {"wire_s": wire, "wire_round": number}
 
 
 class PlanLoop:
@@ -198,9 +229,10 @@ class PlanLoop:
         if run.region_group is not None:
             medians = run.transport.broadcast_json(medians, run.leader, run.region_group, what="the WAN probes")
         wan = self.faults.wan(members)
+        k = test_wan_factor(0)
         for size, seconds in zip(sizes, medians):
             lat, transfer = time_parts(lambda w, size=size: w.allgather_s(size), wan)
-            self.wan_measure.observe(lat, transfer, seconds, probe=True)
+            self.wan_measure.observe(lat, transfer, seconds if k is None else k * (lat + transfer), probe=True)
         self.wan_probe_s = time.perf_counter() - start
         self.emit({"type": "wan_probe", "time": run._now(), "seconds": self.wan_probe_s,
                    "wan_measured": self.wan_measure.summary()})  # fmt: skip
@@ -250,12 +282,14 @@ class PlanLoop:
             return None
         expected = (self.run.rounds - 1,) if wire_round is None else (
             wire_round if isinstance(wire_round, tuple) else (wire_round,))  # fmt: skip
-        wires = [s for s in (seconds(i.get("wire_s")) for i in result.infos if i.get("region") in prev
-                             and i.get("wire_round") in expected and not isinstance(i.get("wire_round"), bool))
-                 if s is not None]  # (a peer's report is data)  # fmt: skip
-        if not wires:
+        # (a peer's report is data: a duration and a round of this exchange, else left out)
+        reports = [(s, i["wire_round"]) for s, i in ((seconds(i.get("wire_s")), i) for i in result.infos
+                   if i.get("region") in prev and i.get("wire_round") in expected
+                   and not isinstance(i.get("wire_round"), bool)) if s is not None]  # fmt: skip
+        if not reports:
             return None
         lat, transfer = time_parts(self.exchange_cost(prev), self.faults.wan(prev))
+        wires = [s if (k := test_wan_factor(number)) is None else k * (lat + transfer) for s, number in reports]
         self.wan_measure.observe(lat, transfer, statistics.median(wires))
         return self.wan_measure.should_replan()
 
@@ -273,11 +307,12 @@ class PlanLoop:
         if self.online is None or not result.infos:
             return
         measured = {}
+        as_planned = os.environ.get(TEST_COMPUTE_ENV) == "1"
         for info in result.infos:
             i, c = info.get("region"), seconds(info.get("compute_s"))
             full = i in steps and steps[i] == entries[i].inner_steps  # a shortened last round says nothing new
             if i in outcome["took_part"] and full and c is not None:
-                measured[self.names[i]] = c
+                measured[self.names[i]] = entries[i].compute_s if as_planned else c
         for name, c in measured.items():
             self.online.observe(name, c, ran)
         if wan_drift is not None:  # the same members over the measured WAN (their speeds as measured now)
@@ -321,12 +356,19 @@ class PlanLoop:
                 "planned_for": None if self.planned_for is None else list(self.planned_for),
                 "wan": self.wan_measure.state_dict() if self.wan_measure is not None else None,
                 "wan_members": self.wan_members,
+                "wan_probe_s": self.wan_probe_s,
+                # (a leader; this rank's own, never a healed region's) the wire time of its last exchange, which
+                # it reports with the next round's info, and an overlapped exchange's that arrived and is not
+                # noted yet: a resumed leader reports what the uninterrupted one does
+                "wire": dict(self.wire),
+                "overlap_wire": list(self.overlap.wire) if self.overlap is not None and self.overlap.wire else None,
                 # the exchange kind chosen over the WAN measured before round 0 (kept for the rest of the run)
                 "exchange": "sharded" if self.sharded is not None else "all_gather"}  # fmt: skip
 
-    def load_plan_state(self, state: dict[str, Any]) -> None:
+    def load_plan_state(self, state: dict[str, Any], healed: bool = False) -> None:
         """The plan's loop state of :meth:`plan_state` (the run's plans already loaded): the plan in force and the
-        members it was made for, the profiles measured in place, the online planner."""
+        members it was made for, the profiles measured in place, the online planner; resumed (not ``healed``:
+        another region's state), this leader's last wire report too."""
         self.plan = self.run.plans[-1] if self.run.plans else None
         planned_for = state.get("planned_for")  # (older checkpoints: the exchange's guess)
         self.planned_for = list(planned_for) if planned_for is not None else self.exchange.planned_for_after_resume()
@@ -336,6 +378,15 @@ class PlanLoop:
         if self.wan_measure is not None and state.get("wan") is not None:
             self.wan_measure.load_state_dict(state["wan"])
         self.wan_members = state.get("wan_members")
+        if isinstance(state.get("wan_probe_s"), float):  # (what the probes before round 0 cost, for the summary)
+            self.wan_probe_s = state["wan_probe_s"]
+        if not healed:  # (a healed region took no part in the exchange the live one's report is of)
+            self.wire = _wire_report(state.get("wire"))
+            pending = state.get("overlap_wire")
+            if self.overlap is not None and isinstance(pending, list) and len(pending) == 2:
+                wire, number = seconds(pending[0]), pending[1]
+                if wire is not None and isinstance(number, int) and not isinstance(number, bool):
+                    self.overlap.wire = (wire, number)
         if state.get("exchange") in ("sharded", "all_gather") and (state["exchange"] == "sharded") != (
                 self.sharded is not None):  # (older states: the kind chosen over the declared WAN)  # fmt: skip
             from ...codec.sharded_sparse import sharded_exchange
