@@ -76,8 +76,10 @@ class RoundLoop(PlanLoop):
         self.kit = RoundKit.build(method, sc, self.params, key=payload_key(sc))
         self.codec, self.combiner, self.outer = self.kit.codec, self.kit.combiner, self.kit.outer
         self.d = self.kit.manifest.numel
-        # dense contributions are summed by an all-reduce, unless a run key signs them: then each is gathered
-        # as a signed payload and every rank sums the ones that pass screening (N·P bytes instead of ~2·P)
+        # dense contributions are summed by an all-reduce, unless a run key signs them: then the plan shards
+        # them (runtime/distributed/sharded.py: signed slices, each owner screens and sums its shard; a ring
+        # all-reduce's bytes) or, where that is not cheaper (two regions, overlapped rounds), each is gathered as
+        # a signed payload and every rank sums the ones that pass screening (N·P bytes instead of ~2·P)
         self.summed = self.kit.dense and self.kit.key is None
         self.faults = RoundFaults(sc)
         self.elastic = run.options.elastic_region is not None

@@ -1,8 +1,10 @@
 """The sharded exchange over ``torch.distributed``: the transport half of :mod:`geomesh.codec.sharded` (sign
-payloads, and signed dense payloads: float32 slices and shards, a ring all-reduce's bytes) and :mod:`geomesh.codec.sharded_sparse` (sparse payloads: the same steps, its own slices and
-combined shards; an owner re-sparsifies its shard with the residual it holds), and its place in the one round
-loop (:func:`static_sharded_exchange` for static runs,
-:func:`quorum_sharded_exchange` for elastic regions, :func:`apply_sharded`).
+payloads, and signed dense payloads: float32 slices and shards, a ring all-reduce's bytes) and
+:mod:`geomesh.codec.sharded_sparse` (sparse payloads: the same steps, its own slices and combined shards; an
+owner re-sparsifies its shard with the residual it holds), and its place in the one round loop
+(:func:`static_sharded_exchange` for static runs, :func:`quorum_sharded_exchange` for elastic regions,
+:func:`apply_sharded`). An owner combines its shard's slices in the senders' identity order (static: their
+global ranks; elastic: their regions), the all-gather path's order, so an exact shard is its update bit for bit.
 
 Run by every region's leader in a group of the leaders, group rank k owning shard k: the static run's
 leaders' group (Gloo or NCCL; :class:`StaticMover`), or torchft's group over the round's quorum
