@@ -163,3 +163,28 @@ def test_the_plan_picks_the_sharded_exchange_for_geomesh_sparse_and_says_why():
     assert choice("geomesh").name == "all_gather"  # 1-bit GeoMesh keeps the all-gather at 4 regions
     q = choice("diloco-int8")
     assert q.name == "all_gather" and "no sharding" in q.reason
+
+
+def test_a_resumed_run_keeps_the_owners_residuals(tiny_scenario, tmp_path, monkeypatch):
+    """The owners' residuals are in the emulated runtime's checkpoint: geomesh-sparse through the re-sparsified
+    sharded exchange, interrupted mid-round and resumed, ends as the uninterrupted run does, byte for byte."""
+    import dataclasses
+
+    from test_reliability import Interrupted, assert_same_run, final_params, interrupt_at, run
+
+    s = tiny_scenario(tokens=8000, zero_shot_items=0)
+    s = dataclasses.replace(s, geomesh=dataclasses.replace(s.geomesh, exchange="sharded"))
+    ref = run(s, "geomesh-sparse", tmp_path / "ref")
+    assert ref["exchange"] == "sharded" and ref["rounds"] >= 4
+    interrupt_at(monkeypatch, 3)
+    with pytest.raises(Interrupted):
+        run(s, "geomesh-sparse", tmp_path / "run", checkpoint_every=1)
+    monkeypatch.undo()
+    from geomesh import checkpoint as ckpt
+
+    owners = ckpt.load_latest(tmp_path / "run" / "checkpoints")[1]["owners"]
+    assert list(owners) == ["0,1,2"] and any(v["residual"] for v in owners["0,1,2"].values())
+    run(s, "geomesh-sparse", tmp_path / "run", checkpoint_every=1, resume=True)
+    assert_same_run(tmp_path / "run", tmp_path / "ref")
+    want = final_params(tmp_path / "ref") if (tmp_path / "ref" / "checkpoints").exists() else None
+    assert want is None or all(torch.equal(final_params(tmp_path / "run")[k], v) for k, v in want.items())

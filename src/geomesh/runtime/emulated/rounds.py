@@ -45,7 +45,7 @@ class RoundsLoop(EmulatedCore):
         manifest = Manifest.from_tensors(params)
         codecs = [method.make_codec(manifest, self.scenario, key=self._key) for _ in cluster.workers]
         combiner = method.make_codec(manifest, self.scenario, key=self._key)
-        self._combiners: dict[Any, Any] = {}  # (live workers, exchange, WAN) -> what combines their payloads
+        self._combiners: dict[Any, Any] = {}  # (live workers, exchange) -> what combines their payloads
         outer = OuterNesterov(params, *method.outer_settings(self.scenario))
         proxy_payload = combiner.payload_nbytes()
         modeled_payload = method.modeled_payload_bytes(self.scenario, manifest)
@@ -349,26 +349,24 @@ class RoundsLoop(EmulatedCore):
         sharded exchange over the live workers (``kind``, the plan's choice; each owner combines its shard of
         the slices, its combined shard goes to everyone quantised to geomesh.shard_bits, or for sparse payloads
         re-sparsified with the owner's error feedback; every worker applies the decoded shards). One per live
-        workers, exchange and declared ``wan`` (a link fault starts another)."""
+        workers and exchange (``wan`` is not part of it), the owners' residuals restored from a checkpoint."""
         cache = self._combiners
-        key = (tuple(live), kind, wan)
+        key = (tuple(live), kind)  # (not the WAN: the layout, and its owners' residuals, outlive a link fault)
         if key not in cache:
             sharded = kind == "sharded"
             cache[key] = sharded_exchange(combiner, len(live), self.scenario.geomesh.shard_bits) if sharded else combiner
-            same = [c for k, c in cache.items() if k[:2] == key[:2] and c is not cache[key]]
-            if sharded and hasattr(cache[key], "load_owner_state"):  # the owners' residuals of these workers go on
-                state = same[-1].owner_state() if same else self._owners_resumed.pop(_live_key(live), None)
-                if state:
-                    cache[key].load_owner_state(state)
+            state = self._owners_resumed.pop(",".join(map(str, live)), None)  # (a resumed run's)
+            if state and hasattr(cache[key], "load_owner_state"):
+                cache[key].load_owner_state(state)
         return cache[key]
 
     def _owners_state(self) -> dict[str, Any]:
-        """The sharded sparse exchange's owners' residuals per live workers (the newest layout of each), and
-        those a resume restored that no round has taken up yet: a checkpoint's ``owners``."""
+        """The sharded sparse exchange's owners' residuals per live workers, and those a resume restored that no
+        round has taken up yet: a checkpoint's ``owners``."""
         out = dict(self._owners_resumed)
-        for (live, _kind, _wan), c in self._combiners.items():
+        for (live, _kind), c in self._combiners.items():
             if hasattr(c, "owner_state"):
-                out[_live_key(live)] = c.owner_state()
+                out[",".join(map(str, live))] = c.owner_state()
         return out
 
     def _rejoin(self, i: int, worker: Worker, codec: Any, params: dict[str, torch.Tensor]) -> None:
