@@ -67,4 +67,12 @@ def test_geomesh_plan_says_which_exchange_and_why(tmp_path, capsys):
     assert main(["plan", str(path), "--set", "geomesh.exchange=all_gather"]) == 0
     assert "all-gather (geomesh.exchange forces it" in capsys.readouterr().out
     assert main(["plan", "default"]) == 0
-    assert "exchange: all-gather (cheapest" in capsys.readouterr().out
+    text = capsys.readouterr().out
+    assert "exchange: all-gather (cheapest" in text
+    # DiLoCo: all-reduced without a run key; with one (a scenario that names it) the plan shards it and says why
+    assert "DiLoCo's exchange: ring all-reduce (dense payloads are all-reduced (no run key" in text
+    assert main(["plan", "default", "--set", "reliability.hmac_key_env=GEOMESH_PLAN_KEY", "--json"]) == 0
+    dense = json.loads(capsys.readouterr().out)["baseline"]["exchange"]
+    assert dense["exchange"] == "sharded" and "run key" in dense["reason"] and "float32" in dense["reason"]
+    c = dense["candidates"]
+    assert set(c) == {"all_gather", "sharded"} and c["sharded"]["sent_bytes"] < 0.6 * c["all_gather"]["sent_bytes"]

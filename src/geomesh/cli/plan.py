@@ -177,7 +177,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         out["scenario"] = scenario.name
         out["exchange"] = exchange.to_json()
         out["sparse_exchange"] = sparse.to_json()  # geomesh-sparse's (its sparse payloads)
-        out["baseline"] = {"method": "diloco", **plans["diloco"].to_json()}
+        out["baseline"] = {"method": "diloco", **plans["diloco"].to_json(), "exchange": exchanges["diloco"].to_json()}
         if tail is not None:
             out["last_exchange"] = tail
         print(json.dumps(out))
@@ -200,6 +200,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
           f"{human_bytes(exchange.cost.received_bytes)} per round")  # fmt: skip
     print(f"geomesh-sparse's exchange: {EXCHANGE_NAMES[sparse.name]} ({sparse.reason}); each region receives "
           f"{human_bytes(sparse.cost.received_bytes)} per round")  # fmt: skip
+    dense = exchanges["diloco"]
+    print(f"DiLoCo's exchange: {EXCHANGE_NAMES[dense.name]} ({dense.reason}); each region sends "
+          f"{human_bytes(dense.cost.sent_bytes)} per round")  # fmt: skip
     from ..methods.budget import few_outer_steps
 
     from ..methods import get_method
