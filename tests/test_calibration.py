@@ -11,8 +11,9 @@ import torch
 from geomesh.hardware import WorkerProfile
 from geomesh.methods import get_method
 from geomesh.planner.settle import table_noise
-from geomesh.profiler import (CALIBRATION_STEP_LIMIT, DEFAULT_REPEATS, MAX_WINDOW_STEPS, Calibration,
-                              calibrate_worker, default_micro_batches, linear_fit, next_micro_batch)
+from geomesh.profiler import (CALIBRATION_STEP_LIMIT, DEFAULT_REPEATS, MAX_WINDOW_STEPS, UNTHROTTLED_WINDOW_S,
+                              WINDOW_S, Calibration, calibrate_worker, cpu_quota_period_s, default_micro_batches,
+                              linear_fit, next_micro_batch)
 from geomesh.profiler import timing_noise
 from geomesh.runtime.distributed.region import RegionWorker, build_training
 
@@ -200,6 +201,37 @@ def test_a_timed_sample_is_a_window_of_steps_that_averages_out_a_quota(tiny_scen
     # a window is never more than MAX_WINDOW_STEPS steps
     simulated(monkeypatch, lambda m, k: 1e-6)
     assert set(calibrate_worker(worker, [1, 2], window_s=1.0).profile.extra["window_steps"].values()) == {MAX_WINDOW_STEPS}
+
+
+def test_the_window_spans_quota_periods_only_where_a_quota_throttles_the_process(tiny_scenario, monkeypatch, tmp_path):
+    """The window is there for a quota's periods: by default a process under a CPU quota (its group's or an
+    ancestor's, cgroup v1 or v2) samples windows of WINDOW_S, one under none the short UNTHROTTLED_WINDOW_S."""
+    v1 = tmp_path / "v1"
+    for group, quota in (("", "-1"), ("bed", "2500"), ("bed/r1", "-1")):
+        (v1 / "cpu" / group).mkdir(parents=True, exist_ok=True)
+        (v1 / "cpu" / group / "cpu.cfs_quota_us").write_text(f"{quota}\n")
+        (v1 / "cpu" / group / "cpu.cfs_period_us").write_text("10000\n")
+    cgroup = tmp_path / "cgroup"
+    cgroup.write_text("4:memory:/x\n2:cpuacct:/\n1:cpu:/bed/r1\n0::/\n")  # the quota is the parent's
+    assert cpu_quota_period_s(str(cgroup), str(v1)) == 0.01
+    cgroup.write_text("1:cpu:/\n")
+    assert cpu_quota_period_s(str(cgroup), str(v1)) is None
+    v2 = tmp_path / "v2"
+    (v2 / "job").mkdir(parents=True)
+    (v2 / "cpu.max").write_text("max 100000\n")
+    (v2 / "job" / "cpu.max").write_text("50000 100000\n")
+    cgroup.write_text("0::/job\n")
+    assert cpu_quota_period_s(str(cgroup), str(v2)) == 0.1
+    (v2 / "job" / "cpu.max").write_text("max 100000\n")
+    assert cpu_quota_period_s(str(cgroup), str(v2)) is None
+    assert cpu_quota_period_s(str(tmp_path / "missing"), str(v2)) is None
+
+    simulated(monkeypatch, lambda m, k: 0.02 * m)  # (the warm-up step: 20.1 and 40.1 ms with the optimizer's)
+    worker = region_worker(tiny_scenario())
+    for period, window, steps in ((0.01, WINDOW_S, {"1": 13, "2": 7}), (None, UNTHROTTLED_WINDOW_S, {"1": 3, "2": 2})):
+        monkeypatch.setattr("geomesh.profiler.cpu_quota_period_s", lambda period=period: period)
+        extra = calibrate_worker(worker, [1, 2], warmup_steps=1, repeats=2).profile.extra
+        assert extra["window_s"] == window and extra["window_steps"] == steps
 
 
 def test_larger_micro_batches_are_measured_only_while_they_pay(tiny_scenario, monkeypatch):

@@ -22,6 +22,7 @@ import statistics
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import torch
@@ -41,6 +42,9 @@ MEMORY_HEADROOM = 0.9  # the share of the device's memory a micro-batch may fill
 # CPU quota (CFS bandwidth control, 10-100 ms periods) runs a short step unthrottled or waits out the rest of a
 # period, so one short step's time is bimodal; a window of many periods averages that out
 WINDOW_S = 0.25
+# without a quota over the process a step's time is not bimodal: a sample only evens out step-to-step jitter (the
+# timer, the allocator, Python), which a few steps do; a window of quota periods there only makes start-up longer
+UNTHROTTLED_WINDOW_S = 0.05
 MAX_WINDOW_STEPS = 16  # at most this many steps in one timed sample
 KNEE = 0.9  # the planner's knee (PlanConstraints.knee): larger micro-batches are measured while they still pay
 
@@ -162,7 +166,7 @@ def default_micro_batches(batch: int, cap: int | None = None, reference: int | N
 
 
 def calibrate_worker(worker: Worker, micro_batches: Sequence[int] | None = None, *, warmup_steps: int = 1,
-                     repeats: int = DEFAULT_REPEATS, window_s: float = WINDOW_S) -> Calibration:  # fmt: skip
+                     repeats: int = DEFAULT_REPEATS, window_s: float | None = None) -> Calibration:  # fmt: skip
     """Measure ``worker``'s step time in place, for the model it really trains, and leave it as it was.
 
     The candidates are micro-batches ``m`` (the region's micro-batch: a region of ``size`` ranks splits it over
@@ -176,7 +180,9 @@ def calibrate_worker(worker: Worker, micro_batches: Sequence[int] | None = None,
     ``warmup_steps`` untimed steps, then ``repeats`` timed samples, each the mean of ``n`` consecutive full
     training steps (forward + backward of ``m`` sequences from the worker's own stream in one pass per rank,
     ``accumulate_grad``, then the optimizer step, ``apply_step``), ``n`` the steps that fill ``window_s`` by the
-    first warm-up step (at most :data:`MAX_WINDOW_STEPS`; 1 without warm-up or with ``window_s`` 0). The
+    first warm-up step (at most :data:`MAX_WINDOW_STEPS`; 1 without warm-up or with ``window_s`` 0; by default
+    :data:`WINDOW_S` where the process runs under a CPU quota, :func:`cpu_quota_period_s`, else
+    :data:`UNTHROTTLED_WINDOW_S`; the longest of the region's ranks'). The
     candidates of a stage are interleaved: each pass over them runs one sample of every candidate (ascending,
     then descending, and so on), so a busy spell of the host falls on all of them alike. The profile's ``table``
     is the robust line through every timed sample (:func:`linear_fit`: Theil-Sen, monotone in the micro-batch),
@@ -208,7 +214,9 @@ def calibrate_worker(worker: Worker, micro_batches: Sequence[int] | None = None,
     for label, value, least in (("warmup_steps", warmup_steps, 0), ("repeats", repeats, 1)):
         if isinstance(value, bool) or not isinstance(value, int) or value < least:
             raise ValueError(f"{label}={value!r}: expected an integer >= {least}")
-    if isinstance(window_s, bool) or not isinstance(window_s, (int, float)) or not 0 <= window_s < math.inf:
+    if window_s is None:
+        window_s = WINDOW_S if cpu_quota_period_s() is not None else UNTHROTTLED_WINDOW_S
+    elif isinstance(window_s, bool) or not isinstance(window_s, (int, float)) or not 0 <= window_s < math.inf:
         raise ValueError(f"window_s={window_s!r}: expected seconds >= 0")
     steps_needed = len(candidates) * (warmup_steps + repeats)
     if steps_needed > CALIBRATION_STEP_LIMIT:
@@ -247,7 +255,7 @@ def calibrate_worker(worker: Worker, micro_batches: Sequence[int] | None = None,
         "device": str(device), "seq_len": run.seq_len, "params": sum(p.numel() for p in worker.model.parameters()),
         "precision": str(worker.autocast_dtype or torch.float32), "warmup": warmup_steps, "repeats": repeats,
         "calibrated_in_place": True, "calibration_s": seconds, "calibration_steps": run.steps,
-        "window_steps": {str(m): n for m, n in run.window.items() if m in table},
+        "window_s": window_s, "window_steps": {str(m): n for m, n in run.window.items() if m in table},
         "stage_scale": {str(m): f for m, f in run.scale.items() if m in table},
     }  # fmt: skip
     if on_cuda:
@@ -289,8 +297,9 @@ class _Measurement:
         now: list[float] = []  # the anchor's samples in this stage
         for k in range(self.warmup_steps + self.repeats):
             if k == 1 and first and self.window_s > 0:  # after the first warm-up pass: the window's steps, agreed
-                longest = _agreed_max(self.worker, self.device, [first.get(m, 0.0) for m in stage])
-                self.window = {**self.window, **{m: _window_steps(self.window_s, t) for m, t in zip(stage, longest)}}
+                firsts = [first.get(m, 0.0) for m in stage]
+                window_s, *longest = _agreed_max(self.worker, self.device, [self.window_s, *firsts])
+                self.window = {**self.window, **{m: _window_steps(window_s, t) for m, t in zip(stage, longest)}}
             timed = k >= self.warmup_steps
             order = [anchor, *stage] if anchor is not None and timed else stage
             for m in order if k % 2 == 0 else order[::-1]:
@@ -332,6 +341,40 @@ class _Measurement:
                 if m in self.samples:
                     self.samples[m] = [t * f for t in self.samples[m]]
                     self.scale[m] = f
+
+
+def cpu_quota_period_s(proc_cgroup: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup") -> float | None:
+    """The longest CFS period of a CPU quota over this process (its control group's, or an ancestor's: cgroup v1's
+    ``cpu.cfs_quota_us`` / ``cpu.cfs_period_us``, cgroup v2's ``cpu.max``), in seconds; None under no quota, or
+    where control groups cannot be read. A container's ``--cpus``, a batch system's CPU limit and the hosts test
+    bed's ``--cpu`` are such quotas."""
+    try:
+        lines = Path(proc_cgroup).read_text().splitlines()
+    except OSError:
+        return None
+    periods: list[float] = []
+    for line in lines:
+        _, controllers, path = (line.split(":", 2) + ["", ""])[:3]
+        v2 = controllers == ""
+        if not v2 and "cpu" not in controllers.split(","):
+            continue
+        mounts = [Path(root)] if v2 else [Path(root) / "cpu", Path(root) / controllers]
+        mount = next((m for m in mounts if m.is_dir()), None)
+        if mount is None:
+            continue
+        group = PurePosixPath(path if path.startswith("/") else "/" + path)
+        for ancestor in [group, *group.parents]:
+            where = mount / str(ancestor).lstrip("/")
+            try:
+                if v2:
+                    quota, period = (where / "cpu.max").read_text().split()[:2]
+                else:
+                    quota, period = (where / "cpu.cfs_quota_us").read_text(), (where / "cpu.cfs_period_us").read_text()
+                if quota.strip() not in ("max", "-1"):
+                    periods.append(int(period) / 1e6)
+            except (OSError, ValueError):
+                continue
+    return max(periods) if periods else None
 
 
 def _window_steps(window_s: float, step_s: float) -> int:
