@@ -200,6 +200,7 @@ class RoundLoop(PlanLoop):
             joined_now = view.healed and self.overlap is not None
             if view.healed:  # the live state first (its plan loop too), then this round's news, as the others
                 self.exchange.apply_healed(view.state)
+                self._kill_at = None  # (tests: a restarted process healed into the run is not killed again there)
             if view.calibration:
                 self.use_calibration(view.calibration)
             if self.wan_measure is not None and run.rounds == 0 and self.wan_probe_s is None and not view.healed \
