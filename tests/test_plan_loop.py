@@ -21,7 +21,7 @@ import pytest
 import torch
 import yaml
 from conftest import tiny_scenario_dict
-from test_elastic import processes, start, wait_for_round
+from test_elastic import MEASURED_ENV, fixed_profiles, processes, start, wait_for_round
 
 from geomesh.cli import launch as cli_launch
 from geomesh.runtime.distributed.quotas import CpuQuotas, quota_unavailable_reason
@@ -99,25 +99,6 @@ def test_wrong_datasheet_gpus_are_balanced_by_calibration(tmp_path, small_corpus
             assert [e for e in read_events(out / "events.jsonl") if e["type"] == "calibration"]
     spread = {k: work(p, "r0-h100") / work(p, "r2-t4") for k, p in plans.items()}
     assert spread["datasheet"] > 2.5 and spread["calibrated"] < spread["datasheet"] / 2, spread
-
-
-def fixed_profiles(tmp_path, path) -> list[str]:
-    """``--profile REGION=FILE`` for every region, its datasheet profile: compute is not calibrated in place
-    (whose figures differ between runs), the WAN is still measured."""
-    from geomesh.config import load_scenario
-
-    args = []
-    for p in load_scenario(path).worker_profiles({}):
-        f = tmp_path / f"{p.name}.json"
-        f.write_text(json.dumps(p.to_json()))
-        args += ["--profile", f"{p.name}={f}"]
-    return args
-
-
-# every run measures the same WAN and the same compute (the test hooks of plan_loop.py): the probes find it 4x
-# slower than declared (a re-plan before round 0), and from round 2's exchange on 32x (re-planned for as the
-# exchanges at 32x are folded in, within the noise the probes' prediction errors set: after rounds 3 and 6)
-MEASURED_ENV = {"GEOMESH_TEST_WAN": "4:1:32", "GEOMESH_TEST_COMPUTE_AS_PLANNED": "1"}
 
 
 def plan_records(out) -> list[tuple]:

@@ -380,8 +380,10 @@ class PlanLoop:
         self.wan_members = state.get("wan_members")
         if isinstance(state.get("wan_probe_s"), float):  # (what the probes before round 0 cost, for the summary)
             self.wan_probe_s = state["wan_probe_s"]
-        if not healed:  # (a healed region took no part in the exchange the live one's report is of)
-            self.wire = _wire_report(state.get("wire"))
+        # (healed: this region's last report is of an exchange the live state has gone past, and the live
+        # leader's of one this region took no part in: it reports nothing until its next exchange)
+        self.wire = _wire_report(state.get("wire")) if not healed else {}
+        if not healed:
             pending = state.get("overlap_wire")
             if self.overlap is not None and isinstance(pending, list) and len(pending) == 2:
                 wire, number = seconds(pending[0]), pending[1]
