@@ -16,10 +16,6 @@ from geomesh.telemetry import read_events
 @pytest.mark.waits
 # (regions of one rank rejoin on the hosts test bed, tests/test_hosts.py: here a region of two ranks, sharded)
 @pytest.mark.parametrize("strategy", ["fsdp"])
-@pytest.mark.xfail(strict=False, reason="open: in the full suite the restarted two-rank region did not reach the "
-                   "quorum within the 73 s of rounds the survivors had left (2 of 2 runs); alone, and beside two "
-                   "processes spinning on both cores, it rejoins at round 11 of 24 after its loss at round 3: what "
-                   "holds it in the suite (the hosts bed's CPU groups weigh 100 default groups) is not measured")
 def test_a_restarted_region_rejoins_with_the_live_state(tmp_path, small_corpus, strategy):
     """The killed region is r0-h100, of 2 ranks, the one that writes events.jsonl: r1-a100 takes the file over
     while it is away, and r0-h100's leader, healed, takes it back and writes the summary. With ``fsdp`` every
