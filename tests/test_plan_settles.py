@@ -16,7 +16,7 @@ from test_planner import cluster
 from geomesh.hardware import WorkerProfile
 from geomesh.planner import OnlinePlanner, PlanConstraints, plan_balanced
 from geomesh.planner.settle import (ALIKE_CEILING, ALIKE_FLOOR, AdjustedProfile, alike_groups, correction_at,
-                                    pooled, settled_profiles, table_noise)
+                                    corrected, monotone_points, pooled, settled_profiles, table_noise)
 
 # the tiny scenario's two ways to plan (tests/conftest.py): the planning rule (the round: DiLoCo's 5 steps of 4
 # sequences on the slowest region) and the sequence target N·b·H that its distributed tests run
@@ -176,6 +176,66 @@ def test_correction_between_and_beyond_the_measured_batches():
     assert correction_at((), 7) == 1.0
     assert correction_at(points, 4) == 1.0 and correction_at(points, 1) == 1.0 and correction_at(points, 40) == 1.2
     assert correction_at(points, 10) == pytest.approx(math.sqrt(1.2))  # halfway, in log
+
+
+def test_a_corrected_table_never_steps_faster_at_a_larger_batch():
+    """Points that say a larger batch steps faster than a smaller one (a region slowed just as its plan moved it
+    to a batch it had not measured: read there as the table's error, its older, faster points kept) are
+    raised: from the smaller batch up, the corrected step time never falls; where they agree they are kept."""
+    profile = measured("r1-a100", "A100")
+    fixed = corrected(profile, ((21, 2.37), (22, 1.0), (33, 1.0)))
+    at_points = [fixed.step_s(m, 1) for m in (21, 22, 33)]
+    assert at_points == sorted(at_points)
+    times = [fixed.step_s(m, 1) for m in range(1, 65)]  # (between points, the interpolation bends a little)
+    assert all(a <= b * 1.01 for a, b in zip(times, times[1:]))
+    assert corrected(profile, ((21, 2.37), (22, 1.0))).step_s(22, 1) >= fixed.step_s(21, 1)
+    assert fixed.step_s(21, 1) == pytest.approx(2.37 * profile.step_s(21, 1))  # the slow measurement holds
+    assert fixed.step_s(22, 1) >= fixed.step_s(21, 1)
+    kept = ((4, 1.0), (16, 1.2))  # already non-decreasing: as given
+    assert monotone_points(profile, kept) == kept
+
+
+def test_a_slowdown_read_at_a_new_batch_does_not_hand_the_fast_region_less_work(tmp_path, small_corpus):
+    """The measured compute times of a real run (tests/test_plan_loop.py, on a busy machine): three regions
+    alike, then r1 and r2 held to a third of r0's CPU just as the plan moved r1 to batch 21. Replayed through the
+    planner, the re-plans from then on give r0 more sequences than either slowed region (before the correction
+    was held monotone, r1's batch 22 looked 2.4 times faster than its 21 and r0 was planned 15 sequences, in
+    micro-batches of 1, against their 22)."""
+    import yaml
+    from conftest import tiny_scenario_dict
+
+    from geomesh.config import load_scenario
+    from geomesh.methods import get_method
+    from geomesh.runtime.distributed.plan_loop import WARMUP_ROUNDS
+
+    data = tiny_scenario_dict(small_corpus, ("A100", "A100", "A100"))
+    data["geomesh"].update({"calibrate": False, "replan": True})
+    (tmp_path / "s.yaml").write_text(yaml.safe_dump(data))
+    sc, method = load_scenario(str(tmp_path / "s.yaml")), get_method("geomesh")
+    g = sc.geomesh
+    op = OnlinePlanner(sc.worker_profiles(), method.constraints(sc, 3), smoothing=g.replan_smoothing,
+                       threshold=g.replan_threshold, first_measurement_sets_factor=True, noise_k=g.replan_noise_k,
+                       warmup_rounds=WARMUP_ROUNDS)  # fmt: skip
+    payload = method.modeled_payload_bytes(sc)
+    plan = op.plan(payload, method.exchange(sc.wan_model(), payload)[0])
+    seen = [[0.1097, 0.1339, 0.1310], [0.0755, 0.0473, 0.1074], [0.0554, 0.1155, 0.0469], [0.0796, 0.1177, 0.0533],
+            [0.0681, 0.2222, 0.1707], [0.0684, 0.2571, 0.2020], [0.1178, 0.2293, 0.1016], [0.1148, 0.2662, 0.1022],
+            [0.0957, 0.2318, 0.0795]]  # (seconds of compute per round, r0 r1 r2, under the plan in force)
+    after = []
+    for r, row in enumerate(seen, start=1):
+        for w, c in zip(plan.workers, row):
+            op.observe(w.name, c, plan)
+        new = op.maybe_replan(payload, plan.exchange_s)
+        if new is not None:
+            plan = new
+            after.append(r)
+            if r >= 6:  # the slowdown measured
+                fast = plan.worker("r0-a100").sequences
+                assert fast > plan.worker("r1-a100").sequences and fast > plan.worker("r2-a100").sequences, r
+    assert after and after[-1] >= 6
+    for p in op.estimates():  # no batch looks faster than a smaller one (but for the interpolation's bend)
+        times = [p.step_s(m, 1) for m in range(1, 48)]
+        assert all(a <= b * 1.01 for a, b in zip(times, times[1:])), p.name
 
 
 # ---- the loop settles -------------------------------------------------------------------------------------

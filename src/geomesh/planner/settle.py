@@ -92,10 +92,28 @@ def corrected(profile: WorkerProfile, points: Points) -> WorkerProfile:
     ``slowdown`` carries the factor, as :func:`~geomesh.planner.plan.scaled_profiles` makes)."""
     if len(points) <= 1:
         return scaled_profiles([profile], {profile.name: points[0][1] if points else 1.0})[0]
+    points = monotone_points(profile, points)
     return AdjustedProfile(name=profile.name, gpu=profile.gpu, gpu_count=profile.gpu_count,
                            max_micro_batch=profile.max_micro_batch, table=dict(profile.table),
                            step_overhead_s=profile.step_overhead_s, source=profile.source, slowdown=1.0,
                            extra=dict(profile.extra), parts=((profile, tuple(points)),))  # fmt: skip
+
+
+def monotone_points(profile: WorkerProfile, points: Points) -> Points:
+    """``points`` (batch, factor), sorted by batch, raised where needed so that the corrected step time at a measured
+    batch is never below a smaller measured batch's: a step of more sequences takes no less time on the same
+    worker (between two points the factors' interpolation in log may still bend it by a fraction of a percent). Where measurements say
+    otherwise (a region slowed while its plan moved it to a batch it had not measured reads as a table wrong at
+    that batch, its older, faster points kept), the larger batch is held to the smaller's time: a worker's time
+    is not underestimated at a batch where a smaller one was measured slower (an underestimate makes a
+    straggler; planned as faster there, a plan moves its work to the larger batch it is wrong about)."""
+    cap = max(profile.max_micro_batch, 1)
+    out, floor = [], 0.0
+    for b, f in sorted(points):
+        table = profile.step_s(*split_batch(max(b, 1), cap))
+        floor = max(floor, f * table)
+        out.append((b, floor / table))
+    return tuple(out)
 
 
 def table_noise(profile: WorkerProfile) -> float:
