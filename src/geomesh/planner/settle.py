@@ -100,13 +100,12 @@ def corrected(profile: WorkerProfile, points: Points) -> WorkerProfile:
 
 
 def monotone_points(profile: WorkerProfile, points: Points) -> Points:
-    """``points`` (batch, factor), sorted by batch, raised where needed so that the corrected step time at a measured
-    batch is never below a smaller measured batch's: a step of more sequences takes no less time on the same
-    worker (between two points the factors' interpolation in log may still bend it by a fraction of a percent). Where measurements say
-    otherwise (a region slowed while its plan moved it to a batch it had not measured reads as a table wrong at
-    that batch, its older, faster points kept), the larger batch is held to the smaller's time: a worker's time
-    is not underestimated at a batch where a smaller one was measured slower (an underestimate makes a
-    straggler; planned as faster there, a plan moves its work to the larger batch it is wrong about)."""
+    """``points`` (batch, factor), sorted by batch, each raised where needed so that the corrected step time at a
+    measured batch is never below a smaller measured batch's: a step of more sequences takes no less time on the
+    same worker. Measurements that say otherwise (a region slowed just as its plan moved it to a batch it had not
+    measured: read as the table wrong there, its older, faster points kept) would make the larger batch look
+    faster and draw the plan's work to it; held to the smaller batch's time, the worker is not underestimated.
+    (Between two points the factors' interpolation in log may still bend the time by a fraction of a percent.)"""
     cap = max(profile.max_micro_batch, 1)
     out, floor = [], 0.0
     for b, f in sorted(points):

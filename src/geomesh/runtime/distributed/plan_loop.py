@@ -71,6 +71,17 @@ def _wire_report(value: Any) -> dict[str, Any]:
     return {"wire_s": wire, "wire_round": number}
 
 
+def online_planner(sc, method, profiles: list[WorkerProfile], calibrated: bool) -> OnlinePlanner:
+    """The online planner of a run of ``method`` on ``sc`` over ``profiles`` (``calibrated``: measured in place)."""
+    g = sc.geomesh
+    # uncalibrated profiles describe the timing model, not what trains: a first measurement is the factor;
+    # wall-clock compute times are noisy: outliers held back, the deadband widened to the regions' noise,
+    # regions that measure alike planned alike; a region's first round (start-up) is not its speed
+    return OnlinePlanner(profiles, method.constraints(sc, len(profiles)), smoothing=g.replan_smoothing,
+                         threshold=g.replan_threshold, first_measurement_sets_factor=not calibrated,
+                         noise_k=g.replan_noise_k, warmup_rounds=WARMUP_ROUNDS)  # fmt: skip
+
+
 class PlanLoop:
     """Planning, calibration and re-planning of :class:`~geomesh.runtime.distributed.rounds.RoundLoop`."""
 
@@ -145,13 +156,7 @@ class PlanLoop:
                    "seconds": {k: c.seconds for k, c in choice.candidates.items()}})  # fmt: skip
 
     def _new_online(self, profiles: list[WorkerProfile]) -> OnlinePlanner:
-        g = self.sc.geomesh
-        # uncalibrated profiles describe the timing model, not what trains: a first measurement is the factor;
-        # wall-clock compute times are noisy: outliers held back, the deadband widened to the regions' noise,
-        # regions that measure alike planned alike; a region's first round (start-up) is not its speed
-        return OnlinePlanner(profiles, self.method.constraints(self.sc, len(profiles)), smoothing=g.replan_smoothing,
-                             threshold=g.replan_threshold, first_measurement_sets_factor=not self.calibrated,
-                             noise_k=g.replan_noise_k, warmup_rounds=WARMUP_ROUNDS)  # fmt: skip
+        return online_planner(self.sc, self.method, profiles, calibrated=bool(self.calibrated))
 
     def calibrate(self) -> dict[str, Any] | None:
         """Every rank of this region: measure the region's step time in place (the model it really trains, a
@@ -380,10 +385,10 @@ class PlanLoop:
         self.wan_members = state.get("wan_members")
         if isinstance(state.get("wan_probe_s"), float):  # (what the probes before round 0 cost, for the summary)
             self.wan_probe_s = state["wan_probe_s"]
-        # (healed: this region's last report is of an exchange the live state has gone past, and the live
-        # leader's of one this region took no part in: it reports nothing until its next exchange)
-        self.wire = _wire_report(state.get("wire")) if not healed else {}
-        if not healed:
+        if healed:  # its own last report is of an exchange the live state has gone past, the live leader's of one
+            self.wire = {}  # it took no part in: it reports nothing until its next exchange
+        else:
+            self.wire = _wire_report(state.get("wire"))
             pending = state.get("overlap_wire")
             if self.overlap is not None and isinstance(pending, list) and len(pending) == 2:
                 wire, number = seconds(pending[0]), pending[1]
