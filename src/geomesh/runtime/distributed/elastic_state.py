@@ -77,7 +77,8 @@ class ElasticState:
                     "records": list(self.records), **tel.state_dict(), "run_totals": dict(run.totals),
                     "stats": json.loads(json.dumps(self.stats)), "faults": self.faults.state_dict(),
                     "streams": dict(self.streams), "members": list(self.members or []), "now": run._now(),
-                    "plan_loop": self.loop.plan_state(), "time_budget": run.time_state()},
+                    "plan_loop": self.loop.plan_state(), "time_budget": run.time_state(),
+                    "round_plan": self.loop.round_plan_at},
         }  # fmt: skip
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -98,6 +99,9 @@ class ElasticState:
         self.stats = s["stats"]
         self.faults.load_state_dict(s["faults"])
         self.loop.load_plan_state(s["plan_loop"], healed=True)
+        at = s.get("round_plan")  # (data: an index of the plans it came with, else the plan in force)
+        self.loop.healed_round_plan = at if isinstance(at, int) and not isinstance(at, bool) and 0 <= at < len(
+            run.plans) else None  # fmt: skip
         self.streams = dict(s["streams"])
         self.members = list(s["members"])
         run.worker.slowdown = self.sc.regions[self.me].slowdown * self.faults.speed(self.me)

@@ -130,6 +130,9 @@ class RoundLoop(PlanLoop):
         # elastic overlap, the exchanges in flight: (planned tokens, plan, steps, plan entries, round number)
         self._planned_in_flight: list[tuple] = []
         self._in_round = False
+        # the index in ``run.plans`` of the plan the round in progress runs, and the one a healing state gave
+        self.round_plan_at: int | None = None
+        self.healed_round_plan: int | None = None
 
     @property
     def wire_nbytes(self) -> int:
@@ -230,7 +233,12 @@ class RoundLoop(PlanLoop):
                 run.plans.append(self.plan)
                 self.exchange.planned(self.plan, members, r)
                 self.planned_for = list(members)
-            plan = self.plan
+            # the plan this round runs (a re-plan made during it is in force from the next round); one healed at
+            # the quorum of an exchange about to leave takes the plan the others' round ran, which the plan loop
+            # measures that exchange against when it arrives
+            self.round_plan_at = len(run.plans) - 1 if not joined_now or self.healed_round_plan is None else (
+                self.healed_round_plan)  # fmt: skip
+            plan = run.plans[self.round_plan_at]
             entries = {i: plan.worker(self.names[i]) for i in members}
             rs = round_steps([entries[i] for i in members], self.seq, run.tokens_done, run.token_cap, plan,
                              overlapped=self.overlap is not None)  # fmt: skip
