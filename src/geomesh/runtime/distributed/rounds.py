@@ -330,6 +330,10 @@ class RoundLoop(PlanLoop):
             run._evaluate(run._now())
         if checkpoint_due:
             run._save_checkpoint(saver, keep)
+        # the evaluation and the checkpoint are the round's "other" time, as in an overlapped round (unmarked, the
+        # next round's quorum or barrier booked them as a wait: an evaluation at a slow region's speed read as WAN
+        # or straggler idle)
+        run._mark("other")
         run._test_exit_point()
 
     def _record_arrived(self, compute_s: float, comm_s: float) -> None:
