@@ -75,6 +75,17 @@ def assert_round_clocks(out: Path, summary: dict, budget: float = BUDGET) -> Non
     assert clocks[-1] == summary["time_budget_elapsed_s"]
 
 
+def assert_evaluations_are_other_time(out: Path) -> None:
+    """Every evaluation after a round falls inside an ``other`` span of the region that recorded it, never inside
+    a wait: the next round's quorum or barrier must not book it as WAN or straggler idle."""
+    events = read_events(out / "events.jsonl")
+    evals = [e["time"] for e in events if e["type"] == "eval" and e["round"] >= 1]
+    writer = next(e for e in events if e["type"] == "run")["workers"][0]
+    others = [(e["start"], e["end"]) for e in events if e["type"] == "span" and e["worker"] == writer
+              and e["kind"] == "other"]  # fmt: skip
+    assert evals and all(any(a <= t <= b for a, b in others) for t in evals), evals
+
+
 # ---- pieces that need no processes ------------------------------------------------------------------
 
 
@@ -127,6 +138,7 @@ def test_a_static_run_stops_at_the_same_round_on_every_region(tmp_path, small_co
     assert_round_clocks(out, s)
     assert ends(out) == {r: s["rounds"] for r in ("r0-h100", "r1-a100", "r2-t4")}  # every region, the same round
     assert len(s["param_checksums"]) == sum(counts) and len(set(s["param_checksums"])) == 1
+    assert_evaluations_are_other_time(out)
 
 
 @pytest.mark.parametrize("method,ranks", [("geomesh-sign-only", None),
@@ -147,6 +159,7 @@ def test_elastic_regions_stop_at_the_same_round(tmp_path, small_corpus, method, 
     assert len(set(s["param_checksums"].values())) == 1
     rounds = [e["round"] for e in read_events(out / "events.jsonl") if e["type"] == "round"]
     assert rounds == list(range(1, s["rounds"] + 1))
+    assert_evaluations_are_other_time(out)
 
 
 def test_a_resumed_run_keeps_the_budget_it_had(tmp_path, small_corpus):
