@@ -117,6 +117,29 @@ def test_an_exchange_without_a_barrier_books_the_wait_for_the_slowest():
     assert wait_for_slowest_s([], 1.0) == 0.0
 
 
+def test_a_local_launch_port_is_free_and_below_the_ephemeral_range(monkeypatch, tmp_path):
+    """The rendezvous port of a local launch is one no outgoing connection can take as its source port before the
+    rank binds it (a busy machine's Gloo connections took an ephemeral one: EADDRINUSE): below the kernel's
+    range, bindable; where the range leaves no room below it, an ephemeral port still."""
+    import socket
+
+    from geomesh.runtime.distributed import transport
+
+    low, _ = transport.ephemeral_ports()
+    ports = {transport.free_port() for _ in range(20)}
+    assert all(transport.LOWEST_PICKED_PORT <= p < low for p in ports) and len(ports) > 1
+    for port in ports:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", port))
+    squeezed = tmp_path / "range"
+    squeezed.write_text(f"{transport.LOWEST_PICKED_PORT}\t60999\n")
+    monkeypatch.setattr(transport, "EPHEMERAL_RANGE_FILE", str(squeezed))
+    assert transport.ephemeral_ports() == (transport.LOWEST_PICKED_PORT, 60999)
+    assert transport.free_port() >= transport.LOWEST_PICKED_PORT  # the kernel's pick
+    squeezed.write_text("not a range")
+    assert transport.ephemeral_ports() == (32768, 60999)
+
+
 def test_checksum_sees_any_sampled_change():
     params = {"a": torch.arange(10_000, dtype=torch.float32), "b": torch.ones(3)}
     before = params_checksum(params)

@@ -32,6 +32,7 @@ import datetime
 import hashlib
 import hmac
 import os
+import random
 import shutil
 import socket
 import struct
@@ -57,8 +58,36 @@ SLOT_HEAD = "<BQ"  # a payload slot's head: a payload (1) or "no update" (0), an
 SLOT_HEADER_NBYTES = struct.calcsize(SLOT_HEAD)  # what a signed slot adds to its payload (the tag aside)
 MAX_CONTROL_BYTES = 16 * 2**20  # a control message (round info, plan, state header) is far smaller
 
+EPHEMERAL_RANGE_FILE = "/proc/sys/net/ipv4/ip_local_port_range"
+LOWEST_PICKED_PORT = 10000
+
+
+def ephemeral_ports() -> tuple[int, int]:
+    """The kernel's range of ephemeral ports (the source ports of outgoing connections); Linux's default where it
+    cannot be read."""
+    try:
+        low, high = (int(x) for x in Path(EPHEMERAL_RANGE_FILE).read_text().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago (the rendezvous port of a local launch)."""
+    """A TCP port that was free a moment ago (the rendezvous port of a local launch), picked below the kernel's
+    ephemeral range: a port the kernel hands out is also any outgoing connection's source port, so on a busy
+    machine one of its own connections (Gloo opens many) took it between this check and the rank's bind
+    (``EADDRINUSE``, and the launch failed). Random, so that two launches at once rarely pick the same one;
+    an ephemeral port where none below the range is free."""
+    low, _ = ephemeral_ports()
+    pick = random.SystemRandom()
+    for _ in range(32 if low > LOWEST_PICKED_PORT else 0):
+        port = pick.randrange(LOWEST_PICKED_PORT, low)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
