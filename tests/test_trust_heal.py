@@ -317,3 +317,14 @@ def test_a_cluster_lighthouse_needs_the_address_to_listen_on(monkeypatch, capsys
     assert len(err) == 1 and err[0].startswith("error: --host: the address to listen on is needed")
     assert membership.main(["--min-regions", "2", "--host", "no-such-host.invalid"]) == 2
     assert "does not resolve on this host" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("value, expected", [(2, 2), (0, 0), (3, None), (-1, None), (True, None), (1.0, None),
+                                             ("1", None), (None, None), ([1], None)])  # fmt: skip
+def test_a_healing_state_s_round_plan_is_an_index_of_its_plans_or_ignored(value, expected):
+    """The plan a live region's round in progress runs comes in its healing state as an index of the plans that
+    state carries (the healed region measures that round's exchange against it): anything else a peer sends is
+    left out, and the healed region takes the plan in force."""
+    from geomesh.runtime.distributed.elastic_state import round_plan_index
+
+    assert round_plan_index(value, 3) == expected

@@ -99,9 +99,7 @@ class ElasticState:
         self.stats = s["stats"]
         self.faults.load_state_dict(s["faults"])
         self.loop.load_plan_state(s["plan_loop"], healed=True)
-        at = s.get("round_plan")  # (data: an index of the plans it came with, else the plan in force)
-        self.loop.healed_round_plan = at if isinstance(at, int) and not isinstance(at, bool) and 0 <= at < len(
-            run.plans) else None  # fmt: skip
+        self.loop.healed_round_plan = round_plan_index(s.get("round_plan"), len(run.plans))
         self.streams = dict(s["streams"])
         self.members = list(s["members"])
         run.worker.slowdown = self.sc.regions[self.me].slowdown * self.faults.speed(self.me)
@@ -269,6 +267,12 @@ class ElasticState:
                 f.flush()
                 os.fsync(f.fileno())
         self.written = len(lines)
+
+
+def round_plan_index(value: Any, plans: int) -> int | None:
+    """Which of a healing state's ``plans`` the round in progress runs, as the live region sent it (data: an index
+    of those plans, else None: the healed region takes the plan in force)."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < plans else None
 
 
 def _gathered(shard: torch.Tensor, keep: bool) -> torch.Tensor | None:
