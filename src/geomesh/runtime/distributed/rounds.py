@@ -236,8 +236,8 @@ class RoundLoop(PlanLoop):
             # the plan this round runs (a re-plan made during it is in force from the next round); one healed at
             # the quorum of an exchange about to leave takes the plan the others' round ran, which the plan loop
             # measures that exchange against when it arrives
-            self.round_plan_at = len(run.plans) - 1 if not joined_now or self.healed_round_plan is None else (
-                self.healed_round_plan)  # fmt: skip
+            healed_at = self.healed_round_plan if joined_now else None
+            self.round_plan_at = len(run.plans) - 1 if healed_at is None else healed_at
             plan = run.plans[self.round_plan_at]
             entries = {i: plan.worker(self.names[i]) for i in members}
             rs = round_steps([entries[i] for i in members], self.seq, run.tokens_done, run.token_cap, plan,
