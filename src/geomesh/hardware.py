@@ -195,7 +195,9 @@ class WorkerProfile:
     ``micro_batch`` here is the worker's micro-batch (split evenly over its GPUs); ``table`` maps
     micro-batch -> seconds for forward+backward and is interpolated linearly between measured points
     (extrapolated from the last two). ``step_overhead_s`` is paid once per inner step (optimizer step,
-    the all-reduce inside the region).
+    the all-reduce inside the region). ``round_overhead_s`` is paid once per round outside the inner steps (the
+    outer step, an evaluation, a checkpoint's share): measured in place, never scaled by ``slowdown``, so the
+    plan fills each worker's round less it (0: the timing model's rounds, which charge none).
     """
 
     name: str
@@ -207,6 +209,7 @@ class WorkerProfile:
     source: str = "model"  # "model" (cost model) or "measured"
     slowdown: float = 1.0  # multiplies compute time (injected faults, online re-planning)
     extra: dict = field(default_factory=dict)
+    round_overhead_s: float = 0.0  # seconds per round outside the inner steps (measured; see above)
 
     def micro_step_s(self, micro_batch: int) -> float:
         if micro_batch <= 0:
@@ -243,6 +246,7 @@ class WorkerProfile:
             "step_overhead_s": self.step_overhead_s,
             "source": self.source,
             **({"extra": self.extra} if self.extra else {}),
+            **({"round_overhead_s": self.round_overhead_s} if self.round_overhead_s else {}),
         }
 
     @classmethod
@@ -260,9 +264,16 @@ class WorkerProfile:
                 step_overhead_s=float(data.get("step_overhead_s", 0.0)),
                 source=str(data.get("source", "measured")),
                 extra=dict(data.get("extra", {})),
+                round_overhead_s=_round_overhead(data.get("round_overhead_s", 0.0)),
             )
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise ValueError(f"bad profile: {exc}") from None
+
+
+def _round_overhead(value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < math.inf:
+        raise ValueError(f"round_overhead_s {value!r} is not finite seconds >= 0")
+    return float(value)
 
 
 def model_profile(name: str, gpu: str | GpuSpec, gpu_count: int, timing: TimingModel, *, strategy: str = "ddp",

@@ -28,6 +28,11 @@ waiting, with no tuned knob; re-planning (faults, measured speed drift) applies 
 workers' scaled profiles. A worker that cannot fit ``min_inner_steps`` of its smallest batch into T gets its
 quickest option and a warning.
 
+A worker's round overhead ``o_i`` (``WorkerProfile.round_overhead_s``: its measured time per round outside the
+inner steps, the outer step and an evaluation; 0 unless measured) is work the round waits for too: T is the
+slowest worker's reference round plus its overhead (``round_compute_s`` plus the largest overhead), every
+worker fills ``T − o_i``, and an option's time ``c`` everywhere below counts ``o_i + H·step(b)``.
+
 The sequence target (``target_sequences``, or ``(ref_batch, ref_inner_steps)`` without ``fill``) is the
 alternative: the round carries a given number of sequences and the deadline is searched, as follows.
 

@@ -5,6 +5,7 @@ the plan runs, warm-up ignored, no re-plan that moves no work). Pure: the caller
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 
@@ -68,6 +69,7 @@ SPREAD_MIN_ROUNDS = 3  # rounds since the plan a worker needs before its drift i
 _MAD_TO_SIGMA = 1.4826  # a normal distribution's σ per median absolute deviation
 DEADBAND_FLOOR = 0.01  # (noise-aware) a re-plan that gains less than this (straggler idle, round length) is none
 SHAPE_BATCHES = 8  # (noise-aware) the batches a worker's table is corrected at (the most recently measured)
+OVERHEAD_WINDOW = 5  # recent rounds whose median is a worker's round overhead (an evaluation's outlier is one)
 
 
 def _changes(history: Sequence[float]) -> list[float]:
@@ -152,6 +154,14 @@ class OnlinePlanner:
       differs, by more than :data:`DEADBAND_FLOOR`. Otherwise (the same plan, a speed every worker shares,
       another lattice point as balanced) the plan in force is kept and its assumptions brought up to date.
 
+    A worker's **round overhead** (:meth:`observe_overhead`: its time per round outside the inner steps, the outer
+    step and an evaluation, which a slower worker takes longer over) is the median of its last
+    :data:`OVERHEAD_WINDOW` rounds once its compute is measured (its warm-up is not); every plan is made with the
+    workers' overheads (:attr:`~geomesh.hardware.WorkerProfile.round_overhead_s`: a worker fills its round less
+    its own, so the faster ones do not wait out a slower one's evaluation), and a worker's overhead that moved
+    from what the plan in force assumed by more than ``threshold`` of its round re-plans the run (the new plan
+    taken as the other rules' are).
+
     Until :data:`NOISE_MIN_CHANGES` round-to-round changes are known σ is unknown and ``threshold`` alone
     counts. ``noise_k = 0`` (the default) keeps the plain rules (the emulated runtime's modeled times carry
     no noise).
@@ -208,14 +218,18 @@ class OnlinePlanner:
         self.groups: list[list[str]] = []  # (noise-aware) the workers the plan in force planned as one
         self.fresh: set[str] = set()  # (noise-aware) run by the plan in force at a batch their level never measured
         self._candidate_groups: list[list[str]] = []
+        self.overheads: dict[str, list[float]] = {p.name: [] for p in self.profiles}  # recent round overheads
+        self.overhead_assumed: dict[str, float] = {p.name: 0.0 for p in self.profiles}  # the plan in force's
 
     # ---- planning ---------------------------------------------------------------------------------------
     def plan(self, exchange_bytes: int = 0, exchange_s: float = 0.0) -> Plan:
         """Plan now with the current speed factors (and remember them as assumed)."""
         if self.noise_k <= 0:
             self.current = plan_balanced(
-                scaled_profiles(self.profiles, self.factors), self.constraints, exchange_bytes, exchange_s
+                self.with_overheads(scaled_profiles(self.profiles, self.factors)), self.constraints, exchange_bytes,
+                exchange_s,
             )
+            self.overhead_assumed = {k: self.round_overhead(k) for k in self.factors}
             self.assumed = dict(self.factors)
             self.assumed_n = {k: len(v) for k, v in self.level.items()}
             self.since = {k: [] for k in self.factors}
@@ -280,6 +294,7 @@ class OnlinePlanner:
         batches = self._batches()
         self.factors = {k: self.factor_at(k, batches[k]) if k in batches else f for k, f in self.factors.items()}
         self.assumed = dict(self.factors)
+        self.overhead_assumed = {k: self.round_overhead(k) for k in self.factors}
         self.assumed_n = {k: len(v) for k, v in self.level.items()}
         self.since = {k: [] for k in self.factors}
         # the workers the plan runs at a batch their level never measured (their factor there is the table's
@@ -298,7 +313,46 @@ class OnlinePlanner:
             level = self.level_factor(p.name)
             shape = sorted(self.shape[p.name].items())
             out.append(corrected(p, tuple((b, level * r) for b, r in shape) or ((0, level),)))
-        return out
+        return self.with_overheads(out)
+
+    # ---- round overheads ------------------------------------------------------------------------------------
+    def observe_overhead(self, name: str, seconds: float) -> None:
+        """Fold one round's overhead of ``name`` (seconds outside its inner steps, >= 0) in; a worker's rounds
+        before its compute is measured (warm-up) are not folded."""
+        if name not in self.overheads:
+            raise ValueError(f"unknown worker {name!r}; workers: {', '.join(self.factors)}")
+        if not (isinstance(seconds, (int, float)) and not isinstance(seconds, bool) and 0 <= seconds < math.inf):
+            raise ValueError(f"worker {name!r}: round overhead {seconds!r} must be finite seconds >= 0")
+        if name in self.measured:
+            self.overheads[name] = [*self.overheads[name], float(seconds)][-OVERHEAD_WINDOW:]
+
+    def round_overhead(self, name: str) -> float:
+        """``name``'s round overhead: the median of its recent rounds' (0 before any)."""
+        return _median(self.overheads[name]) if self.overheads.get(name) else 0.0
+
+    def with_overheads(self, profiles: Sequence[WorkerProfile]) -> list[WorkerProfile]:
+        """``profiles`` with each worker's round overhead as measured (the profile itself when it is 0 and so
+        was the profile's)."""
+        return [dataclasses.replace(p, round_overhead_s=o) if o != p.round_overhead_s else p
+                for p, o in ((p, self.round_overhead(p.name)) for p in profiles)]  # fmt: skip
+
+    def overhead_moved(self) -> list[str]:
+        """The workers whose round overhead moved from what the plan in force assumed by more than
+        ``threshold`` of its longest round's work (compute and overhead); with ``noise_k``, and by more than
+        ``noise_k`` times the noise of their recent overheads (σ from their median absolute deviation), so that
+        an overhead that varies round to round (an evaluation on a shared host) does not re-plan every round."""
+        if self.current is None:
+            return []
+        top = max(w.compute_s + w.overhead_s for w in self.current.workers)
+
+        def band(k: str) -> float:
+            xs = self.overheads[k]
+            if self.noise_k <= 0 or len(xs) < 2:
+                return self.threshold * top
+            mid = _median(xs)
+            return max(self.threshold * top, self.noise_k * _MAD_TO_SIGMA * _median([abs(x - mid) for x in xs]))
+
+        return [k for k in self.overheads if abs(self.round_overhead(k) - self.overhead_assumed.get(k, 0.0)) > band(k)]
 
     def level_factor(self, name: str) -> float:
         """(noise-aware) ``name``'s speed level: the geometric mean of its level's observations, each over its
@@ -445,8 +499,10 @@ class OnlinePlanner:
         give :meth:`settles` no better than the one in force) or when there is none yet, else None."""
         if self.current is None:
             return self.plan(exchange_bytes, exchange_s)
+        overhead = self.overhead_moved()
         if self.noise_k <= 0:
-            return self.plan(exchange_bytes, exchange_s) if max(self.drift().values()) > self.threshold else None
+            drifted = max(self.drift().values()) > self.threshold or overhead
+            return self.plan(exchange_bytes, exchange_s) if drifted else None
         moved = [k for k, xs in self.since.items()
                  if xs and abs(math.log(_geomean(xs) / self.assumed[k])) > self.band(k)]  # fmt: skip
         # twice the evidence the plan was made from, and it says otherwise by more than the threshold: the
@@ -455,8 +511,8 @@ class OnlinePlanner:
                      and abs(math.log(self.factors[k] / self.assumed[k])) > self.threshold]  # fmt: skip
         drifts = self._drifts()
         apart = self.spread(drifts) > self._spread_band(drifts)
-        merged = not (moved or refreshed or apart) and self._merged()
-        if not (moved or refreshed or apart or merged):
+        merged = not (moved or refreshed or apart or overhead) and self._merged()
+        if not (moved or refreshed or apart or merged or overhead):
             return None
         if apart:  # every worker's time at the plan it runs now: the next plan corrects their differences
             moved = [k for k, xs in self.since.items() if len(xs) >= SPREAD_MIN_ROUNDS]
@@ -529,6 +585,7 @@ class OnlinePlanner:
                              (self.held_at, other.held_at), (self.level_at, other.level_at)):  # fmt: skip
             mine.update({k: list(theirs.get(k, ())) for k in common})
         self.shape.update({k: dict(other.shape[k]) for k in common})
+        self.overheads.update({k: list(other.overheads[k]) for k in common})
 
     def state_dict(self) -> dict:
         """The speed factors, the factors the current plan assumed, who was measured, the recent and held-back
@@ -543,6 +600,8 @@ class OnlinePlanner:
                 "since": {k: list(v) for k, v in self.since.items()}, "assumed_n": dict(self.assumed_n),
                 "warmed": dict(self.warmed), "groups": [list(g) for g in self.groups],
                 "fresh": sorted(self.fresh),
+                "overheads": {k: list(v) for k, v in self.overheads.items()},
+                "overhead_assumed": dict(self.overhead_assumed),
                 "current": self.current.to_json() if self.current is not None else None}  # fmt: skip
 
     def load_state_dict(self, state: Mapping) -> None:
@@ -573,11 +632,23 @@ class OnlinePlanner:
         warmed = state.get("warmed")  # (older states: a measured worker had warmed up)
         self.warmed = {k: int(warmed.get(k, 0)) if isinstance(warmed, Mapping)
                        else (self.warmup_rounds if k in self.measured else 0) for k in self.factors}  # fmt: skip
+        # (a peer's state is data: an overhead is finite seconds >= 0, else left out; older states: none measured)
+        given, assumed = state.get("overheads"), state.get("overhead_assumed")
+        given = given if isinstance(given, Mapping) else {}
+        assumed = assumed if isinstance(assumed, Mapping) else {}
+        self.overheads = {k: [float(x) for x in given[k] if _overhead(x)][-OVERHEAD_WINDOW:]
+                          if isinstance(given.get(k), list) else [] for k in self.factors}  # fmt: skip
+        self.overhead_assumed = {k: float(assumed[k]) if _overhead(assumed.get(k)) else 0.0 for k in self.factors}
+
+
+def _overhead(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value < math.inf
 
 
 def predicted_balance(plan: Plan, profiles: Mapping[str, WorkerProfile]) -> tuple[float, float]:
     """(straggler idle of the compute phase, longest compute) that ``plan`` would have if the workers ran as
     ``profiles`` (by name) say."""
-    computes = [w.inner_steps * profiles[w.name].step_s(w.micro_batch, w.accum) for w in plan.workers]
-    top = max(computes)
-    return math.fsum(top - c for c in computes) / (len(computes) * top), top
+    busy = [w.inner_steps * profiles[w.name].step_s(w.micro_batch, w.accum) + profiles[w.name].round_overhead_s
+            for w in plan.workers]  # fmt: skip
+    top = max(busy)
+    return math.fsum(top - c for c in busy) / (len(busy) * top), top

@@ -123,7 +123,10 @@ class WorkerPlan:
     batch: int
     inner_steps: int
     compute_s: float  # predicted compute time this round (seconds)
-    straggler_wait_s: float  # predicted wait at the barrier: max compute − own compute (seconds)
+    # predicted wait at the barrier: the longest round's work − own (seconds); the work is the compute plus
+    # ``overhead_s``, the worker's measured time per round outside its inner steps (outer step, evaluation)
+    straggler_wait_s: float
+    overhead_s: float = 0.0
 
     @property
     def sequences(self) -> int:
@@ -131,7 +134,7 @@ class WorkerPlan:
         return self.batch * self.inner_steps
 
 
-_WORKER_FIELDS = [f.name for f in dataclasses.fields(WorkerPlan)]
+_WORKER_FIELDS = [f.name for f in dataclasses.fields(WorkerPlan) if f.default is dataclasses.MISSING]
 
 
 @dataclass
@@ -139,7 +142,7 @@ class Plan:
     """One round's plan for the whole cluster (``workers`` in the order of the profiles given)."""
 
     workers: list[WorkerPlan]
-    round_s: float  # max compute + exchange (seconds)
+    round_s: float  # max (compute + overhead) + exchange (seconds)
     compute_s: float  # max compute (seconds)
     sequences_per_round: int
     utilization: float  # Σ compute / (n · round_s)
@@ -202,6 +205,7 @@ class Plan:
                         inner_steps=int(w["inner_steps"]),
                         compute_s=float(w["compute_s"]),
                         straggler_wait_s=float(w["straggler_wait_s"]),
+                        overhead_s=float(w.get("overhead_s", 0.0)),
                     )
                 )
             target = data.get("target_sequences")
@@ -352,27 +356,29 @@ def _usable(profiles: Sequence[WorkerProfile], allow_drop: bool) -> tuple[list[W
 def _assemble(profiles, choices, exchange_bytes, exchange_s, method, target, dropped, rule: str = "",
               overlap: bool = False) -> Plan:  # fmt: skip
     """A Plan from per-worker (micro_batch, accum, inner_steps) choices; with ``overlap`` the exchange runs
-    under the next round's compute, so the round lasts max(compute, exchange) instead of their sum."""
+    under the next round's compute, so the round lasts max(compute, exchange) instead of their sum. A worker's
+    round overhead (:attr:`~geomesh.hardware.WorkerProfile.round_overhead_s`) is work too: the round lasts the
+    longest compute plus overhead, and a worker waits for it less its own."""
     if exchange_s < 0 or not math.isfinite(exchange_s):
         raise PlanError(f"exchange_s={exchange_s!r}: must be finite and >= 0")
     if exchange_bytes < 0:
         raise PlanError(f"exchange_bytes={exchange_bytes!r}: must be >= 0")
     computes = [h * p.step_s(m, a) for p, (m, a, h) in zip(profiles, choices)]
-    top = max(computes)
+    busy = [c + p.round_overhead_s for p, c in zip(profiles, computes)]
+    top = max(busy)
     round_s = max(top, exchange_s) if overlap else top + exchange_s
     n = len(profiles)
-    workers = [
-        WorkerPlan(p.name, p.gpu, m, a, m * a, h, c, top - c) for p, (m, a, h), c in zip(profiles, choices, computes)
-    ]
+    workers = [WorkerPlan(p.name, p.gpu, m, a, m * a, h, c, top - b, p.round_overhead_s)
+               for p, (m, a, h), c, b in zip(profiles, choices, computes, busy)]  # fmt: skip
     return Plan(
         workers=workers,
         round_s=round_s,
-        compute_s=top,
+        compute_s=max(computes),
         sequences_per_round=sum(w.sequences for w in workers),
         utilization=sum(computes) / (n * round_s),
         exchange_bytes=int(exchange_bytes),
         exchange_s=float(exchange_s),
-        straggler_idle_frac=sum(top - c for c in computes) / (n * round_s),
+        straggler_idle_frac=sum(top - b for b in busy) / (n * round_s),
         dropped=dict(dropped),
         method=method,
         target_sequences=target,
@@ -411,7 +417,9 @@ def plan_uniform(
 
 
 def reference_round_s(profiles: Sequence[WorkerProfile], batch: int, inner_steps: int) -> tuple[float, str]:
-    """(seconds, worker): the compute time of the reference plan (``inner_steps`` steps of ``batch``
-    sequences, split as :func:`split_batch` does) on the slowest of ``profiles``: the planning rule's round."""
-    times = [(inner_steps * p.step_s(*split_batch(batch, p.max_micro_batch)), p.name) for p in profiles]
+    """(seconds, worker): the round of the reference plan (``inner_steps`` steps of ``batch`` sequences, split
+    as :func:`split_batch` does, plus the worker's round overhead) on the slowest of ``profiles``: the planning
+    rule's round."""
+    times = [(inner_steps * p.step_s(*split_batch(batch, p.max_micro_batch)) + p.round_overhead_s, p.name)
+             for p in profiles]  # fmt: skip
     return max(times)

@@ -33,7 +33,8 @@ FILL_SLACK = 0.01  # the planning rule: options within 1% of a worker's longest 
 class _Worker:
     """Precomputed options of one worker: batches, their splits and step times, value weights."""
 
-    __slots__ = ("profile", "c", "min_h", "step1", "knee_upper", "bs", "ts", "splits", "rate", "wc", "ws", "min_opt")
+    __slots__ = ("profile", "c", "min_h", "step1", "knee_upper", "bs", "ts", "splits", "rate", "wc", "ws", "min_opt",
+                 "o")
 
     def __init__(self, profile: WorkerProfile, constraints: PlanConstraints, min_h: int):
         # the same numbers as knee_micro_batch / candidate_batches / knee_rate, each step time computed once
@@ -47,6 +48,7 @@ class _Worker:
         best = max(thr)
         knee = next(m for m, x in enumerate(thr, start=1) if x >= c.knee * best * (1 - 1e-12))
         self.profile, self.c, self.min_h, self.step1 = profile, c, min_h, step1
+        self.o = profile.round_overhead_s  # paid once per round: an option's round is o + H·t
         self.knee_upper = min(c.max_batch, max(knee, c.min_batch))
         self.rate = max(b / self._step(b) for b in range(c.min_batch, self.knee_upper + 1))
         beta = c.efficiency_weight
@@ -69,8 +71,8 @@ class _Worker:
         self.min_opt = self.option(self.bs[j], self.min_h, self.ts[j])
 
     def option(self, b: int, h: int, t: float) -> tuple[float, int, int, int, float]:
-        """(c, S, b, H, v) of running ``h`` steps of batch ``b`` (step time ``t``)."""
-        c = h * t
+        """(c, S, b, H, v) of running ``h`` steps of batch ``b`` (step time ``t``); c counts the round overhead."""
+        c = self.o + h * t
         return (c, b * h, b, h, self.wc * c + self.ws * b * h)
 
 
@@ -79,7 +81,7 @@ def _respond(w: _Worker, deadline: float, min_h: int, max_h: int, lam: float = 0
 
     Ties go to more sequences; when nothing fits, the quickest option.
     """
-    lim = deadline * (1 + _EPS)
+    lim = deadline * (1 + _EPS) - w.o
     best = None
     best_key = None
     wc, wsq = w.wc, w.ws + lam
@@ -104,7 +106,7 @@ def _max_total(ws: list[_Worker], deadline: float, min_h: int, max_h: int) -> in
     for w in ws:
         best = -1
         for b, t in zip(w.bs, w.ts):
-            h = int(lim / t)
+            h = int((lim - w.o) / t)
             if h > max_h:
                 h = max_h
             if h >= min_h and b * h > best:
@@ -118,8 +120,8 @@ def _most_sequences(w: _Worker, deadline: float, min_h: int, max_h: int):
     lim = deadline * (1 + _EPS)
     best = None
     for b, t in zip(w.bs, w.ts):
-        h = min(max_h, int(lim / t))
-        if h >= min_h and (best is None or b * h > best[1] or (b * h == best[1] and h * t < best[0])):
+        h = min(max_h, int((lim - w.o) / t))
+        if h >= min_h and (best is None or b * h > best[1] or (b * h == best[1] and w.o + h * t < best[0])):
             best = w.option(b, h, t)
     return best if best is not None else w.min_opt
 
@@ -219,10 +221,10 @@ def _sweep(ws, t_a, t_b, lam, min_h, max_h):
         wc, wsq = w.wc, w.ws
         pairs = []
         for b, t in zip(w.bs, w.ts):
-            h0 = max(min_h, int(lim_a / t))
-            h1 = min(max_h, int(lim_b / t))
+            h0 = max(min_h, int((lim_a - w.o) / t))
+            h1 = min(max_h, int((lim_b - w.o) / t))
             for h in range(h0, h1 + 1):
-                c = h * t
+                c = w.o + h * t
                 if lim_a < c <= lim_b:
                     v = wc * c + wsq * b * h
                     pairs.append((c, -(v + lam * b * h), -b * h, b, h, v))
@@ -275,7 +277,7 @@ def _replay(init, events, indices):
 def _solve(ws: list[_Worker], lo: int, hi: int, target: int, min_h: int, max_h: int):
     """Per-worker options (c, S, b, H, v) of the best plan, or None when the band is unreachable."""
     n = len(ws)
-    t_max = max(max_h * max(w.ts) for w in ws)
+    t_max = max(w.o + max_h * max(w.ts) for w in ws)
     if _max_total(ws, t_max, min_h, max_h) < lo:
         return None
     # deadline window from the most-sequences responses: T_a = smallest deadline with Σ S ≥ lo,
@@ -386,7 +388,7 @@ def _fill_response(w: _Worker, deadline: float, min_h: int, max_h: int):
     compute is within FILL_SLACK of the longest such option (straggler idle first), and among those the most
     sequences (the most efficient batch), then the smaller batch (more inner steps). The quickest option
     when nothing fits."""
-    lim = deadline * (1 + _EPS)
+    lim = deadline * (1 + _EPS) - w.o
     options = []
     for b, t in zip(w.bs, w.ts):
         h = min(max_h, int(lim / t))
@@ -404,13 +406,17 @@ def _plan_fill(kept, dropped, constraints: PlanConstraints, exchange_bytes: int,
     worker, or ``round_compute_s``) with its best batch and inner steps (:func:`_fill_response`)."""
     c = constraints
     min_h, max_h = c.min_inner_steps, c.max_inner_steps
-    if c.round_compute_s is not None:
-        deadline = float(c.round_compute_s)
-        rule = f"explicit round: {deadline:.3g} s of compute (geomesh.round_time_s)"
+    overhead = max(p.round_overhead_s for p in kept)
+    if c.round_compute_s is not None:  # (the compute of the worker with the most round overhead)
+        deadline = float(c.round_compute_s) + overhead
+        rule = f"explicit round: {c.round_compute_s:.3g} s of compute (geomesh.round_time_s)"
     else:
         deadline, slowest = reference_round_s(kept, c.ref_batch, c.ref_inner_steps)
+        what = "compute and round overhead" if overhead > 0 else "compute"
         rule = (f"fill the slowest worker's reference round: {c.ref_inner_steps} steps of {c.ref_batch} sequences "
-                f"on {slowest} = {deadline:.3g} s of compute; every worker fills it")  # fmt: skip
+                f"on {slowest} = {deadline:.3g} s of {what}; every worker fills it")  # fmt: skip
+    if overhead > 0:  # a worker slower outside its inner steps (an evaluation, the outer step) computes less
+        rule += "; round overheads measured: " + ", ".join(f"{p.name} {p.round_overhead_s:.3g} s" for p in kept)
     if c.overlap:
         # the exchange runs under the next round's compute: a round shorter than the exchange would leave the
         # workers waiting for it, so the compute fills at least the exchange (docs/overlap.md)

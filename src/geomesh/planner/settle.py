@@ -96,7 +96,8 @@ def corrected(profile: WorkerProfile, points: Points) -> WorkerProfile:
     return AdjustedProfile(name=profile.name, gpu=profile.gpu, gpu_count=profile.gpu_count,
                            max_micro_batch=profile.max_micro_batch, table=dict(profile.table),
                            step_overhead_s=profile.step_overhead_s, source=profile.source, slowdown=1.0,
-                           extra=dict(profile.extra), parts=((profile, tuple(points)),))  # fmt: skip
+                           extra=dict(profile.extra), round_overhead_s=profile.round_overhead_s,
+                           parts=((profile, tuple(points)),))  # fmt: skip
 
 
 def monotone_points(profile: WorkerProfile, points: Points) -> Points:
@@ -186,7 +187,8 @@ def pooled(profiles: Sequence[WorkerProfile], groups: Sequence[Sequence[int]]) -
             p = profiles[i]
             out[i] = AdjustedProfile(name=p.name, gpu=p.gpu, gpu_count=p.gpu_count, max_micro_batch=cap,
                                      table=dict(p.table), step_overhead_s=p.step_overhead_s, source=p.source,
-                                     slowdown=1.0, extra=dict(p.extra), parts=parts)  # fmt: skip
+                                     slowdown=1.0, extra=dict(p.extra), round_overhead_s=p.round_overhead_s,
+                                     parts=parts)  # fmt: skip
     return out
 
 

@@ -50,7 +50,7 @@ from ...errors import RunError
 from ...telemetry import Telemetry
 from ..checkpoint_state import run_fingerprint
 from .elastic_state import ElasticState, Records
-from .exchange import Exchanged, RoundView, compute_idle
+from .exchange import Exchanged, RoundView, reported_overhead_s, round_idle, round_work_s
 from .layout import RegionLayout, min_regions_of, region_layout
 from .membership import LIGHTHOUSE_ENV, ExchangeFailed, Membership, MembershipError, group_store_host
 from .transport import WanShaper, ring_allgather_bytes, ring_allreduce_bytes
@@ -85,12 +85,18 @@ def adaptive_deadline_s(history: list[float], *, multiple: float, floor_s: float
 
 
 def deadline_history(records: list[dict[str, Any]]) -> list[float]:
-    """Per round record (oldest first), the slowest member's measured compute seconds: numbers every leader
-    gathered alike with the round's exchange, and that a healed region receives with the records."""
+    """Per round record (oldest first), the slowest member's measured work seconds (its compute and round
+    overhead, which the exchange waits for alike): numbers every leader gathered alike with the round's
+    exchange, and that a healed region receives with the records (data: what is not a number is left out)."""
     out = []
     for r in records:
         if r.get("type") == "round":
-            times = [c for c in r.get("compute_s") or [] if isinstance(c, (int, float))]
+            computes, overheads = r.get("compute_s"), r.get("overhead_s")
+            computes = computes if isinstance(computes, list) else []
+            overheads = overheads if isinstance(overheads, list) and len(overheads) == len(computes) else []
+            infos = [{"compute_s": c, **({"overhead_s": overheads[k]} if overheads else {})}
+                     for k, c in enumerate(computes)]  # fmt: skip
+            times = [w for w in map(round_work_s, infos) if w is not None]
             if times:
                 out.append(max(times))
     return out
@@ -534,10 +540,11 @@ class QuorumExchange(ElasticState):
             t["bytes_sent"] += result.wan_bytes * len(infos)
             t["proxy_bytes_sent"] += self.loop.kit.payload_nbytes * (len(took_part) - len(outcome["dropped"]))
             t["comm_s"] += result.comm_s
-            run.round_idle.append(compute_idle([i["compute_s"] for i in infos]))
+            run.round_idle.append(round_idle(infos))
             self._emit({"type": "round", "round": number, "time": run._now(), "tokens": run.tokens_done,
                         "members": [names[i] for i in took_part], "compute_s": [i["compute_s"] for i in infos],
-                        "straggler_idle_frac": compute_idle([i["compute_s"] for i in infos]),
+                        "overhead_s": [reported_overhead_s(i) for i in infos],
+                        "straggler_idle_frac": round_idle(infos),
                         "exchange_s": result.comm_s, "bytes_sent": result.wan_bytes * len(infos),
                         "tokens_lost": {names[i]: t for i, t in lost.items()},
                         "deadline_s": self.last_deadline_s,

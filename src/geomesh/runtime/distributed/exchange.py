@@ -81,14 +81,37 @@ def compute_idle(compute_s: list[float]) -> float | None:
     return sum(max(times) - c for c in times) / (len(times) * max(times))
 
 
-def wait_for_slowest_s(infos: list[dict[str, Any]], compute_s: float) -> float:
-    """How long an exchange that no barrier precedes waits for the slowest member: its measured compute
-    (the members' round infos carry theirs) beyond this member's. By compute times, not clock times: the
-    regions' clocks agree only roughly, and the round records measure straggler idle the same way. The
-    caller clips it to the exchange's length (members that started their round later wait less)."""
-    times = [i["compute_s"] for i in infos
-             if isinstance(i.get("compute_s"), (int, float)) and math.isfinite(i["compute_s"])]  # fmt: skip
-    return max(0.0, max(times, default=compute_s) - compute_s)
+def reported_overhead_s(info: dict[str, Any]) -> float | None:
+    """A member's round overhead as its info reports it (its time outside the inner steps since its last
+    exchange: the outer step, an evaluation): finite seconds >= 0, else None (a peer's figure is data)."""
+    value = info.get("overhead_s")
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value < math.inf
+    return float(value) if ok else None
+
+
+def round_work_s(info: dict[str, Any]) -> float | None:
+    """A member's work in its round, as its info reports it: its measured compute plus its round overhead
+    (:func:`reported_overhead_s`, none counts as 0); None without a compute."""
+    compute = info.get("compute_s")
+    if isinstance(compute, bool) or not isinstance(compute, (int, float)) or not math.isfinite(compute):
+        return None
+    return float(compute) + (reported_overhead_s(info) or 0.0)
+
+
+def round_idle(infos: list[dict[str, Any]]) -> float | None:
+    """The round's straggler idle from its members' infos: :func:`compute_idle` of their work
+    (:func:`round_work_s`): a member slower outside its inner steps, planned to compute less, is not idle."""
+    return compute_idle([w for w in map(round_work_s, infos) if w is not None])
+
+
+def wait_for_slowest_s(infos: list[dict[str, Any]], work_s: float) -> float:
+    """How long an exchange that no barrier precedes waits for the slowest member: its measured work (compute
+    and round overhead, :func:`round_work_s`; the members' round infos carry theirs) beyond this member's. By
+    measured times, not clock times: the regions' clocks agree only roughly, and the round records measure
+    straggler idle the same way. The caller clips it to the exchange's length (members that started their
+    round later wait less)."""
+    times = [w for w in map(round_work_s, infos) if w is not None]
+    return max(0.0, max(times, default=work_s) - work_s)
 
 
 class Exchange(Protocol):
@@ -252,14 +275,17 @@ class StaticExchange:
         wire = loop.wire if loop.overlap is not None and run.is_leader else {}
         info = run._round_info(checksum, compute_s, comm_s, sent_before, wire_before, wire_after,
                                proxy_bytes=sum(len(p) for p in parts if p is not None) if run.is_leader else 0,
-                               dropped=False, **clock, **wire)  # fmt: skip
+                               dropped=False, **clock, **wire,
+                               **({} if loop.round_overhead_s is None else {"overhead_s": loop.round_overhead_s}))
         infos = run._gather_checked(info, "round", "global parameters")
         # every region's clock came with its report: the leaders agree on the run's elapsed time, then their ranks
         run.agree_elapsed([i.get("elapsed_s") for i in infos] if infos is not None else None, in_region=True)
         if run.rank == 0:
             run._record_round(infos, loop.names, members=[loop.names[i] for i in outcome["took_part"]],
                               tokens_lost={loop.names[i]: t for i, t in lost.items()},
-                              straggler_idle_frac=compute_idle([i["compute_s"] for i in infos]),
+                              straggler_idle_frac=round_idle(infos),
+                              **({"overhead_s": [reported_overhead_s(i) for i in infos]}
+                                 if loop.round_overhead_s is not None else {}),
                               **({"elapsed_s": run.time_elapsed_s} if clock else {}))  # fmt: skip
         return infos
 

@@ -26,7 +26,7 @@ from ...network import WanModel
 from ...planner import OnlinePlanner, Plan
 from ...planner.settle import settled_profiles
 from ...planner.wan import time_parts
-from .exchange import Exchanged
+from .exchange import Exchanged, reported_overhead_s
 
 WARMUP_ROUNDS = 1
 PROBE_SMALL = 512  # bytes per leader of the small WAN probe (latency), before round 0
@@ -320,19 +320,28 @@ class PlanLoop:
                 measured[self.names[i]] = entries[i].compute_s if as_planned else c
         for name, c in measured.items():
             self.online.observe(name, c, ran)
+        for info in result.infos:  # each member's round overhead (after its compute: its warm-up is not folded)
+            i, o = info.get("region"), reported_overhead_s(info)
+            name = self.names[i] if i in outcome["took_part"] else None
+            if o is not None and name in self.online.overheads:  # (tests: as planned, as compute is)
+                planned_o = entries[i].overhead_s if i in entries else 0.0
+                self.online.observe_overhead(name, planned_o if as_planned else o)
         if wan_drift is not None:  # the same members over the measured WAN (their speeds as measured now)
             exchange_s = self.plan_exchange_s(self.planning_wan(self.planned_for))
             self.wan_measure.assume()
             self._replanned(self.online.plan(self.kit.modeled_payload_nbytes, exchange_s), measured, wan_drift, outcome,
                             after_round)  # fmt: skip
             return
-        replanned = self.online.maybe_replan(self.kit.modeled_payload_nbytes, self.plan.exchange_s)
+        online = self.online
+        moved = {n: (online.overhead_assumed.get(n, 0.0), online.round_overhead(n)) for n in online.overhead_moved()}
+        replanned = online.maybe_replan(self.kit.modeled_payload_nbytes, self.plan.exchange_s)
         if replanned is not None:
-            self._replanned(replanned, measured, None, outcome, after_round)
+            self._replanned(replanned, measured, None, outcome, after_round, overheads=moved)
 
     def _replanned(self, replanned: Plan, measured: dict[str, float], wan_drift: str | None, outcome,
-                   after_round: int | None = None) -> None:  # fmt: skip
-        """A re-plan at this round (every rank alike): in force from the next round, recorded with its reason."""
+                   after_round: int | None = None, overheads: dict[str, tuple[float, float]] | None = None) -> None:
+        """A re-plan at this round (every rank alike): in force from the next round, recorded with its reason
+        (``overheads``: the regions whose round overhead moved, name -> (assumed, measured) seconds)."""
         run, plan = self.run, self.plan
         number = run.rounds if after_round is None else after_round
         planned_s = {w.name: w.compute_s for w in plan.workers}
@@ -344,6 +353,9 @@ class PlanLoop:
         run.telemetry.count("replans")
         drift = wan_drift or "compute measured against planned: " + ", ".join(
             f"{n} measured {m:.3g} s vs planned {planned_s[n]:.3g} s" for n, m in measured.items() if n in planned_s)
+        if overheads:  # (a region slower outside its inner steps: the others no longer wait for it)
+            drift += "; round overhead measured against planned: " + ", ".join(
+                f"{n} measured {m:.3g} s vs planned {a:.3g} s" for n, (a, m) in overheads.items())
         self.emit({"type": "plan", "round": number, "time": run._now(), "plan": replanned.to_json(),
                    "replan": True, "measured_s": measured, "planned_s": planned_s, "reason": drift})  # fmt: skip
         if run.keeps_records and run.region == min(outcome["took_part"] or [self.me]):
@@ -442,7 +454,7 @@ class PlanLoop:
         if self.online is None and self.wan_measure is None:
             return
         run = self.run
-        keys = ("compute_s", "wire_s", "wire_round")
+        keys = ("compute_s", "overhead_s", "wire_s", "wire_round")
         infos = None
         if run.is_leader:  # (each region's report is data: observe() checks every figure)
             infos = [{"region": k, **{f: i.get(f) for f in keys}} for k, i in enumerate(reports or [])

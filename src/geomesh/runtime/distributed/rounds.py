@@ -133,6 +133,13 @@ class RoundLoop(PlanLoop):
         # the index in ``run.plans`` of the plan the round in progress runs, and the one a healing state gave
         self.round_plan_at: int | None = None
         self.healed_round_plan: int | None = None
+        # this region's round overhead: its time outside the inner steps since its last exchange (that round's
+        # outer step, evaluation and checkpoint, this round's start; overlapped: the outer step and evaluation at
+        # the apply step), reported with its compute so that the plan loop plans each region's round less its
+        # own (a slower region's evaluation is not waited out by the faster ones)
+        self.round_overhead_s: float | None = None
+        self._exchange_end: float | None = None
+        self._overhead_tail = 0.0
 
     @property
     def wire_nbytes(self) -> int:
@@ -197,6 +204,7 @@ class RoundLoop(PlanLoop):
             # elastic: the round's quorum, a round trip through the Lighthouse that every live region asks for as
             # its last exchange ends (so nobody waits there for a slower one's compute: that wait is in the exchange)
             run._mark("comm_wait" if self.elastic else "straggler_wait")
+            quorum_end = run._cursor
             first = False
             # overlapped, a region healed at the quorum of the exchange about to leave joins that exchange at once
             # (with no update: it trained nothing this round), and trains from the next round on
@@ -258,14 +266,20 @@ class RoundLoop(PlanLoop):
             # (overlapped: less the wait for the exchange that arrived at the apply step, its outer step and an
             # evaluation there: the region's own compute, which the plan loop re-plans from)
             compute_s = run._cursor - round_start - (self.overlap.apart_s if self.overlap is not None else 0.0)
+            # (overlapped: with the outer step and an evaluation at the apply step, less the wait there)
+            apart = self.overlap.apart_s - self.overlap.waited_s if self.overlap is not None else 0.0
+            self.round_overhead_s = self._overhead_tail + (round_start - quorum_end) + max(apart, 0.0)
+            self._overhead_tail = 0.0
             self._test_kill_point()
             # 4. exchange over the members' leaders
             sent_before, wire_before = run.transport.wan_bytes, tx_bytes(run._iface)
             if self.overlap is not None:
                 result, comm_s = self._exchange_overlapped(payload, split, in_exchange, compute_s,
                                                            quorum=not joined_now)  # fmt: skip
+                self._exchange_end = run._cursor
             else:
                 result, comm_s = self._exchange(payload, members, compute_s)
+                self._exchange_end = run._cursor
                 if result.healed_state is not None:  # this region fell behind during the exchange
                     self.exchange.apply_healed(result.healed_state)
                     continue
@@ -334,6 +348,8 @@ class RoundLoop(PlanLoop):
         # next round's quorum or barrier booked them as a wait: an evaluation at a slow region's speed read as WAN
         # or straggler idle)
         run._mark("other")
+        if self._exchange_end is not None:  # (plain rounds) the round overhead's part after the exchange
+            self._overhead_tail, self._exchange_end = run._cursor - self._exchange_end, None
         run._test_exit_point()
 
     def _record_arrived(self, compute_s: float, comm_s: float) -> None:
@@ -402,6 +418,8 @@ class RoundLoop(PlanLoop):
         run = self.run
         info = {"region": self.me, "active": self.me in members, "compute_s": compute_s, "sent": payload is not None,
                 "rejected": reason, "plan": self.plan.digest() if self.plan is not None else None}  # fmt: skip
+        if self.round_overhead_s is not None:
+            info["overhead_s"] = self.round_overhead_s
         info.update(self.exchange.info_fields())
         info.update(self.wire)
         if self.elastic and run.time_budget_s is not None:  # this region's clock, for the time budget's rule
@@ -425,7 +443,7 @@ class RoundLoop(PlanLoop):
             result = self.exchange.exchange(payload, summed, info, members)
             if self.elastic:  # no barrier before the exchange (the quorum opened the round): the wait for the
                 # slowest member is inside it: the part its compute outlasted this region's, as a barrier books it
-                waited = wait_for_slowest_s(result.infos, compute_s)
+                waited = wait_for_slowest_s(result.infos, compute_s + (self.round_overhead_s or 0.0))
                 run._mark("straggler_wait", until=min(run._now(), comm_start + waited))
                 comm_start = run._cursor
             self.note_wire(max(0.0, result.comm_s - (waited if self.elastic else 0.0)))
