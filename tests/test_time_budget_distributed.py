@@ -86,6 +86,21 @@ def assert_evaluations_are_other_time(out: Path) -> None:
     assert evals and all(any(a <= t <= b for a, b in others) for t in evals), evals
 
 
+def assert_evaluations_follow_the_quorum(out: Path) -> None:
+    """Elastic plain rounds: every evaluation but the run's last runs after the next round's quorum, just before
+    that round's compute (the span after the one it lies in is compute, not the quorum's wait): a slower
+    region's evaluation is its round overhead, which the plan counts, not a wait at the quorum for the others."""
+    events = read_events(out / "events.jsonl")
+    writer = next(e for e in events if e["type"] == "run")["workers"][0]
+    spans = sorted((e["start"], e["end"], e["kind"]) for e in events if e["type"] == "span" and e["worker"] == writer
+                   and e["end"] > e["start"])  # fmt: skip
+    evals = sorted(e["time"] for e in events if e["type"] == "eval" and e["round"] >= 1)[:-1]
+    assert evals
+    for t in evals:
+        k = next(k for k, (a, b, kind) in enumerate(spans) if a <= t <= b and kind == "other")
+        assert spans[k + 1][2] == "compute", (t, spans[max(k - 2, 0): k + 3])
+
+
 # ---- pieces that need no processes ------------------------------------------------------------------
 
 
@@ -160,6 +175,8 @@ def test_elastic_regions_stop_at_the_same_round(tmp_path, small_corpus, method, 
     rounds = [e["round"] for e in read_events(out / "events.jsonl") if e["type"] == "round"]
     assert rounds == list(range(1, s["rounds"] + 1))
     assert_evaluations_are_other_time(out)
+    if method == "geomesh-sign-only":
+        assert_evaluations_follow_the_quorum(out)
 
 
 def test_a_resumed_run_keeps_the_budget_it_had(tmp_path, small_corpus):

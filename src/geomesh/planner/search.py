@@ -441,10 +441,11 @@ def _plan_fill(kept, dropped, constraints: PlanConstraints, exchange_bytes: int,
 def _warn_if_unbalanced(plan: Plan, ws: list[_Worker], state) -> None:
     """Warn when the constraints leave much straggler idle (e.g. a slow worker's minimum is too long)."""
     n = len(plan.workers)
-    idle = sum(w.straggler_wait_s for w in plan.workers) / (n * plan.compute_s)
+    top = max(w.compute_s + w.overhead_s for w in plan.workers)  # the round's work (compute and round overhead)
+    idle = sum(w.straggler_wait_s for w in plan.workers) / (n * top)
     if idle <= IDLE_WARN:
         return
-    pinned = [w.profile.name for w, s in zip(ws, state) if s == w.min_opt and s[0] >= plan.compute_s * (1 - 1e-9)]
+    pinned = [w.profile.name for w, s in zip(ws, state) if s == w.min_opt and s[0] >= top * (1 - 1e-9)]
     if pinned:
         reason = (
             f"worker(s) {', '.join(pinned)} cannot do less than min_inner_steps steps of their smallest batch; "
@@ -454,6 +455,6 @@ def _warn_if_unbalanced(plan: Plan, ws: list[_Worker], state) -> None:
         reason = "integer batches and steps within the bounds allow no better balance; widen the bounds"
     warnings.warn(
         f"planner: predicted straggler idle {idle:.1%} of the compute phase (round compute "
-        f"{plan.compute_s:.3g} s): {reason}",
+        f"{top:.3g} s): {reason}",
         stacklevel=3,
     )

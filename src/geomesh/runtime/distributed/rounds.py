@@ -138,6 +138,7 @@ class RoundLoop(PlanLoop):
         # the apply step), reported with its compute so that the plan loop plans each region's round less its
         # own (a slower region's evaluation is not waited out by the faster ones)
         self.round_overhead_s: float | None = None
+        self._evaluation_due = False  # (elastic plain rounds) the last round's evaluation, run after this quorum
         self._exchange_end: float | None = None
         self._overhead_tail = 0.0
 
@@ -210,6 +211,7 @@ class RoundLoop(PlanLoop):
             # (with no update: it trained nothing this round), and trains from the next round on
             joined_now = view.healed and self.overlap is not None
             if view.healed:  # the live state first (its plan loop too), then this round's news, as the others
+                self._evaluation_due = False  # (of the θ it held before: not the run's)
                 self.exchange.apply_healed(view.state)
                 self._kill_at = None  # (tests: a restarted process healed into the run is not killed again there)
             if view.calibration:
@@ -254,6 +256,9 @@ class RoundLoop(PlanLoop):
             planned = {i: entries[i].batch * steps[i] * self.seq for i in members}
             checkpoint_due = saver is not None and every > 0 and (run.rounds + 1) % every == 0  # after this round
             last = run.tokens_done + rs.tokens >= run.token_cap  # (a time budget: known once the round is reported)
+            if self._evaluation_due:  # the last round's evaluation, after this round's quorum (see _end_of_round)
+                self._evaluation_due = False
+                run._evaluate(run._now())
             # 3. inner steps
             self._in_round = True  # (until the round is counted: an exchange arriving now re-plans the next)
             run._mark("other")
@@ -341,7 +346,14 @@ class RoundLoop(PlanLoop):
         run = self.run
         if self.overlap is None and run.evaluates and (run.rounds % tr.eval_every_rounds == 0
                                                         or run.budget_spent()):  # fmt: skip
-            run._evaluate(run._now())
+            if self.elastic and not (run.budget_spent() or checkpoint_due):
+                # elastic: after the next round's quorum, which waits for every member. Run before it, a slower
+                # region's evaluation held every other region there; after it, it is this region's round
+                # overhead, which the plan gives the faster ones as inner steps. (The last round's, and one a
+                # checkpoint follows, at once: a resumed run has the records the uninterrupted one has.)
+                self._evaluation_due = True
+            else:
+                run._evaluate(run._now())
         if checkpoint_due:
             run._save_checkpoint(saver, keep)
         # the evaluation and the checkpoint are the round's "other" time, as in an overlapped round (unmarked, the
