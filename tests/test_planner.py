@@ -472,7 +472,7 @@ def noisy_rounds(op: OnlinePlanner, profiles, plan, rounds: int, sigma: float, s
 
 
 def test_dispersion_is_the_round_to_round_noise_and_ignores_a_step():
-    from geomesh.planner.online import NOISE_MIN_CHANGES, dispersion
+    from geomesh.planner.noise import NOISE_MIN_CHANGES, dispersion
 
     assert dispersion([1.0] * NOISE_MIN_CHANGES) is None
     assert dispersion([1.0] * (NOISE_MIN_CHANGES + 1)) == 0.0

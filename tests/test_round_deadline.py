@@ -1,6 +1,6 @@
 """The adaptive round deadline of elastic regions (``reliability.round_deadline_mode: adaptive``).
 
-The rule is pure (:func:`~geomesh.runtime.distributed.elastic.adaptive_deadline_s`): the median of the recent
+The rule is pure (:func:`~geomesh.runtime.distributed.deadline.adaptive_deadline_s`): the median of the recent
 rounds' slowest compute plus a multiple of their median absolute deviation, within a floor and the fixed
 deadline as the cap. One small elastic run (3 regions of one rank) shows that every round record carries the
 deadline its exchange was held to, that it is the rule applied to the records' own measured times, and that a
@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 
 from geomesh.config import ConfigError, ReliabilityConfig, _validate_reliability
-from geomesh.runtime.distributed.elastic import MEASURED_ROUNDS, adaptive_deadline_s, deadline_history
+from geomesh.runtime.distributed.deadline import MEASURED_ROUNDS, adaptive_deadline_s, deadline_history
 from geomesh.runtime.distributed.membership import join_timeout_s
 
 RULE = {"multiple": 4.0, "floor_s": 1.0, "cap_s": 60.0, "window": 8}

@@ -16,7 +16,7 @@ from geomesh.cli import launch as cli_launch
 from geomesh.hardware import WorkerProfile
 from geomesh.planner import OnlinePlanner, PlanConstraints, plan_balanced
 from geomesh.planner.online import OVERHEAD_WINDOW, predicted_balance
-from geomesh.runtime.distributed.elastic import deadline_history
+from geomesh.runtime.distributed.deadline import deadline_history
 from geomesh.runtime.distributed.exchange import reported_overhead_s, round_idle, round_work_s, wait_for_slowest_s
 from geomesh.telemetry import read_events
 

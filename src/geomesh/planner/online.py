@@ -1,7 +1,12 @@
 """Online re-planning (beyond the paper): :func:`replan` re-plans from one set of measured compute times, and
 :class:`OnlinePlanner` keeps smoothed per-worker speed factors and re-plans when one drifts; with noisy
 wall-clock measurements (``noise_k``) its plan settles (alike workers planned alike, the table corrected where
-the plan runs, warm-up ignored, no re-plan that moves no work). Pure: the caller passes the measurements in."""
+the plan runs, warm-up ignored, no re-plan that moves no work). Pure: the caller passes the measurements in.
+
+This file is long because the planner's rules share one state (speed factors, their noise and levels, the
+tables' corrections, round overheads) that a checkpoint and a healed region carry whole, so that a resumed
+or healed region plans what the uninterrupted run does; what needs no state is beside it (:mod:`.settle`,
+:mod:`.noise`)."""
 
 from __future__ import annotations
 
@@ -10,6 +15,7 @@ import math
 from collections.abc import Mapping, Sequence
 
 from ..hardware import WorkerProfile
+from .noise import dispersion, geomean, median, robust_sigma
 from .plan import Plan, PlanConstraints, WorkerPlan, scaled_profiles
 from .search import plan_balanced
 from .settle import ALIKE_FLOOR, alike_groups, comparison_batches, corrected, correction_at, pooled, table_noise
@@ -63,38 +69,11 @@ def replan(
 
 
 NOISE_WINDOW = 12  # recent observed factors per worker that measure its round-to-round dispersion
-NOISE_MIN_CHANGES = 3  # round-to-round changes before a dispersion is trusted (a worker's own, or all workers')
 NOISE_TRUSTED = 6  # (noise-aware) own round-to-round changes after which the measured noise alone sets the bands
 SPREAD_MIN_ROUNDS = 3  # rounds since the plan a worker needs before its drift is compared with the others'
-_MAD_TO_SIGMA = 1.4826  # a normal distribution's σ per median absolute deviation
 DEADBAND_FLOOR = 0.01  # (noise-aware) a re-plan that gains less than this (straggler idle, round length) is none
 SHAPE_BATCHES = 8  # (noise-aware) the batches a worker's table is corrected at (the most recently measured)
 OVERHEAD_WINDOW = 5  # recent rounds whose median is a worker's round overhead (an evaluation's outlier is one)
-
-
-def _changes(history: Sequence[float]) -> list[float]:
-    return [abs(math.log(b / a)) for a, b in zip(history, history[1:])]
-
-
-def dispersion(*histories: Sequence[float]) -> float | None:
-    """The relative round-to-round dispersion σ of recent observed factors (one worker's, or several workers'
-    pooled): the robust scale (1.4826 × median absolute value) of the successive log-ratios, over √2 (a
-    change carries two rounds' noise). A step change of speed is one large change among several, which the
-    median ignores; ``None`` with fewer than :data:`NOISE_MIN_CHANGES` changes."""
-    steps = [d for h in histories for d in _changes(h)]
-    if len(steps) < NOISE_MIN_CHANGES:
-        return None
-    return _MAD_TO_SIGMA * _median(steps) / math.sqrt(2.0)
-
-
-def _geomean(values: Sequence[float]) -> float:
-    return math.exp(math.fsum(math.log(x) for x in values) / len(values))
-
-
-def _median(values: Sequence[float]) -> float:
-    xs = sorted(values)
-    n = len(xs)
-    return xs[n // 2] if n % 2 else 0.5 * (xs[n // 2 - 1] + xs[n // 2])
 
 
 class OnlinePlanner:
@@ -328,7 +307,7 @@ class OnlinePlanner:
 
     def round_overhead(self, name: str) -> float:
         """``name``'s round overhead: the median of its recent rounds' (0 before any)."""
-        return _median(self.overheads[name]) if self.overheads.get(name) else 0.0
+        return median(self.overheads[name]) if self.overheads.get(name) else 0.0
 
     def with_overheads(self, profiles: Sequence[WorkerProfile]) -> list[WorkerProfile]:
         """``profiles`` with each worker's round overhead as measured (the profile itself when it is 0 and so
@@ -346,11 +325,7 @@ class OnlinePlanner:
         top = max(w.compute_s + w.overhead_s for w in self.current.workers)
 
         def band(k: str) -> float:
-            xs = self.overheads[k]
-            if self.noise_k <= 0 or len(xs) < 2:
-                return self.threshold * top
-            mid = _median(xs)
-            return max(self.threshold * top, self.noise_k * _MAD_TO_SIGMA * _median([abs(x - mid) for x in xs]))
+            return max(self.threshold * top, max(self.noise_k, 0.0) * robust_sigma(self.overheads[k]))
 
         return [k for k in self.overheads if abs(self.round_overhead(k) - self.overhead_assumed.get(k, 0.0)) > band(k)]
 
@@ -361,8 +336,8 @@ class OnlinePlanner:
             return self.factors[name]
         shape = tuple(sorted(self.shape[name].items()))
         if not shape:
-            return _geomean(self.level[name])
-        return _geomean([x / correction_at(shape, b) for x, b in zip(self.level[name], self.level_at[name])])
+            return geomean(self.level[name])
+        return geomean([x / correction_at(shape, b) for x, b in zip(self.level[name], self.level_at[name])])
 
     def factor_at(self, name: str, batch: int) -> float:
         """(noise-aware) ``name``'s factor at ``batch``: its level times its table's shape there."""
@@ -467,7 +442,7 @@ class OnlinePlanner:
         for b in self.level_at[name]:  # the batches measured keep what the table is there
             shape.setdefault(b, correction_at(before, b))
         shape.pop(batch, None)
-        shape[batch] = correction_at(before, batch) * _geomean(observed) / expected
+        shape[batch] = correction_at(before, batch) * geomean(observed) / expected
         while len(shape) > SHAPE_BATCHES:
             shape.pop(next(iter(shape)))
         self._extend_level(name, list(observed), batch)
@@ -504,7 +479,7 @@ class OnlinePlanner:
             drifted = max(self.drift().values()) > self.threshold or overhead
             return self.plan(exchange_bytes, exchange_s) if drifted else None
         moved = [k for k, xs in self.since.items()
-                 if xs and abs(math.log(_geomean(xs) / self.assumed[k])) > self.band(k)]  # fmt: skip
+                 if xs and abs(math.log(geomean(xs) / self.assumed[k])) > self.band(k)]  # fmt: skip
         # twice the evidence the plan was made from, and it says otherwise by more than the threshold: the
         # better estimate re-plans (a few times early in a level: after 2, 4, 8 rounds; not round after round)
         refreshed = [k for k, xs in self.level.items() if xs and len(xs) >= 2 * max(self.assumed_n[k], 1)
@@ -551,7 +526,7 @@ class OnlinePlanner:
     def _drifts(self) -> dict[str, float]:
         """(noise-aware) Per worker with :data:`SPREAD_MIN_ROUNDS` rounds since the plan: the log of the mean of
         those rounds' factors over the factor the plan assumed."""
-        return {k: math.log(_geomean(xs) / self.assumed[k]) for k, xs in self.since.items()
+        return {k: math.log(geomean(xs) / self.assumed[k]) for k, xs in self.since.items()
                 if len(xs) >= SPREAD_MIN_ROUNDS}  # fmt: skip
 
     def spread(self, drifts: dict[str, float] | None = None) -> float:

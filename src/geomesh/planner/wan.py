@@ -57,7 +57,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from ..network import WanModel
-from .online import _MAD_TO_SIGMA, _median
+from .noise import change_sigma
 
 WINDOW = 16  # observations of the current level that the factors are fitted from
 NOISE_WINDOW = 16  # recent observations (held-back ones included) whose residuals measure the noise
@@ -231,7 +231,7 @@ class WanEstimator:
         changes = [abs(b - a) for a, b in zip(self._history, self._history[1:])]
         if len(changes) < NOISE_MIN_CHANGES:
             return None
-        return _MAD_TO_SIGMA * _median(changes) / math.sqrt(2.0)
+        return change_sigma(changes)
 
     # ---- re-planning ----------------------------------------------------------------------------------------
     def drift(self) -> float:

@@ -38,7 +38,6 @@ Faults, planning, screening, evaluation and checkpoints are the round loop's, as
 from __future__ import annotations
 
 import os
-import statistics
 import time
 from typing import Any
 
@@ -50,7 +49,8 @@ from ...errors import RunError
 from ...telemetry import Telemetry
 from ..checkpoint_state import run_fingerprint
 from .elastic_state import ElasticState, Records
-from .exchange import Exchanged, RoundView, reported_overhead_s, round_idle, round_work_s
+from .deadline import MEASURED_ROUNDS, adaptive_deadline_s, deadline_history
+from .exchange import Exchanged, RoundView, reported_overhead_s, round_idle
 from .layout import RegionLayout, min_regions_of, region_layout
 from .membership import LIGHTHOUSE_ENV, ExchangeFailed, Membership, MembershipError, group_store_host
 from .transport import WanShaper, ring_allgather_bytes, ring_allreduce_bytes
@@ -61,45 +61,6 @@ __all__ = ["QuorumExchange", "RegionLayout", "adaptive_deadline_s", "deadline_hi
 # tests: "REGION:ROUND": that region's leader loses its exchange of that round after the payloads arrived (as
 # when the connection to a dying member breaks late): the others commit the round, it falls behind
 TEST_LOSE_ENV = "GEOMESH_TEST_LOSE_EXCHANGE"
-MEASURED_ROUNDS = 3  # rounds measured before an adaptive deadline replaces the fixed one (the first may warm up)
-MIN_SPREAD = 0.1  # the least spread assumed, as a fraction of the median (see adaptive_deadline_s)
-
-
-def adaptive_deadline_s(history: list[float], *, multiple: float, floor_s: float, cap_s: float,
-                        window: int) -> float:  # fmt: skip
-    """The exchange's deadline from the recent rounds' measured times (``history``: per round, the slowest
-    member's compute seconds, oldest first): over the last ``window`` rounds, the median plus ``multiple``
-    median absolute deviations, never below ``floor_s``, never above ``cap_s`` (``reliability.round_deadline_s``).
-    ``cap_s`` until :data:`MEASURED_ROUNDS` rounds are measured.
-
-    Median and MAD rather than mean and deviation: one stalled or healing round must not move the deadline.
-    A history of identical rounds has no spread at all; the deviation is taken as at least
-    :data:`MIN_SPREAD` of the median, so such a deadline is not the median itself (which would drop a region
-    for a 1% jitter). Pure: every leader computes it from the same round records, so they agree."""
-    xs = [float(x) for x in history if isinstance(x, (int, float)) and x >= 0][-window:]
-    if len(xs) < MEASURED_ROUNDS:
-        return float(cap_s)
-    med = statistics.median(xs)
-    mad = statistics.median([abs(x - med) for x in xs])
-    return float(min(cap_s, max(floor_s, med + multiple * max(mad, MIN_SPREAD * med))))
-
-
-def deadline_history(records: list[dict[str, Any]]) -> list[float]:
-    """Per round record (oldest first), the slowest member's measured work seconds (its compute and round
-    overhead, which the exchange waits for alike): numbers every leader gathered alike with the round's
-    exchange, and that a healed region receives with the records (data: what is not a number is left out)."""
-    out = []
-    for r in records:
-        if r.get("type") == "round":
-            computes, overheads = r.get("compute_s"), r.get("overhead_s")
-            computes = computes if isinstance(computes, list) else []
-            overheads = overheads if isinstance(overheads, list) and len(overheads) == len(computes) else []
-            infos = [{"compute_s": c, **({"overhead_s": overheads[k]} if overheads else {})}
-                     for k, c in enumerate(computes)]  # fmt: skip
-            times = [w for w in map(round_work_s, infos) if w is not None]
-            if times:
-                out.append(max(times))
-    return out
 
 
 class QuorumExchange(ElasticState):
@@ -107,6 +68,7 @@ class QuorumExchange(ElasticState):
     docstring)."""
 
     elastic = True
+    report_wait_s = 0.0  # (the round's records came with its exchange: its report waits for nobody)
 
     def __init__(self, loop):
         self.loop = loop

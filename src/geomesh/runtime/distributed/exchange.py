@@ -118,6 +118,7 @@ class Exchange(Protocol):
     """The seam (see the module docstring); ``run`` is the rank's :class:`~.core.RankRun`."""
 
     elastic: bool
+    report_wait_s: float  # seconds the last round's report waited for other regions (none: 0)
 
     def open_round(self, first: bool) -> RoundView: ...
 
@@ -140,6 +141,7 @@ class StaticExchange:
     def __init__(self, loop: Any):
         self.loop, self.run = loop, loop.run
         self.n = len(self.run.scenario.regions)
+        self.report_wait_s = 0.0  # the last round report's wait for the other regions (see end_round)
 
     # ---- start and resume -----------------------------------------------------------------------------
     def start(self) -> None:
@@ -277,7 +279,12 @@ class StaticExchange:
                                proxy_bytes=sum(len(p) for p in parts if p is not None) if run.is_leader else 0,
                                dropped=False, **clock, **wire,
                                **({} if loop.round_overhead_s is None else {"overhead_s": loop.round_overhead_s}))
+        run._mark("other")
+        before = run._cursor
         infos = run._gather_checked(info, "round", "global parameters")
+        # the report waits for the slowest region's outer step: a wait, not this region's round overhead
+        run._mark("straggler_wait")
+        self.report_wait_s = run._cursor - before
         # every region's clock came with its report: the leaders agree on the run's elapsed time, then their ranks
         run.agree_elapsed([i.get("elapsed_s") for i in infos] if infos is not None else None, in_region=True)
         if run.rank == 0:

@@ -361,7 +361,8 @@ class RoundLoop(PlanLoop):
         # or straggler idle)
         run._mark("other")
         if self._exchange_end is not None:  # (plain rounds) the round overhead's part after the exchange
-            self._overhead_tail, self._exchange_end = run._cursor - self._exchange_end, None
+            tail = run._cursor - self._exchange_end - self.exchange.report_wait_s
+            self._overhead_tail, self._exchange_end = max(tail, 0.0), None
         run._test_exit_point()
 
     def _record_arrived(self, compute_s: float, comm_s: float) -> None:
