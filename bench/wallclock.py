@@ -22,7 +22,8 @@ holds their wait for it to start up); its events give the loss curve; every regi
 host's interface counters the wire:
 
 - time to DiLoCo's final loss: the first evaluation at or below the final validation loss of ``diloco`` in the
-  same repeat (wall seconds of the run's clock);
+  same repeat (wall seconds of the run's clock), and that time over DiLoCo's own to it; the same against
+  ``torchft-diloco``'s final loss;
 - loss at equal wall time: each method's last evaluation at or before the shortest run's last evaluation;
 - loss at equal tokens: each method's loss curve read (linearly) at the smallest final token count of the repeat;
 - tokens/s (tokens whose updates reached θ over the run's clock), wall s per round (the median gap between
@@ -53,6 +54,7 @@ import yaml
 
 METHODS = ("diloco", "geomesh", "geomesh-overlap", "geomesh-sparse", "torchft-diloco")
 NAMES = ("r0-h100", "r1-a100", "r2-t4")
+BASELINES = (("diloco", "diloco"), ("torchft-diloco", "torchft"))  # (method, key): times to its final loss
 
 
 class BenchError(Exception):
@@ -230,11 +232,15 @@ def compare_repeat(runs: dict[str, dict], predict=None) -> dict[str, dict]:
         return out
     t_eq = min(r["curve"][-1][0] for r in runs.values())
     n_eq = min(r["tokens"] for r in runs.values())
-    target = runs["diloco"]["final_val_loss"] if "diloco" in runs else None
     for r in out.values():
         r["equal_time_s"], r["loss_at_equal_time"] = t_eq, loss_at_time(r["curve"], t_eq)
         r["equal_tokens"], r["loss_at_equal_tokens"] = n_eq, loss_at_tokens(r["curve"], n_eq)
-        r["time_to_diloco_final_s"] = time_to_loss(r["curve"], target) if target is not None else None
+    for baseline, key in BASELINES:  # each method's time to the baseline's final loss, and over the baseline's own
+        target = runs[baseline]["final_val_loss"] if baseline in runs else None
+        own = time_to_loss(runs[baseline]["curve"], target) if target is not None else None
+        for r in out.values():
+            r[f"time_to_{key}_final_s"] = t = time_to_loss(r["curve"], target) if target is not None else None
+            r[f"time_to_{key}_final_frac"] = t / own if t is not None and own else None
     return out
 
 
@@ -252,6 +258,9 @@ COLUMNS = [  # (key, header, format)
     ("round_s", "wall s / round", "{:.2f}"),
     ("predicted_round_s", "timing model's s / round", "{:.2f}"),
     ("time_to_diloco_final_s", "s to DiLoCo's final loss", "{:.0f}"),
+    ("time_to_diloco_final_frac", "that time / DiLoCo's", "{:.2f}"),
+    ("time_to_torchft_final_s", "s to torchft DiLoCo's final loss", "{:.0f}"),
+    ("time_to_torchft_final_frac", "that time / torchft DiLoCo's", "{:.2f}"),
     ("loss_at_equal_time", "loss at equal wall time", "{:.4f}"),
     ("loss_at_equal_tokens", "loss at equal tokens", "{:.4f}"),
     ("final_val_loss", "final loss", "{:.4f}"),

@@ -73,6 +73,11 @@ def test_a_repeat_compares_at_diloco_s_final_loss_equal_time_and_equal_tokens():
             "geomesh": run([(8, 300, 4.2), (16, 600, 3.4), (24, 900, 3.0)])}  # fmt: skip
     got = bench.compare_repeat(runs)
     assert got["diloco"]["time_to_diloco_final_s"] == 30 and got["geomesh"]["time_to_diloco_final_s"] == 16
+    assert got["geomesh"]["time_to_diloco_final_frac"] == pytest.approx(16 / 30)
+    assert got["geomesh"]["time_to_torchft_final_s"] is None  # (no torchft-diloco in this repeat)
+    peer = bench.compare_repeat({**runs, "torchft-diloco": run([(12, 100, 5.1), (25, 200, 4.2)])})
+    assert peer["geomesh"]["time_to_torchft_final_s"] == 8 and peer["diloco"]["time_to_torchft_final_s"] == 20
+    assert peer["geomesh"]["time_to_torchft_final_frac"] == pytest.approx(8 / 25)
     assert got["geomesh"]["equal_time_s"] == 24 and got["diloco"]["loss_at_equal_time"] == 4.0
     assert got["geomesh"]["loss_at_equal_time"] == 3.0
     assert got["geomesh"]["equal_tokens"] == 300 and got["geomesh"]["loss_at_equal_tokens"] == 4.2
