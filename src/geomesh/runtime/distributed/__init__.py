@@ -29,7 +29,8 @@ Time and telemetry
 Wall-clock seconds from a barrier after set-up. Each region leader records its worker's spans:
 ``compute`` (inner steps + encoding, slowdown padding included), ``straggler_wait`` (the barrier; between
 elastic regions, which have none before the exchange, the exchange's first part, as long as the slowest
-member's measured compute outlasted this one's),
+member's measured compute outlasted this one's; static regions also the round's report, which waits for
+the slowest region's outer step),
 ``comm_wait`` (the collective, the WAN shaper's hold and the broadcast inside the region; elastic: also
 the round's quorum), ``other``
 (combine, outer step, checksum, telemetry, evaluation on rank 0). The spans travel with the round's
