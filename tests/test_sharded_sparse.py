@@ -103,8 +103,20 @@ def test_re_sparsified_combine_keeps_what_it_drops_with_the_owner(codec):
     # owner state: saved and loaded (a fresh layout then continues identically)
     again = ShardedSparseExchange(codec, 3, bits=8)
     again.load_owner_state(ex.owner_state())
+    # and as the flat tensors of a distributed checkpoint, one owner at a time (a leader runs one)
+    flats = ex.owner_residuals()
+    assert sorted(flats) == [k for k, o in enumerate(ex.owners) if o is not None and o.residual]
+    assert all(flats[k].shape == (ex.numel(k),) for k in flats)
+    each = ShardedSparseExchange(codec, 3, bits=8)
+    for k, t in flats.items():
+        each.load_owner_residuals({k: t})
     p = payloads(codec, seed=9)
-    assert torch.equal(flat(again.combine(p)), flat(ex.combine(p)))
+    nxt = flat(ex.combine(p))
+    assert torch.equal(flat(again.combine(p)), nxt) and torch.equal(flat(each.combine(p)), nxt)
+    for bad, says in (({7: torch.zeros(1)}, "no owner"), ({0: torch.zeros(ex.numel(0) + 1)}, "elements"),
+                      ({"0": flats[0]}, "no owner")):  # fmt: skip
+        with pytest.raises(ValueError, match=says):
+            each.load_owner_residuals(bad)
 
 
 def test_combined_shards_and_slices_never_pass_for_each_other(codec):

@@ -130,15 +130,16 @@ def _scenario(folder, corpus, geomesh, faults=None):
     return path
 
 
-def _launch(path, out):
+def _launch(path, out, *extra, env=None, ok=True):
     from geomesh.cli import launch as cli_launch
 
     args = cli_launch.build_parser().parse_args(["launch", str(path), "--nproc", "4", "--method", "geomesh-sparse",
                                                  "--out", str(out), "--tokens", str(TOKENS), "--save-params",
-                                                 "--quiet", "--timeout", "90"])  # fmt: skip
-    result = cli_launch.launch(args, extra_env={"OMP_NUM_THREADS": "1"})
-    assert result.code == 0, result.message
-    return result.summary
+                                                 "--quiet", "--timeout", "90", *extra])  # fmt: skip
+    result = cli_launch.launch(args, extra_env={"OMP_NUM_THREADS": "1", **(env or {})})
+    if ok:
+        assert result.code == 0, result.message
+    return result.summary if ok else result
 
 
 @pytest.fixture(scope="module")
@@ -197,3 +198,26 @@ def test_re_sparsified_sharded_launch_equals_emulated(tmp_path, small_corpus):
     expected, got = emulated.cluster.global_model.state_dict(), torch.load(tmp_path / "run" / "final_params.pt")
     for name in expected:
         torch.testing.assert_close(got[name], expected[name], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.long
+def test_re_sparsified_sharded_launch_resumes_bit_identical(tmp_path, small_corpus):
+    """The owners' residuals are in each leader's checkpoint: a run whose rank exits after round 2 resumes from
+    its checkpoint and ends with the uninterrupted run's θ bit for bit (without them, the owners start empty and
+    the combined shards of round 3 differ)."""
+    from geomesh.runtime.distributed import checkpoints as dist_checkpoint
+
+    path = _scenario(tmp_path / "s", small_corpus, {"exchange": "sharded"})
+    ref = _launch(path, tmp_path / "ref", "--wan", "none", "--checkpoint-every", "1")
+    assert ref["exchange"] == "sharded" and ref["shard_bits"] == 8 and ref["rounds"] >= 3
+    cut = _launch(path, tmp_path / "run", "--wan", "none", "--checkpoint-every", "1",
+                  env={"GEOMESH_TEST_EXIT_AFTER_ROUND": "1:2"}, ok=False)  # fmt: skip
+    assert cut.code != 0 and not (tmp_path / "run" / "summary.json").exists()
+    keys = dist_checkpoint.stored_keys(tmp_path / "run" / "checkpoints" / "round-000002")
+    assert {k.split(".owners.")[0] for k in keys if ".owners." in k} == {f"region.{g}" for g in
+                                                                          ("r0-h100", "r1-a100", "r2-t4", "r3-v100")}
+    resumed = _launch(path, tmp_path / "run", "--wan", "none", "--checkpoint-every", "1", "--resume")
+    assert resumed["rounds"] == ref["rounds"] and resumed["final_val_loss"] == ref["final_val_loss"]
+    want, got = torch.load(tmp_path / "ref" / "final_params.pt"), torch.load(tmp_path / "run" / "final_params.pt")
+    for name in want:
+        assert torch.equal(want[name], got[name]), name

@@ -32,7 +32,9 @@ density ρ has up to N·ρ of the positions (42% at 4 regions of geomesh-sparse'
 alone costs about as much as the payload; a re-sparsified shard costs one payload's share whatever N, and the
 owner's residual keeps what it drops (docs/benchmarks.md measures the loss).
 
-The owners' residuals are state of the layout: :meth:`owner_state` / :meth:`load_owner_state`. Pure: tensors
+The owners' residuals are state of the layout: :meth:`owner_state` / :meth:`load_owner_state` (one process
+holding every owner: the emulated runtime), :meth:`owner_residuals` / :meth:`load_owner_residuals` (flat tensors
+for a checkpoint of the owner a leader runs: the distributed runtime). Pure: tensors
 and bytes in, tensors and bytes out, no I/O.
 """
 
@@ -182,6 +184,23 @@ class ShardedSparseExchange(ShardedExchange):
             if not (isinstance(key, str) and key.isdigit() and int(key) < self.n and self.owners[int(key)] is not None):
                 raise ValueError(f"state names shard {key!r}, which this layout has no owner residual for")
             self.owners[int(key)].load_state_dict(s)
+
+    def owner_residuals(self) -> dict[int, torch.Tensor]:
+        """Each owner's residual that is held, as one flat float32 tensor of its shard's elements in layout
+        order (shard -> tensor): what a checkpoint of one process stores, the owner it runs being one of them."""
+        return {k: torch.cat([v.reshape(-1) for v in o.residual.values()])
+                for k, o in enumerate(self.owners) if o is not None and o.residual}  # fmt: skip
+
+    def load_owner_residuals(self, flat: Mapping[int, torch.Tensor]) -> None:
+        """Restore :meth:`owner_residuals` output (ValueError for a shard without an owner or a tensor of
+        another size)."""
+        for k, t in flat.items():
+            if not (isinstance(k, int) and 0 <= k < self.n and self.owners[k] is not None):
+                raise ValueError(f"shard {k!r} has no owner residual in a layout of {self.n} shards")
+            if not isinstance(t, torch.Tensor) or t.numel() != self.numel(k):
+                raise ValueError(f"shard {k}'s residual must have {self.numel(k)} elements")
+            o = self.owners[k]
+            o.load_state_dict({"residual": o._split(t.detach().reshape(-1).to("cpu", _F32))})
 
 
 def sharded_exchange(codec: Any, n_shards: int, bits: int = 8) -> ShardedExchange:

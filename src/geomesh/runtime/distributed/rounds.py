@@ -184,9 +184,12 @@ class RoundLoop(PlanLoop):
         every, keep = run._checkpoint_cadence()
         saver = None
         if every > 0 or run._resume_from is not None:
+            from .sharded import OwnerResiduals
+
             saver = RunCheckpointer(run, self.params, self.outer, self.codec, run._checkpoint_fingerprint(),
                                     directory=run._checkpoint_dir(), extra=self._checkpoint_state,
-                                    load_extra=self._load_checkpoint_state, overlap=self.overlap)  # fmt: skip
+                                    load_extra=self._load_checkpoint_state, overlap=self.overlap,
+                                    owners=OwnerResiduals(self))  # fmt: skip
         if run._resume_from is None:  # (a resumed run plans from the profiles its checkpoint holds)
             self.exchange.share_calibration(self.calibrate())
         self.exchange.start()
