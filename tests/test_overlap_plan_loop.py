@@ -43,7 +43,7 @@ def test_an_overlapped_run_is_replanned_when_a_region_slows_mid_run(tmp_path, sm
     path = write(tmp_path, small_corpus, elastic)
     out = tmp_path / "run"
     args = cli_launch.build_parser().parse_args(
-        ["launch", str(path), "--nproc", "3", "--method", "geomesh-overlap", "--out", str(out), "--tokens", "16000",
+        ["launch", str(path), "--nproc", "3", "--method", "geomesh-overlap", "--out", str(out), "--tokens", "32000",
          "--quiet", "--timeout", "90"])  # fmt: skip
     result = cli_launch.launch(args, extra_env={"OMP_NUM_THREADS": "1", "GEOMESH_TEST_SLOW_AFTER_ROUND": f"{SLOW}:2:6"})
     assert result.code == 0, result.message

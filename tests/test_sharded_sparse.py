@@ -200,3 +200,43 @@ def test_a_resumed_run_keeps_the_owners_residuals(tiny_scenario, tmp_path, monke
     assert_same_run(tmp_path / "run", tmp_path / "ref")
     want = final_params(tmp_path / "ref") if (tmp_path / "ref" / "checkpoints").exists() else None
     assert want is None or all(torch.equal(final_params(tmp_path / "run")[k], v) for k, v in want.items())
+
+
+def test_a_leaders_owner_residuals_round_trip_through_checkpoint_state(codec):
+    """runtime/distributed/owners.py: what a leader saves is what it loads (into a fresh loop's layout, and
+    into one of another size it cuts on load); names no layout has are one ValueError; non-leaders hold none."""
+    from types import SimpleNamespace
+
+    from geomesh.runtime.distributed.owners import OwnerResiduals
+
+    def loop(leader=True):
+        ex = ShardedSparseExchange(codec, 3, bits=8)
+        return SimpleNamespace(sharded=ex, sharded_layouts={}, n=3, combiner=codec,
+                               run=SimpleNamespace(is_leader=leader),
+                               sc=SimpleNamespace(geomesh=SimpleNamespace(shard_bits=8)))  # fmt: skip
+
+    live = loop()
+    pair = ShardedSparseExchange(codec, 2, bits=8)
+    live.sharded_layouts[2] = pair
+    for r in range(2):
+        live.sharded.combine(payloads(codec, seed=r))
+        pair.combine(payloads(codec, seed=r)[:2])
+    state = {}
+    OwnerResiduals(live).save_into(state, "region.r0.owners.")
+    assert sorted(state) == sorted([f"region.r0.owners.3.{k}" for k in live.sharded.owner_residuals()] +
+                                   [f"region.r0.owners.2.{k}" for k in pair.owner_residuals()])  # fmt: skip
+    fresh, asked = loop(), {}
+    OwnerResiduals(fresh).request(asked, set(state) | {"region.r1.owners.3.0"}, "region.r0.owners.")
+    assert asked.keys() == state.keys() and all(asked[k].shape == state[k].shape for k in state)
+    OwnerResiduals(fresh).load_from(state, "region.r0.owners.")
+    p = payloads(codec, seed=5)
+    assert torch.equal(flat(fresh.sharded.combine(p)), flat(live.sharded.combine(p)))
+    assert torch.equal(flat(fresh.sharded_layouts[2].combine(p[:2])), flat(pair.combine(p[:2])))
+    for bad in ("4.0", "3.3", "1.0", "x.0", "3"):
+        with pytest.raises(ValueError, match="names no shard"):
+            OwnerResiduals(fresh).request({}, {f"region.r0.owners.{bad}"}, "region.r0.owners.")
+    follower, none = loop(leader=False), {}
+    follower.sharded.combine(payloads(codec))
+    OwnerResiduals(follower).save_into(none, "p.")
+    OwnerResiduals(follower).request(none, set(state), "region.r0.owners.")
+    assert none == {}

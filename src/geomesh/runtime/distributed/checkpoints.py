@@ -458,8 +458,7 @@ class RunCheckpointer:
         """``extra()`` returns ``{"common": ..., "rank0": ...}`` (plain JSON values: a loop's own state, the
         same on every rank / rank 0's only) and ``load_extra(that)`` restores it (elastic regions). ``overlap``:
         the overlapped round's state (its last combined update; nothing is in flight at a checkpoint).
-        ``owners``: the sharded exchange's owner residuals this rank holds
-        (:class:`~geomesh.runtime.distributed.sharded.OwnerResiduals`)."""
+        ``owners``: a shard owner's residuals (:class:`~geomesh.runtime.distributed.owners.OwnerResiduals`)."""
         self.run, self.params, self.outer, self.codec, self.fp = run, params, outer, codec, fp
         self.overlap, self.owners = overlap, owners
         self.directory = directory or ckpt.checkpoint_dir(run.out_dir)
@@ -488,7 +487,7 @@ class RunCheckpointer:
         residual = getattr(self.codec, "residual", None) or {}
         state.update({f"{reg}.codec.{k}": v.detach().cpu().clone() for k, v in residual.items()})
         if self.owners is not None:
-            state.update({f"{reg}.owners.{k}": v for k, v in self.owners.state().items()})
+            self.owners.save_into(state, f"{reg}.owners.")
         state[f"{reg}.stream"] = json.dumps(worker.stream.state_dict())
         state[f"rank.{run.rank}"] = {"rng": rng_state(), "clock": json.dumps(
             {"cursor": run._cursor, "spans": run._spans})}  # fmt: skip
@@ -546,12 +545,11 @@ class RunCheckpointer:
         for k, v in self.params.items():
             if f"{reg}.codec.{k}" in keys:
                 residual[k] = state[f"{reg}.codec.{k}"] = torch.zeros(v.shape, dtype=torch.float32)
-        owned = [k[len(f"{reg}.owners."):] for k in keys if k.startswith(f"{reg}.owners.")]
-        if owned and self.owners is not None and run.is_leader:  # (only a leader runs an owner)
-            try:
-                state.update({f"{reg}.owners.{k}": v for k, v in self.owners.templates(owned).items()})
-            except ValueError as exc:
-                raise RunError(f"--resume: checkpoint {path}: {exc}") from None
+        try:
+            if self.owners is not None:
+                self.owners.request(state, keys, f"{reg}.owners.")
+        except ValueError as exc:
+            raise RunError(f"--resume: checkpoint {path}: {exc}") from None
         state[f"{reg}.stream"] = ""
         state[f"rank.{run.rank}"] = {"rng": rng_state(), "clock": ""}
         state["run.loop"] = ""
@@ -595,9 +593,8 @@ class RunCheckpointer:
         if self.load_extra is not None and "run.extra" in state:
             self.load_extra({"common": json.loads(state["run.extra"]),
                              "rank0": json.loads(state["run.extra0"]) if run.rank == 0 else None})  # fmt: skip
-        residuals = {k[len(f"{reg}.owners."):]: v for k, v in state.items() if k.startswith(f"{reg}.owners.")}
-        if residuals:  # after the loop's own state: it names the exchange the owners belong to
-            try:
-                self.owners.load(residuals)
-            except ValueError as exc:
-                raise RunError(f"--resume: checkpoint {path}: {exc}") from None
+        try:  # after the loop's own state: it names the exchange the owners belong to
+            if self.owners is not None:
+                self.owners.load_from(state, f"{reg}.owners.")
+        except ValueError as exc:
+            raise RunError(f"--resume: checkpoint {path}: {exc}") from None

@@ -184,7 +184,7 @@ class RoundLoop(PlanLoop):
         every, keep = run._checkpoint_cadence()
         saver = None
         if every > 0 or run._resume_from is not None:
-            from .sharded import OwnerResiduals
+            from .owners import OwnerResiduals
 
             saver = RunCheckpointer(run, self.params, self.outer, self.codec, run._checkpoint_fingerprint(),
                                     directory=run._checkpoint_dir(), extra=self._checkpoint_state,
