@@ -82,7 +82,8 @@ def records(out: Path, host: str) -> list[dict]:
 
 
 @pytest.mark.waits
-@pytest.mark.skipif(REASON is not None, reason=f"the hosts test bed cannot run here: {REASON}")
+@pytest.mark.skipif(REASON is not None or QUOTA_REASON is not None,
+                    reason=f"the hosts test bed with CPU quotas cannot run here: {REASON or QUOTA_REASON}")
 def test_hosts_lost_and_restarted_with_their_folder_kept_and_deleted_rejoin(tmp_path, small_corpus):
     """r1's host is lost after round 2 and stays down until round 3 ends (then started again with its folder);
     r2's ranks die in round 4 after its quorum formed, so r0, alone, redoes the exchange while r1 comes back:
@@ -94,9 +95,14 @@ def test_hosts_lost_and_restarted_with_their_folder_kept_and_deleted_rejoin(tmp_
     exit 0 and one checksum, each host's own folder holds the run's records and summary, and no region warned
     that its plan or θ parted from the others'."""
     out = tmp_path / "bed"
-    # (enough tokens that the others still train when a restarted host is up again: one that comes back after
-    # the run ended finds no quorum, and says so)
-    result = run_bed(bed_scenario(tmp_path, small_corpus, rtt_ms=1500), out, "geomesh", "--tokens", "40000",
+    # (a restarted host must be up while the others still train: one that comes back after the run ended finds
+    # no quorum, and says so. A token budget left that to the machine's load: in a busy suite the others trained
+    # their last rounds before r2's start-up had imported torch. Every host under a quarter-core quota, weighted
+    # above other work, and a wall-clock budget make the run outlast r2's start-up (about 20 s at that quota)
+    # however busy the machine is)
+    quotas = [x for name in NAMES for x in ("--cpu", f"{name}:0.25")]
+    result = run_bed(bed_scenario(tmp_path, small_corpus, rtt_ms=1500), out, "geomesh",
+                     "--set", "training.time_budget_s=100", *quotas,
                      "--lose", "r1-a100@2:gone", "--restart", "r1-a100@3", "--lose", "r2-t4@4:wipe",
                      "--host-env", "r2-t4:GEOMESH_TEST_KILL_MID_ROUND=r2-t4:4")  # fmt: skip
     assert sorted(f["kind"] for f in result["faults"]) == ["lose", "lose", "restart"]
@@ -106,6 +112,7 @@ def test_hosts_lost_and_restarted_with_their_folder_kept_and_deleted_rejoin(tmp_
     assert result["hosts"]["r1-a100"]["starts"] == 2 and result["hosts"]["r2-t4"]["starts"] == 2
     summary = json.loads(Path(result["summary_from"]).read_text())
     assert summary["elastic"]["joins"] >= 2 and summary["calibration_s"] and summary["replans"] >= 0
+    assert summary["stopped_by"] == "time_budget"
     for host in NAMES:  # no shared folder: every host's own folder shows the run, to its end
         recs = records(out, host)
         assert max(e["round"] for e in recs if e["type"] == "round") == summary["rounds"]
@@ -166,15 +173,19 @@ def test_every_host_killed_then_resumed_each_from_its_own_folder(tmp_path, small
 
 
 @pytest.mark.waits
-@pytest.mark.skipif(REASON is not None, reason=f"the hosts test bed cannot run here: {REASON}")
+@pytest.mark.skipif(REASON is not None or QUOTA_REASON is not None,
+                    reason=f"the hosts test bed with CPU quotas cannot run here: {REASON or QUOTA_REASON}")
 def test_sparse_payloads_through_the_sharded_exchange_rejoin_on_the_bed(tmp_path, small_corpus):
-    """geomesh-sparse with the sharded exchange: r2's host lost after round 2 and restarted with its folder."""
+    """geomesh-sparse with the sharded exchange: r2's host lost after round 2 and restarted with its folder
+    (quarter-core quotas and a wall-clock budget, so that the run outlasts its start-up on a busy machine)."""
     out = tmp_path / "bed"
-    result = run_bed(bed_scenario(tmp_path, small_corpus, rtt_ms=1500), out, "geomesh-sparse", "--tokens", "25000",
-                     "--set", "geomesh.exchange=sharded", "--lose", "r2-t4@2")  # fmt: skip
+    quotas = [x for name in NAMES for x in ("--cpu", f"{name}:0.25")]
+    result = run_bed(bed_scenario(tmp_path, small_corpus, rtt_ms=1500), out, "geomesh-sparse", "--set",
+                     "training.time_budget_s=75", *quotas, "--set", "geomesh.exchange=sharded", "--lose", "r2-t4@2")  # fmt: skip
     one_checksum(result)
     summary = json.loads(Path(result["summary_from"]).read_text())
     assert summary["exchange"] == "sharded" and summary["elastic"]["joins"] >= 1
+    assert summary["stopped_by"] == "time_budget"
 
 
 @pytest.mark.waits
