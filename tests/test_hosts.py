@@ -180,8 +180,8 @@ def test_sparse_payloads_through_the_sharded_exchange_rejoin_on_the_bed(tmp_path
     (quarter-core quotas and a wall-clock budget, so that the run outlasts its start-up on a busy machine)."""
     out = tmp_path / "bed"
     quotas = [x for name in NAMES for x in ("--cpu", f"{name}:0.25")]
-    result = run_bed(bed_scenario(tmp_path, small_corpus, rtt_ms=1500), out, "geomesh-sparse", "--set",
-                     "training.time_budget_s=75", *quotas, "--set", "geomesh.exchange=sharded", "--lose", "r2-t4@2")  # fmt: skip
+    result = run_bed(bed_scenario(tmp_path, small_corpus, rtt_ms=1500), out, "geomesh-sparse", *quotas, "--set",
+                     "training.time_budget_s=75", "--set", "geomesh.exchange=sharded", "--lose", "r2-t4@2")  # fmt: skip
     one_checksum(result)
     summary = json.loads(Path(result["summary_from"]).read_text())
     assert summary["exchange"] == "sharded" and summary["elastic"]["joins"] >= 1
