@@ -81,6 +81,10 @@ def test_elastic_run_without_faults_equals_the_static_one(tmp_path, small_corpus
         runs[name] = result.summary
         events = read_events(tmp_path / name / "events.jsonl")
         rounds = [e for e in events if e["type"] == "round"]
+        # every region's spans reach the run's end in the writer's records (a region's last exchange is recorded
+        # by every leader, not only by its own)
+        assert {e["worker"] for e in events if e["type"] == "span" and e["round"] == len(rounds)} == {
+            "r0-h100", "r1-a100", "r2-t4"}, name  # fmt: skip
         waited = {region: sum(e["end"] - e["start"] for e in events if e["type"] == "span" and e["worker"] == region
                               and e["kind"] == "straggler_wait") for region in ("r0-h100", "r1-a100", "r2-t4")}
         behind = {region: sum(max(e["compute_s"]) - e["compute_s"][e["members"].index(region)] for e in rounds)
