@@ -364,18 +364,15 @@ def test_an_envelope_replayed_in_a_later_round_or_another_slot_is_rejected_and_n
 def test_a_members_malformed_spans_are_skipped_and_its_good_ones_recorded():
     """A member's spans are data in its signed round info: a span of an unknown kind, a wrong shape or a string
     for a time is left out of the records, never raised on; its well-formed spans are recorded."""
-    from types import SimpleNamespace
-
-    from geomesh.runtime.distributed.elastic import QuorumExchange
+    from geomesh.runtime.distributed.clock import record_spans
     from geomesh.runtime.distributed.elastic_state import Records
     from geomesh.telemetry import Telemetry
 
     records: list[dict] = []
-    leader = SimpleNamespace(run=SimpleNamespace(telemetry=Telemetry(None, sinks=[Records(records)])),
-                             names=["r0-h100", "r1-a100"])  # fmt: skip
+    telemetry = Telemetry(None, sinks=[Records(records)])  # a leader's records
     spans = [["compute", 0.0, 1.5, 0], ["rm -rf", 0.0, 1.0, 0], ["comm_wait", "soon", 2.0, 0], ["compute", 1.0],
              "compute", ["comm_wait", 1.5, 2.0, 0], ["compute", 3.0, 2.0, 1]]  # fmt: skip
-    QuorumExchange._record_spans(leader, 1, spans)
-    QuorumExchange._record_spans(leader, 1, {"not": "a list"})
+    record_spans(telemetry, "r1-a100", spans)
+    record_spans(telemetry, "r1-a100", {"not": "a list"})
     got = [(r["worker"], r["kind"], r["start"], r["end"]) for r in records if r["type"] == "span"]
     assert got == [("r1-a100", "compute", 0.0, 1.5), ("r1-a100", "comm_wait", 1.5, 2.0)]

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import time
+from typing import Any
 
 
 class WallClock:
@@ -30,3 +31,15 @@ class WallClock:
         """The spans recorded since the last call (what a rank reports with its round)."""
         spans, self.spans = self.spans, []
         return spans
+
+
+def record_spans(telemetry: Any, worker: str, spans: Any) -> None:
+    """A worker's spans (as :meth:`WallClock.take_spans` gave them) into ``telemetry``'s records. They arrive from
+    other ranks and regions, so they are data: a malformed one is skipped, never raised on (the records lose it;
+    the run goes on)."""
+    for span in spans if isinstance(spans, list) else []:
+        try:
+            kind, start, end, round_index = span
+            telemetry.span(worker, kind, float(start), float(end), int(round_index))
+        except (TypeError, ValueError):
+            continue

@@ -30,7 +30,7 @@ from ...methods.base import Method, OuterLoopMethod
 from ...planner import Plan
 from ...telemetry import Telemetry, write_json_atomic
 from ..checkpoint_state import truncate_events
-from .clock import WallClock
+from .clock import WallClock, record_spans
 from .checkpoints import DistCheckpointError, check_resume, fingerprint
 from .folder import prepare_shared_run_dir
 from .layout import rank_layout, region_layout
@@ -434,7 +434,7 @@ class RankRun(StoppingRule):
             infos = [i for r in regions for i in r["ranks"]]  # rank order: ranks fill regions in order
             names = [r.name for r in self.scenario.regions]
             for r, i in enumerate(infos):
-                self._write_spans(names[self.layout.region_of(r)], i["spans"])
+                record_spans(self.telemetry, names[self.layout.region_of(r)], i["spans"])
             self._end_s = self._now()
             self.final_checksums = [i["crc"] for i in infos]
             self.outer_state_bytes = [i["outer_bytes"] for i in infos] if outer_buf is not None else None
@@ -519,16 +519,12 @@ class RankRun(StoppingRule):
 
         return self._on_rank0("cutting the events back to the checkpoint", cut_events)
 
-    def _write_spans(self, worker: str, spans: list) -> None:
-        for kind, a, b, r in spans:
-            self.telemetry.span(worker, kind, a, b, r)
-
     def _record_round(self, leaders: list[dict], names: list[str], **more: Any) -> None:
         """Rank 0: the round's record from every region's report (region order), and their spans."""
         self.round_idle.append(more.get("straggler_idle_frac"))
         for k, i in enumerate(leaders):
             if i["spans"]:
-                self._write_spans(names[k], i["spans"])
+                record_spans(self.telemetry, names[k], i["spans"])
         t = self.totals
         t["bytes_sent"] += sum(i["wan_bytes"] for i in leaders)
         t["proxy_bytes_sent"] += sum(i["proxy_bytes"] for i in leaders)

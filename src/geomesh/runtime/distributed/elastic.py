@@ -49,6 +49,7 @@ from ...errors import RunError
 from ...telemetry import Telemetry
 from ..checkpoint_state import run_fingerprint
 from .elastic_state import ElasticState, Records
+from .clock import record_spans
 from .deadline import MEASURED_ROUNDS, adaptive_deadline_s, deadline_history
 from .exchange import Exchanged, RoundView, reported_overhead_s, round_idle
 from .layout import RegionLayout, min_regions_of, region_layout
@@ -495,7 +496,7 @@ class QuorumExchange(ElasticState):
             self.streams[names[i["region"]]] = i["stream"]
         if run.is_leader:
             for i in infos:
-                self._record_spans(i["region"], i["spans"])
+                record_spans(run.telemetry, names[i["region"]], i["spans"])
             run._mark("other")
             t = run.totals
             t["bytes_sent"] += result.wan_bytes * len(infos)
@@ -514,16 +515,6 @@ class QuorumExchange(ElasticState):
             self.round_rejections = []
             self._write_events(took_part)
 
-    def _record_spans(self, region: int, spans: Any) -> None:
-        """A region's spans into this leader's records. They are a peer's data: a malformed one is skipped, never
-        raised on (the records of a round lose it; the run goes on)."""
-        for span in spans if isinstance(spans, list) else []:
-            try:
-                kind, start, end, round_index = span
-                self.run.telemetry.span(self.names[region], kind, float(start), float(end), int(round_index))
-            except (TypeError, ValueError, IndexError):
-                continue
-
     # ---- the end ----------------------------------------------------------------------------------------
     def finish(self) -> dict[str, Any]:
         run = self.run
@@ -536,14 +527,14 @@ class QuorumExchange(ElasticState):
             try:  # every live region's checksum of θ at the end (equal: they applied the same updates), and its
                 # last spans (its last exchange's: a round's spans travel with the next round's info), so that
                 # every host's records hold every region's whole run
-                ends = self.membership.all_gather_framed({"region": self.me, "crc": checksums[self.names[self.me]],
-                                                          "spans": spans})  # fmt: skip
-                final = sorted(e["region"] for e in ends)
-                checksums = {self.names[e["region"]]: e["crc"] for e in sorted(ends, key=lambda e: e["region"])}
+                mine = {"region": self.me, "crc": checksums[self.names[self.me]], "spans": spans}
+                ends = sorted(self.membership.all_gather_framed(mine), key=lambda e: e["region"])
+                final = [e["region"] for e in ends]
+                checksums = {self.names[e["region"]]: e["crc"] for e in ends}
             except ExchangeFailed:
                 pass
-            for end in sorted(ends, key=lambda e: e["region"]):
-                self._record_spans(end["region"], end.get("spans"))
+            for end in ends:
+                record_spans(run.telemetry, self.names[end["region"]], end.get("spans"))
             self._write_events(final)
             self.membership.shutdown()
         writer = self._writer(final) if run.is_leader else False
