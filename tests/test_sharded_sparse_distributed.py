@@ -181,8 +181,8 @@ def test_a_damaged_sparse_payload_drops_only_its_sender(sparse_runs):
 
 
 def test_re_sparsified_sharded_launch_equals_emulated(tmp_path, small_corpus):
-    """Re-sparsified combined shards (the owners' error feedback; what the plan picks for geomesh-sparse on
-    `default`, forced here where the tiny cluster's latency favours the all-gather): the emulated runtime runs the same exchange in one process, so θ is the emulated runtime's, to the float
+    """Re-sparsified combined shards (the owners' error feedback; what the plan picks for geomesh-sparse
+    where an all-gather's bytes set its time, forced here where the tiny cluster's latency favours the all-gather): the emulated runtime runs the same exchange in one process, so θ is the emulated runtime's, to the float
     tolerance of tests/test_distributed.py (the ranks' inner steps run in their own processes)."""
     from geomesh.config import load_scenario
     from geomesh.methods import get_method
