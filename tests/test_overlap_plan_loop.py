@@ -195,6 +195,14 @@ def test_a_plan_made_before_the_probes_is_made_again_over_the_wan_they_measured(
     right = ProbedLoop(1.02)  # within replan_threshold of the declared: no re-plan
     right._replan_after_probe([0, 1, 2])
     assert right.made == []
+    # the probes chose the other exchange kind (whose rounds may be of another length): planned again, as a
+    # new plan is made (the members' planner for the kind in force)
+    switched = ProbedLoop(1.02)
+    switched.exchange_switched, switched.sharded = True, object()
+    switched.make_plan = lambda members: SimpleNamespace(exchange_s=float(len(members)))
+    switched._replan_after_probe([0, 1, 2])
+    assert switched.made == [(3.0, "the exchange chosen over the probed WAN is the sharded exchange")]
+    assert not switched.exchange_switched
 
 
 def test_the_bed_bench_reads_wan_idle_over_the_rounds_an_exchange_can_hide_under():

@@ -8,6 +8,7 @@ leader applies the same update, the one the emulated runtime's in-process exchan
 
 from __future__ import annotations
 
+import json
 import warnings
 
 import pytest
@@ -221,3 +222,22 @@ def test_re_sparsified_sharded_launch_resumes_bit_identical(tmp_path, small_corp
     want, got = torch.load(tmp_path / "ref" / "final_params.pt"), torch.load(tmp_path / "run" / "final_params.pt")
     for name in want:
         assert torch.equal(want[name], got[name]), name
+
+
+def test_a_re_sparsified_launch_plans_rounds_of_half_the_sequences(tmp_path, small_corpus):
+    """The method as users run it (calibration and re-planning on, the method's own sequences per round), its
+    payloads through the re-sparsified sharded exchange: every plan of the launch, the first and each re-plan,
+    targets a quarter of N·b·H sequences (half the method's half), as the emulated runtime plans it."""
+    from geomesh.config import load_scenario
+    from geomesh.methods import get_method
+
+    path = _scenario(tmp_path / "s", small_corpus, {"exchange": "sharded", "replan": True, "calibrate": True,
+                                                    "round_sequences_factor": None})  # fmt: skip
+    s = _launch(path, tmp_path / "run")
+    assert s["exchange"] == "sharded" and s["rounds"] >= 3
+    sc = load_scenario(path)
+    quarter = round(len(sc.regions) * sc.training.batch * sc.training.inner_steps / 4)
+    assert get_method("geomesh-sparse").constraints(sc, len(sc.regions)).target_sequences == quarter
+    events = [json.loads(line) for line in (tmp_path / "run" / "events.jsonl").read_text().splitlines()]
+    targets = [e["plan"]["target_sequences"] for e in events if e.get("type") == "plan"]
+    assert targets and set(targets) == {quarter}

@@ -80,6 +80,17 @@ def test_published_rules_of_each_method():
     assert get_method("geomesh").plan(sc, sc.worker_profiles()).sequences_per_round > 5 * ref
     timed = load_scenario("default", {"geomesh.round_time_s": 25.9})
     assert sparse.plan(timed, timed.worker_profiles()).sequences_per_round > 5 * ref
+    # through a sharded exchange that re-sparsifies, rounds of half that (it applies one payload's share of the
+    # update a round); float32 combined shards or the all-gather keep the method's rounds
+    def target(**over):
+        s = load_scenario("default", over)
+        return sparse.constraints(s, len(s.regions)).target_sequences
+
+    assert target() == target(**{"geomesh.exchange": "all_gather"}) == round(ref / 2)  # default: the all-gather
+    assert target(**{"geomesh.exchange": "sharded"}) == round(ref / 4)
+    assert target(**{"geomesh.exchange": "sharded", "geomesh.shard_bits": 32}) == round(ref / 2)
+    assert target(**{"geomesh.exchange": "sharded", "geomesh.round_sequences_factor": 1.0}) == ref  # the scenario's
+    assert get_method("sparseloco").constraints(sc, 4).target_sequences is None  # uniform rounds: no target
     with pytest.raises(ConfigError, match="compression.sparse_feedback"):
         load_scenario("default", {"compression.sparse_feedback": "momentum"})
 

@@ -11,8 +11,10 @@ strongest compressed baselines built from their published rules (docs/benchmarks
   of outer momentum: with outer Nesterov on top the loss climbs, docs/benchmarks.md), or none (outer Nesterov).
   Its rounds carry half the reference's sequences (``geomesh.round_sequences_factor`` 0.5 unless the scenario
   sets the round): a sparse payload reaches part of the entries per round and its exchange is cheap, so at
-  equal tokens more, shorter rounds deliver more of the residual. Measured on ``default`` (docs/benchmarks.md):
-  4.933 with single top-64 entries in the reference's rounds, 4.804 with blocks, 4.694 with blocks in rounds
+  equal tokens more, shorter rounds deliver more of the residual. Through a sharded exchange that
+  re-sparsifies (the plan's where two of its exchanges cost less than one all-gather), a quarter: a round then
+  applies one payload's share of the combined update, not the union of N payloads. Measured on ``default``
+  (docs/benchmarks.md): 4.933 with single top-64 entries in the reference's rounds, 4.804 with blocks, 4.694 with blocks in rounds
   of half the sequences, against 1-bit GeoMesh's 4.700.
 - ``sparseloco`` (Sarfi et al. 2025, arXiv 2508.15706): DiLoCo's uniform plan; e ← β·e + Δ; send the chunk-wise
   top-k of e in 2-bit values; e ← e − C(e); θ ← θ − α·mean(C(e_i)) with no outer momentum (β =
@@ -62,11 +64,35 @@ class CompressedMethod(OuterLoopMethod):
     positions: Literal["scenario", "single"] = "single"
 
     def constraints(self, scenario: ScenarioConfig, n_workers: int, allow_drop: bool = False):
+        """:meth:`OuterLoopMethod.constraints` with the method's own sequences per round, unless the scenario
+        sets the round; through a sharded exchange that re-sparsifies (:meth:`resparsified`), rounds of
+        1/:data:`~geomesh.planner.exchange.RESPARSIFIED_ROUNDS` of them: its owners return one payload's share of
+        the combined update a round, so it takes that many rounds to apply what one all-gather round does."""
         g = scenario.geomesh
         if self.round_sequences_factor is not None and g.round_sequences_factor is None and g.round_time_s is None:
-            g = dataclasses.replace(g, round_sequences_factor=self.round_sequences_factor)
-            scenario = dataclasses.replace(scenario, geomesh=g)
+            from ..planner.exchange import RESPARSIFIED_ROUNDS
+
+            factor = self.round_sequences_factor / (RESPARSIFIED_ROUNDS if self.resparsified(scenario) else 1.0)
+            scenario = dataclasses.replace(scenario, geomesh=dataclasses.replace(g, round_sequences_factor=factor))
         return super().constraints(scenario, n_workers, allow_drop)
+
+    def resparsified(self, scenario: ScenarioConfig) -> bool:
+        """Whether this method's rounds go through a sharded exchange whose owners re-sparsify (sparse sign
+        payloads, combined shards not in float32): the scenario's ``geomesh.exchange`` as a runtime resolved it
+        (:func:`~geomesh.planner.exchange.with_exchange`), or with ``auto`` the plan's choice on the declared WAN
+        (what ``geomesh plan`` and a time budget's sizing see)."""
+        g = scenario.geomesh
+        if not self.payload.startswith("sparse") or g.shard_bits == 32 or self.overlapped(scenario):
+            return False
+        if g.exchange != "auto":
+            return g.exchange == "sharded"
+        from ..planner.exchange import scenario_exchange
+        from .base import proxy_manifest
+
+        manifest = proxy_manifest(scenario)
+        choice = scenario_exchange(scenario, scenario.wan_model(), self.collective,
+                                   self.modeled_payload_bytes(scenario, manifest), self.make_codec(manifest, scenario))
+        return choice.name == "sharded"
 
     @property
     def collective(self) -> Literal["all_gather", "all_reduce"]:

@@ -169,7 +169,8 @@ def choose_exchange(wan: WanModel, collective: str, payload_bytes: float, sharde
         if rounds != 1.0:
             why += (f" (the sharded exchange timed at {rounds:g} exchanges of {sh.seconds:.2f} s: its owners "
                     f"re-sparsify, so a round applies one payload's share of the update where the all-gather "
-                    f"applies the union of {n} payloads)")  # fmt: skip
+                    f"applies the union of {n} payloads, and its rounds carry 1/{rounds:g} of the "
+                    f"sequences)")  # fmt: skip
     cost = costs[name]
     what = _pieces(sharded, bits)
     if name == "sharded":
@@ -260,6 +261,17 @@ def scenario_exchange(scenario, wan: WanModel, collective: str, payload_bytes: f
     forced = g.exchange if sizes is not None and wan.n >= 2 else "auto"
     return choose_exchange(wan, collective, payload_bytes, sizes, forced=forced, overlap=overlap, bits=g.shard_bits,
                            keyed=keyed)  # fmt: skip
+
+
+def with_exchange(scenario, name: str):
+    """``scenario`` with ``geomesh.exchange`` set to the exchange a runtime chose (``name``), so that a method
+    plans its round for the exchange it really uses (a re-sparsified sharded exchange's rounds are shorter:
+    ``CompressedMethod.constraints``)."""
+    import dataclasses
+
+    if name not in ("all_gather", "sharded") or scenario.geomesh.exchange == name:
+        return scenario
+    return dataclasses.replace(scenario, geomesh=dataclasses.replace(scenario.geomesh, exchange=name))
 
 
 def scenario_exchange_seconds(scenario, wan: WanModel, collective: str, payload_bytes: float, name: str,

@@ -85,11 +85,21 @@ def online_planner(sc, method, profiles: list[WorkerProfile], calibrated: bool) 
 class PlanLoop:
     """Planning, calibration and re-planning of :class:`~geomesh.runtime.distributed.rounds.RoundLoop`."""
 
+    exchange_switched = False  # the probed WAN chose the other exchange kind: the round is planned again
+
     def planning_wan(self, members: list[int]) -> WanModel:
         """The WAN the plan fills the round against: the declared one (the scenario's, with its faults), as
         measured in place when the loop measures it."""
         wan = self.faults.wan(members)
         return self.wan_measure.measured(wan) if self.wan_measure is not None else wan
+
+    @property
+    def plan_sc(self):
+        """The scenario the round is planned on: this run's, its exchange resolved to the one in force (a
+        re-sparsified sharded exchange has shorter rounds, ``CompressedMethod.constraints``)."""
+        from ...planner.exchange import with_exchange
+
+        return with_exchange(self.sc, "sharded" if self.sharded is not None else "all_gather")
 
     def make_plan(self, members: list[int]) -> Plan:
         """The members planned over the WAN that links them now, at their speeds now (every rank alike)."""
@@ -102,9 +112,9 @@ class PlanLoop:
             p.slowdown = self.sc.regions[i].slowdown * self.faults.speed(i)
         if not (self.method.balanced and self.sc.geomesh.replan):
             if self.method.balanced:  # regions calibrated alike (within their calibrations' noise) planned alike
-                profiles = settled_profiles(profiles, self.method.constraints(self.sc, len(profiles)),
+                profiles = settled_profiles(profiles, self.method.constraints(self.plan_sc, len(profiles)),
                                             self.sc.geomesh.replan_noise_k)  # fmt: skip
-            return self.method.plan(self.sc, profiles, exchange_bytes=self.kit.modeled_payload_nbytes,
+            return self.method.plan(self.plan_sc, profiles, exchange_bytes=self.kit.modeled_payload_nbytes,
                                     exchange_s=exchange_s)  # fmt: skip
         # re-planned from measurements: the speed factors learned so far carry over to the new members' planner
         known = self.online
@@ -149,6 +159,7 @@ class PlanLoop:
             return
         if (choice.name == "sharded") != (self.sharded is not None):
             self.sharded = loop_exchange(self, wan)
+            self.exchange_switched = True  # a plan made for the other kind is made again (_replan_after_probe)
         w = self.wan_measure
         self.emit({"type": "exchange_choice", "round": self.run.rounds, "time": self.run._now(),
                    "exchange": choice.name, "wan": "measured", "latency_factor": w.latency_factor,
@@ -156,7 +167,7 @@ class PlanLoop:
                    "seconds": {k: c.seconds for k, c in choice.candidates.items()}})  # fmt: skip
 
     def _new_online(self, profiles: list[WorkerProfile]) -> OnlinePlanner:
-        return online_planner(self.sc, self.method, profiles, calibrated=bool(self.calibrated))
+        return online_planner(self.plan_sc, self.method, profiles, calibrated=bool(self.calibrated))
 
     def calibrate(self) -> dict[str, Any] | None:
         """Every rank of this region: measure the region's step time in place (the model it really trains, a
@@ -169,7 +180,7 @@ class PlanLoop:
             return None
         # measure the micro-batches the plan may use: up to the largest the datasheet plan gives any region, and
         # the reference batch (the planning rule's round is made of it, and the slowest region runs it)
-        datasheet = self.method.plan(self.sc, self.run.profiles, exchange_bytes=self.kit.modeled_payload_nbytes)
+        datasheet = self.method.plan(self.plan_sc, self.run.profiles, exchange_bytes=self.kit.modeled_payload_nbytes)
         top = max([self.tr.batch, *(w.micro_batch for w in datasheet.workers)])
         worker = self.run.worker
         cap = getattr(worker, "max_proxy_micro_batch", None)
@@ -255,6 +266,12 @@ class PlanLoop:
         stretch and apply step, and the exchange kind's time, come from the WAN measured before round 0)."""
         w = self.wan_measure
         if self.planned_for is None or self.online is None:
+            return
+        if self.exchange_switched:  # the round's length may depend on the exchange's kind
+            self.exchange_switched = False
+            kind = "sharded exchange" if self.sharded is not None else "all-gather"
+            why = f"the exchange chosen over the probed WAN is the {kind}"
+            self._replanned(self.make_plan(self.planned_for), {}, why, {"took_part": list(members)})
             return
         lat, t = time_parts(self.exchange_cost(self.planned_for), self.faults.wan(self.planned_for))
         a0, b0 = w.assumed

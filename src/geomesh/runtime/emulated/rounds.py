@@ -26,7 +26,7 @@ from ...methods.base import OuterLoopMethod, budget_steps
 from ...methods.overlap import fold_remainder, round_compute_s, tail_fragments
 from ...outer import OuterNesterov
 from ...planner import OnlinePlanner, Plan, WanEstimator, time_parts
-from ...planner.exchange import scenario_exchange, scenario_exchange_seconds
+from ...planner.exchange import scenario_exchange, scenario_exchange_seconds, with_exchange
 from ...worker import Worker, inner_lr
 from ..faults import corrupt_payload, optimizer_finite, poisoned
 from .parallel import intra_op_threads, worker_threads
@@ -52,7 +52,9 @@ class RoundsLoop(EmulatedCore):
         loop = LoopState(self.scenario)
 
         def make_online(live: list[int]) -> OnlinePlanner:
-            return OnlinePlanner([cluster.profiles[i] for i in live], method.constraints(self.scenario, len(live)),
+            # the round planned for the exchange chosen for these workers (a re-sparsified one has shorter rounds)
+            planning = with_exchange(self.scenario, loop.kind)
+            return OnlinePlanner([cluster.profiles[i] for i in live], method.constraints(planning, len(live)),
                                  smoothing=g.replan_smoothing, threshold=g.replan_threshold)  # fmt: skip
 
         def make_wan() -> WanEstimator:  # modeled exchanges carry no noise: the plain rule (noise_k 0)
@@ -73,8 +75,8 @@ class RoundsLoop(EmulatedCore):
                 loop.online.factors.update({k: v for k, v in known.items() if k in loop.online.factors})
                 loop.plan = loop.online.plan(modeled_payload, loop.exchange_s)
             else:
-                loop.plan = method.plan(self.scenario, profiles, exchange_bytes=modeled_payload,
-                                        exchange_s=loop.exchange_s)  # fmt: skip
+                loop.plan = method.plan(with_exchange(self.scenario, loop.kind), profiles,
+                                        exchange_bytes=modeled_payload, exchange_s=loop.exchange_s)  # fmt: skip
             self._record_plan(loop.plan, **record)
 
         def extra() -> dict[str, Any]:
