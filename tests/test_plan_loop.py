@@ -177,7 +177,7 @@ def test_the_loop_plans_with_noise_aware_rules(tmp_path, small_corpus):
     path = write(tmp_path, small_corpus)
     for k in (2.5, 0.0):
         sc = load_scenario(path, {"geomesh.replan_noise_k": k} if k == 0.0 else None)
-        loop = SimpleNamespace(sc=sc, method=get_method("geomesh"), calibrated={})
+        loop = SimpleNamespace(sc=sc, plan_sc=sc, method=get_method("geomesh"), calibrated={})
         online = PlanLoop._new_online(loop, sc.worker_profiles({}))
         assert online.noise_k == k and online.first_measurement_sets_factor
         assert online.warmup_rounds == 1  # a region's first round (start-up) is not its speed
