@@ -14,8 +14,8 @@ strongest compressed baselines built from their published rules (docs/benchmarks
   equal tokens more, shorter rounds deliver more of the residual. Through a sharded exchange that
   re-sparsifies (the plan's where two of its exchanges cost less than one all-gather), a quarter: a round then
   applies one payload's share of the combined update, not the union of N payloads. Measured on ``default``
-  (docs/benchmarks.md): 4.933 with single top-64 entries in the reference's rounds, 4.804 with blocks, 4.694 with blocks in rounds
-  of half the sequences, against 1-bit GeoMesh's 4.700.
+  (docs/benchmarks.md): 4.933 with single top-64 entries in the reference's rounds, 4.804 with blocks, 4.694
+  with blocks in rounds of half the sequences, against 1-bit GeoMesh's 4.700.
 - ``sparseloco`` (Sarfi et al. 2025, arXiv 2508.15706): DiLoCo's uniform plan; e ← β·e + Δ; send the chunk-wise
   top-k of e in 2-bit values; e ← e − C(e); θ ← θ − α·mean(C(e_i)) with no outer momentum (β =
   ``compression.ef_decay``, α = ``compression.decay_outer_lr``).
@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from ..codec import Manifest, QuantCodec, SparseSignCodec
+from ..codec.sharded_sparse import EXACT_BITS
 from ..config import CompressionConfig, ScenarioConfig
 from .base import OuterLoopMethod
 
@@ -82,7 +83,7 @@ class CompressedMethod(OuterLoopMethod):
         (:func:`~geomesh.planner.exchange.with_exchange`), or with ``auto`` the plan's choice on the declared WAN
         (what ``geomesh plan`` and a time budget's sizing see)."""
         g = scenario.geomesh
-        if not self.payload.startswith("sparse") or g.shard_bits == 32 or self.overlapped(scenario):
+        if not self.payload.startswith("sparse") or g.shard_bits == EXACT_BITS or self.overlapped(scenario):
             return False
         if g.exchange != "auto":
             return g.exchange == "sharded"

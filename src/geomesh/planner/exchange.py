@@ -32,7 +32,7 @@ and it takes about that many rounds to apply what one all-gather round does. An 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ..network import WanModel
 
@@ -267,11 +267,9 @@ def with_exchange(scenario, name: str):
     """``scenario`` with ``geomesh.exchange`` set to the exchange a runtime chose (``name``), so that a method
     plans its round for the exchange it really uses (a re-sparsified sharded exchange's rounds are shorter:
     ``CompressedMethod.constraints``)."""
-    import dataclasses
-
     if name not in ("all_gather", "sharded") or scenario.geomesh.exchange == name:
         return scenario
-    return dataclasses.replace(scenario, geomesh=dataclasses.replace(scenario.geomesh, exchange=name))
+    return replace(scenario, geomesh=replace(scenario.geomesh, exchange=name))
 
 
 def scenario_exchange_seconds(scenario, wan: WanModel, collective: str, payload_bytes: float, name: str,
