@@ -3,7 +3,8 @@ namespace, address, folder and torchrun), the quorum service alone, links shaped
 with the method users run (``geomesh`` with calibration and re-planning): hosts lost and restarted with their
 folder kept or deleted, links cut for less and for more than the round deadline, every host killed and resumed
 each from its own folder; the same rejoin for ``geomesh-sparse`` through the sharded exchange; misdeployed
-hosts (another address advertised, a second host started as a region, a host's clocks a day apart). Needs
+hosts (another address advertised, a second host started as a region, a host's clocks a day apart); links
+slower than declared from the start, measured before round 0 and the exchange chosen for them. Needs
 root and iproute2: skipped with the reason elsewhere."""
 
 from __future__ import annotations
@@ -317,3 +318,34 @@ def test_a_link_quartered_mid_run_is_measured_and_replanned_for(tmp_path, small_
     assert slower and slower[0] <= at + 5, (at, replans)
     summary = json.loads(Path(result["summary_from"]).read_text())
     assert summary["wan_measured"]["transfer_factor"] > 2 and summary["wan_measured"]["observations"] >= 6
+
+
+@pytest.mark.waits
+@pytest.mark.skipif(REASON is not None, reason=f"the hosts test bed cannot run here: {REASON}")
+def test_links_slower_than_declared_switch_the_exchange_before_round_0(tmp_path, small_corpus):
+    """The scenario declares 1 Gbit/s links, where the plan all-gathers 1-bit payloads (latency sets the
+    exchange); the bed's links run at 1/50 of that from the start (20 Mbit/s, where transfer sets it). The WAN
+    probe before round 0 measures them: two sizes whose times differ by more than their scatter separate
+    latency from bandwidth (the declaration calls both sizes latency alone). Every host then chooses the
+    sharded exchange over the measured WAN (1-bit combined shards: fewer bytes into a region than two
+    payloads) and plans its first round for it; every round goes through it, and every host ends with one
+    checksum. (A timing model of 11M parameters: payloads a link of 20 Mbit/s takes seconds to carry.)"""
+    path = bed_scenario(tmp_path, small_corpus, rtt_ms=50)
+    data = yaml.safe_load(path.read_text())
+    data["wan"]["bandwidth_gbps"] = 1.0
+    data["timing_model"] = {"n_layers": 4, "hidden": 256, "seq_len": 1024, "vocab": 32000}
+    data["geomesh"]["shard_bits"] = 1
+    path.write_text(yaml.safe_dump(data))
+    out = tmp_path / "bed"
+    slow = [x for name in NAMES for x in ("--bandwidth", f"{name}@0:0.02")]
+    result = run_bed(path, out, "geomesh", "--tokens", "12000", *slow)
+    one_checksum(result)
+    for host in NAMES:
+        recs = records(out, host)
+        chosen = [e for e in recs if e["type"] == "exchange_choice"]
+        assert [(e["exchange"], e["wan"], e["round"]) for e in chosen] == [("sharded", "measured", 0)], chosen
+        assert chosen[0]["transfer_factor"] > 4 * chosen[0]["latency_factor"], chosen
+        first_plan = next(e for e in recs if e["type"] == "plan")  # (made for the exchange chosen)
+        assert first_plan["round"] == 0 and first_plan["time"] >= chosen[0]["time"], (first_plan, chosen)
+    summary = json.loads(Path(result["summary_from"]).read_text())
+    assert summary["exchange"] == "sharded" and summary["rounds"] >= 2

@@ -82,6 +82,45 @@ def test_two_sizes_separate_latency_from_bandwidth():
     assert exchange(alone.measured(wan), 40e6) == pytest.approx(exchange(actual, 40e6))
 
 
+PROBE_SIZES = (512, 4 << 20)  # the distributed runtime's probes before round 0 (plan_loop.py), each twice
+
+
+def probed(wan: WanModel, actual: WanModel, sigma: float = 0.0, seed: int = 0) -> WanEstimator:
+    rng, est = random.Random(seed), WanEstimator()
+    for nbytes in PROBE_SIZES * 2:
+        noise = math.exp(rng.gauss(0.0, sigma)) if sigma else 1.0
+        est.observe(*exchange_parts(GEOMESH, wan, nbytes), exchange(actual, nbytes) * noise, probe=True)
+    return est
+
+
+def test_a_link_declared_far_faster_than_it_is_is_split_by_the_probes():
+    """Declared at 10 Gbit/s, the links run at 250 Mbit/s: to the declaration both probe sizes are latency (the
+    large one's transfer share is 8%, under SPAN_MIN), so before, the probes gave one total factor and the
+    measured WAN mispredicted every other size. The measurements separate them: the large probe takes 4x the
+    small one."""
+    wan = declared_wan(gbps=10.0)
+    actual = wan.scaled(1.2, 40.0)
+    est = probed(wan, actual)
+    assert est.latency_factor == pytest.approx(1.2, rel=1e-6) and est.transfer_factor == pytest.approx(40.0, rel=1e-6)
+    measured = est.measured(wan)
+    assert exchange(measured, 40e6) == pytest.approx(exchange(actual, 40e6), rel=1e-6)
+    assert measured.sharded_s(8e6, 64e6) == pytest.approx(actual.sharded_s(8e6, 64e6), rel=1e-6)
+    # with a few percent of jitter on every probe, still found
+    found = [probed(wan, actual, sigma=0.05, seed=seed).transfer_factor for seed in range(50)]
+    assert all(20 < f < 64 for f in found), sorted(found)[:3]
+
+
+def test_jitter_between_probe_sizes_is_seldom_taken_for_a_bandwidth():
+    """A link declared right (100 Gbit/s: the large probe's transfer is 1% of it), probes scattered by 10%: the
+    two sizes differ by noise alone. Only a split that stands out from the probes' own scatter is taken (here
+    3 seeds of 200 at 10% jitter, none at 2%); otherwise one total factor, as before."""
+    wan = declared_wan(gbps=100.0)
+    split = {sigma: [s for s in range(200) if probed(wan, wan, sigma, s).transfer_factor
+                     != pytest.approx(probed(wan, wan, sigma, s).latency_factor, rel=1e-9)]
+             for sigma in (0.02, 0.1)}  # fmt: skip
+    assert len(split[0.02]) == 0 and len(split[0.1]) <= 5, split
+
+
 def noisy_replans(seed: int, noise_k: float, sigma: float = 0.1, n: int = 40) -> int:
     rng = random.Random(seed)
     est = WanEstimator(noise_k=noise_k)

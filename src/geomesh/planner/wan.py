@@ -12,7 +12,10 @@ it took. The model is measured ≈ a·latency_s + b·transfer_s.
 
 - **Two sizes separate latency from bandwidth.** When the observations of the current level (below) have
   transfer shares ``transfer_s / (latency_s + transfer_s)`` at least :data:`SPAN_MIN` apart (probes at two
-  sizes), a and b are fitted by weighted least squares on relative errors, Σ w_k·(a·x_k + b·y_k − 1)² with
+  sizes) as declared, or as measured (a link declared far faster than it is, where both probe sizes look
+  like latency alone to the declaration: sizes :data:`SIZES_APART` times apart, whose transfer shares at the
+  fitted factors are :data:`SPAN_MIN` and :data:`SCATTER_APART` times the observations' scatter apart), a
+  and b are fitted by weighted least squares on relative errors, Σ w_k·(a·x_k + b·y_k − 1)² with
   x_k = latency_s/measured_s and y_k = transfer_s/measured_s, each bounded to [:data:`FACTOR_MIN`,
   :data:`FACTOR_MAX`]; their ratio a:b is then what is known of the split. When they do not (every round
   exchanges the same size), one total factor is refined and the a:b ratio known so far is kept (at first the
@@ -62,6 +65,8 @@ from .noise import change_sigma
 WINDOW = 16  # observations of the current level that the factors are fitted from
 NOISE_WINDOW = 16  # recent observations (held-back ones included) whose residuals measure the noise
 SPAN_MIN = 0.1  # transfer shares at least this far apart separate latency from bandwidth
+SIZES_APART = 4.0  # transfer parts per latency part this many times apart are two sizes (the probes: >= 4x)
+SCATTER_APART = 4.0  # measured shares this many times their scatter apart are a split, not noise
 FACTOR_MIN, FACTOR_MAX = 1 / 64, 64.0  # the factors' sane range
 NOISE_MIN_CHANGES = 5  # successive changes of the prediction errors before their dispersion is trusted
 CONFIRM = 3  # exchanges in a row outside the noise, on one side, that are a change of the link (fewer: outliers)
@@ -95,6 +100,25 @@ def _scaled(declared: WanModel, a: float, b: float) -> WanModel:
 
 def _bounded(f: float) -> float:
     return min(FACTOR_MAX, max(FACTOR_MIN, f))
+
+
+def _sizes_measured_apart(weighted: list[tuple[float, tuple[float, float, float]]], a: float, b: float) -> bool:
+    """Whether the measurements themselves separate latency from bandwidth, where the declared WAN says they
+    cannot (a link declared far faster than it is: every size looks like latency alone to the declaration):
+    sizes :data:`SIZES_APART` times apart, at least four observations, and at the fitted factors transfer shares
+    at least :data:`SPAN_MIN` and :data:`SCATTER_APART` times the observations' scatter around the fit (relative
+    RMS, n − 2 degrees of freedom) apart, so that jitter between two sizes on a link the declaration gets right
+    is seldom taken for a bandwidth (tests/test_wan_measured.py counts how seldom)."""
+    n = len(weighted)
+    per_latency = [t / lat for _, (lat, t, _m) in weighted if lat > 0]
+    if n < 4 or len(per_latency) < n or not max(per_latency) >= SIZES_APART * min(per_latency):
+        return False  # (one size, sizes too close, or too few to see their scatter: noise taken for a split)
+    fitted = [b * t / (a * lat + b * t) for _, (lat, t, _m) in weighted]
+    total = math.fsum(w for w, _ in weighted)
+    squares = math.fsum(w * math.log(m / (a * lat + b * t)) ** 2 for w, (lat, t, m) in weighted)
+    scatter = math.sqrt(squares / total * n / (n - 2))  # (two factors fitted: n − 2 degrees of freedom)
+    span = max(fitted) - min(fitted)
+    return span >= SPAN_MIN and span >= SCATTER_APART * scatter
 
 
 def _number(value: Any, what: str) -> float:
@@ -198,15 +222,18 @@ class WanEstimator:
         weighted = [(1.0 if self.noise_k > 0 else self.smoothing ** (n - 1 - k), o) for k, o in enumerate(level)]
         weighted = [(w, o) for w, o in weighted if w > 0]
         shares = [t / (lat + t) for _, (lat, t, _m) in weighted]
-        if max(shares) - min(shares) >= SPAN_MIN and self._fit_both(weighted):
+        fit = self._fit_both(weighted)
+        if fit is not None and (max(shares) - min(shares) >= SPAN_MIN or _sizes_measured_apart(weighted, *fit)):
+            self._a, self._b = fit
+            self._ratio = fit[0] / fit[1]
             return
         rho = self._ratio  # one size: the total factor, at the a:b known so far
         log_s = math.fsum(w * math.log(m / (rho * lat + t)) for w, (lat, t, m) in weighted)
         s = math.exp(log_s / math.fsum(w for w, _ in weighted))
         self._a, self._b = _bounded(rho * s), _bounded(s)
 
-    def _fit_both(self, weighted: list[tuple[float, tuple[float, float, float]]]) -> bool:
-        """Least squares of measured ≈ a·latency + b·transfer on relative errors; False when ill-posed."""
+    def _fit_both(self, weighted: list[tuple[float, tuple[float, float, float]]]) -> tuple[float, float] | None:
+        """Least squares of measured ≈ a·latency + b·transfer on relative errors: (a, b); None when ill-posed."""
         sxx = math.fsum(w * (lat / m) ** 2 for w, (lat, t, m) in weighted)
         syy = math.fsum(w * (t / m) ** 2 for w, (lat, t, m) in weighted)
         sxy = math.fsum(w * lat * t / m**2 for w, (lat, t, m) in weighted)
@@ -214,7 +241,7 @@ class WanEstimator:
         sy = math.fsum(w * t / m for w, (lat, t, m) in weighted)
         det = sxx * syy - sxy * sxy
         if not det > 1e-9 * sxx * syy:
-            return False
+            return None
         a, b = (sx * syy - sy * sxy) / det, (sy * sxx - sx * sxy) / det
         if not FACTOR_MIN <= a <= FACTOR_MAX:  # one bound reached: the other factor fitted with it fixed
             a = _bounded(a)
@@ -222,8 +249,7 @@ class WanEstimator:
         elif not FACTOR_MIN <= b <= FACTOR_MAX:
             b = _bounded(b)
             a = _bounded((sx - b * sxy) / sxx)
-        self._a, self._b, self._ratio = a, b, a / b
-        return True
+        return a, b
 
     def noise(self) -> float | None:
         """σ: the relative dispersion of the recent exchanges around their predictions (module docstring); None
