@@ -71,6 +71,10 @@ FACTOR_MIN, FACTOR_MAX = 1 / 64, 64.0  # the factors' sane range
 NOISE_MIN_CHANGES = 5  # successive changes of the prediction errors before their dispersion is trusted
 CONFIRM = 3  # exchanges in a row outside the noise, on one side, that are a change of the link (fewer: outliers)
 
+PROBE_SMALL = 512  # bytes per region of the small WAN probe (latency), before round 0
+PROBE_LARGE_MAX = 4 << 20  # the large probe (bandwidth) is the exchange's payload, up to this
+PROBE_REPEATS = 2  # each size this many times: the probes' scatter is what tells a split from jitter
+
 _STATE_VERSION = 1
 _SAME = 1e-9  # factors this close to 1 are 1 (float rounding of a latency part plus a transfer part)
 
@@ -81,6 +85,14 @@ def exchange_parts(method: Any, wan: WanModel, nbytes: float) -> tuple[float, fl
     latency = float(method.exchange(wan, 0)[0])
     total = float(method.exchange(wan, nbytes)[0])
     return latency, max(0.0, total - latency)
+
+
+def probe_sizes(payload_nbytes: float) -> list[int]:
+    """The WAN probes before round 0, in the order both runtimes send them: :data:`PROBE_REPEATS` times a
+    :data:`PROBE_SMALL`-byte all-gather and one of the exchange's payload (at least 4x the small one, at most
+    :data:`PROBE_LARGE_MAX`). Two sizes separate latency from bandwidth (the module docstring)."""
+    large = max(PROBE_SMALL * 4, min(int(payload_nbytes), PROBE_LARGE_MAX))
+    return [PROBE_SMALL, large] * PROBE_REPEATS
 
 
 def time_parts(cost: Callable[[WanModel], float], wan: WanModel) -> tuple[float, float]:

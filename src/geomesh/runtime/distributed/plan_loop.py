@@ -25,13 +25,10 @@ from ...hardware import WorkerProfile
 from ...network import WanModel
 from ...planner import OnlinePlanner, Plan
 from ...planner.settle import settled_profiles
-from ...planner.wan import time_parts
+from ...planner.wan import probe_sizes, time_parts
 from .exchange import Exchanged, reported_overhead_s
 
 WARMUP_ROUNDS = 1
-PROBE_SMALL = 512  # bytes per leader of the small WAN probe (latency), before round 0
-PROBE_LARGE_MAX = 4 << 20  # the large probe (bandwidth) is the exchange's payload, up to this
-PROBE_REPEATS = 2  # each region's first measured round (start-up, warm-up) is not its speed
 # tests: "K" or "K:ROUND:K2": every probe and every exchange takes, as measured, what the declared WAN K times
 # slower gives it (latencies x K, bandwidths / K; K2 for the exchanges of rounds after ROUND): each leader's
 # report is replaced, as received, by that function of the exchange's bytes, so that every run measures the
@@ -227,12 +224,13 @@ class PlanLoop:
         return (lambda wan: wan.allreduce_s(nbytes)) if self.summed else (lambda wan: wan.allgather_s(nbytes))
 
     def probe_wan(self, members: list[int]) -> None:
-        """Every rank, before round 0: the leaders probe their links (:data:`PROBE_REPEATS` all-gathers of two
-        sizes, a few hundred bytes and the exchange's payload, held by the WAN shaper as exchanges are: the two
-        sizes separate latency from bandwidth), agree on each probe's median over the leaders, and every rank
-        folds the same figures into the WAN's measurement. A short, bounded cost, reported as calibration is."""
+        """Every rank, before round 0: the leaders probe their links (all-gathers of the two sizes of
+        :func:`~geomesh.planner.wan.probe_sizes`, a few hundred bytes and the exchange's payload, held by the WAN
+        shaper as exchanges are: the two sizes separate latency from bandwidth), agree on each probe's median over
+        the leaders, and every rank folds the same figures into the WAN's measurement. A short, bounded cost,
+        reported as calibration is."""
         run = self.run
-        sizes = [PROBE_SMALL, max(PROBE_SMALL * 4, min(self.wire_nbytes, PROBE_LARGE_MAX))] * PROBE_REPEATS
+        sizes = probe_sizes(self.wire_nbytes)
         start = time.perf_counter()
         medians = None
         if run.is_leader:

@@ -26,6 +26,7 @@ from ...methods.base import OuterLoopMethod, budget_steps
 from ...methods.overlap import fold_remainder, round_compute_s, tail_fragments
 from ...outer import OuterNesterov
 from ...planner import OnlinePlanner, Plan, WanEstimator, time_parts
+from ...planner.wan import probe_sizes
 from ...planner.exchange import scenario_exchange, scenario_exchange_seconds, with_exchange
 from ...worker import Worker, inner_lr
 from ..faults import corrupt_payload, optimizer_finite, poisoned
@@ -101,6 +102,8 @@ class RoundsLoop(EmulatedCore):
             self._restore(cluster, loop, outer=outer, codecs=codecs, make_online=make_online, overlap=overlap,
                           make_wan=make_wan)  # fmt: skip
         else:
+            if loop.wan is not None:  # the links probed before round 0, as the distributed runtime does
+                self._probe_wan(loop, modeled_payload)
             new_plan()
             loop.last_loss = self._evaluate(cluster)
         # a worker's local phase and rejoin: run here, or in the worker's own process (runtime/emulated/parallel.py)
@@ -304,6 +307,26 @@ class RoundsLoop(EmulatedCore):
             self._maybe_checkpoint(checkpoint_state)
         if overlap is not None:  # the last round's exchange: nothing left to hide it under
             self.clock += overlap.drain(self, loop.cluster.live())
+
+    def _probe_wan(self, loop: LoopState, payload_nbytes: int) -> None:
+        """The WAN probes before round 0 (:func:`~geomesh.planner.wan.probe_sizes`, as the distributed runtime
+        sends them): all-gathers timed on the cluster's own WAN, each a measurement of the declared one. Their two
+        sizes separate latency from bandwidth, so links thinner (or slower) than declared are planned for, and
+        the exchange chosen for them, from round 0. Modeled, they take no time on the clock, as calibration
+        takes none here (the distributed runtime's take wall-clock time: ``wan_probe`` records both)."""
+        live = loop.cluster.live()
+        if len(live) < 2:
+            return
+        declared, actual = loop.cluster.wan(live), loop.cluster.actual_wan(live)
+        seconds = 0.0
+        for size in probe_sizes(payload_nbytes):
+            latency, transfer = time_parts(lambda w, size=size: w.allgather_s(size), declared)
+            taken = actual.allgather_s(size)
+            if latency + transfer > 0 and taken > 0:
+                loop.wan.observe(latency, transfer, taken, probe=True)
+            seconds += taken
+        self.telemetry.emit({"type": "wan_probe", "time": self.clock, "seconds": seconds,
+                             "wan_measured": loop.wan.summary()})  # fmt: skip
 
     def _exchange_choice(self, method: OuterLoopMethod, wan: Any, combiner: Any, modeled_payload: int) -> Any:
         """The plan's exchange for the live workers' WAN (planner/exchange.py): the all-gather, the sharded
