@@ -110,6 +110,16 @@ def test_a_link_declared_far_faster_than_it_is_is_split_by_the_probes():
     assert all(20 < f < 64 for f in found), sorted(found)[:3]
 
 
+def test_a_probe_that_measured_nothing_is_left_out():
+    """A probe median of 0 s (leaders' reports are data) says nothing of the link: left out, never an error."""
+    wan = declared_wan()
+    est = WanEstimator()
+    est.observe_probe(wan, 512, 0.0)
+    assert est.probes == 0 and est.latency_factor == 1.0
+    est.observe_probe(wan, 512, 2 * wan.allgather_s(512))
+    assert est.probes == 1 and est.latency_factor == pytest.approx(2.0)
+
+
 def test_jitter_between_probe_sizes_is_seldom_taken_for_a_bandwidth():
     """A link declared right (100 Gbit/s: the large probe's transfer is 1% of it), probes scattered by 10%: the
     two sizes differ by noise alone. Only a split that stands out from the probes' own scatter is taken (here

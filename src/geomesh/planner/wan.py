@@ -222,6 +222,14 @@ class WanEstimator:
         self._history = [*self._history, residual][-NOISE_WINDOW:]
         self._fit()
 
+    def observe_probe(self, declared: WanModel, nbytes: int, measured_s: float) -> None:
+        """Fold one WAN probe in (:func:`probe_sizes`): an all-gather of ``nbytes`` per region, its latency and
+        transfer parts on ``declared``, that took ``measured_s``. A probe that measured nothing (no time, or one
+        the declared WAN gives no time) is left out: it says nothing of the link, and a run never stops on it."""
+        latency, transfer = time_parts(lambda wan: wan.allgather_s(nbytes), declared)
+        if latency + transfer > 0 and measured_s > 0:
+            self.observe(latency, transfer, measured_s, probe=True)
+
     def _residual(self, obs: tuple[float, float, float]) -> float:
         return math.log(obs[2] / self.predict(obs[0], obs[1]))
 

@@ -245,8 +245,7 @@ class PlanLoop:
         wan = self.faults.wan(members)
         k = test_wan_factor(0)
         for size, seconds in zip(sizes, medians):
-            lat, transfer = time_parts(lambda w, size=size: w.allgather_s(size), wan)
-            self.wan_measure.observe(lat, transfer, seconds if k is None else k * (lat + transfer), probe=True)
+            self.wan_measure.observe_probe(wan, size, seconds if k is None else k * wan.allgather_s(size))
         self.wan_probe_s = time.perf_counter() - start
         self.emit({"type": "wan_probe", "time": run._now(), "seconds": self.wan_probe_s,
                    "wan_measured": self.wan_measure.summary()})  # fmt: skip

@@ -26,8 +26,8 @@ from ...methods.base import OuterLoopMethod, budget_steps
 from ...methods.overlap import fold_remainder, round_compute_s, tail_fragments
 from ...outer import OuterNesterov
 from ...planner import OnlinePlanner, Plan, WanEstimator, time_parts
-from ...planner.wan import probe_sizes
 from ...planner.exchange import scenario_exchange, scenario_exchange_seconds, with_exchange
+from ...planner.wan import probe_sizes
 from ...worker import Worker, inner_lr
 from ..faults import corrupt_payload, optimizer_finite, poisoned
 from .parallel import intra_op_threads, worker_threads
@@ -320,10 +320,8 @@ class RoundsLoop(EmulatedCore):
         declared, actual = loop.cluster.wan(live), loop.cluster.actual_wan(live)
         seconds = 0.0
         for size in probe_sizes(payload_nbytes):
-            latency, transfer = time_parts(lambda w, size=size: w.allgather_s(size), declared)
             taken = actual.allgather_s(size)
-            if latency + transfer > 0 and taken > 0:
-                loop.wan.observe(latency, transfer, taken, probe=True)
+            loop.wan.observe_probe(declared, size, taken)
             seconds += taken
         self.telemetry.emit({"type": "wan_probe", "time": self.clock, "seconds": seconds,
                              "wan_measured": loop.wan.summary()})  # fmt: skip
