@@ -323,17 +323,18 @@ def test_a_link_quartered_mid_run_is_measured_and_replanned_for(tmp_path, small_
 @pytest.mark.waits
 @pytest.mark.skipif(REASON is not None, reason=f"the hosts test bed cannot run here: {REASON}")
 def test_links_slower_than_declared_switch_the_exchange_before_round_0(tmp_path, small_corpus):
-    """The scenario declares 1 Gbit/s links, where the plan all-gathers 1-bit payloads (latency sets the
-    exchange); the bed's links run at 1/50 of that from the start (20 Mbit/s, where transfer sets it). The WAN
+    """The scenario declares 100 Mbit/s links, where the plan all-gathers 1-bit payloads (latency sets the
+    exchange); the bed's links run at 1/50 of that from the start (2 Mbit/s, where transfer sets it). The WAN
     probe before round 0 measures them: two sizes whose times differ by more than their scatter separate
     latency from bandwidth (the declaration calls both sizes latency alone). Every host then chooses the
     sharded exchange over the measured WAN (1-bit combined shards: fewer bytes into a region than two
     payloads) and plans its first round for it; every round goes through it, and every host ends with one
-    checksum. (A timing model of 11M parameters: payloads a link of 20 Mbit/s takes seconds to carry.)"""
-    path = bed_scenario(tmp_path, small_corpus, rtt_ms=50)
+    checksum. (A timing model of 1.4M parameters: payloads a link of 2 Mbit/s takes a second to carry. Long
+    links and slow transfers, so that the probes' times stand well above a busy machine's stalls.)"""
+    path = bed_scenario(tmp_path, small_corpus, rtt_ms=200)
     data = yaml.safe_load(path.read_text())
-    data["wan"]["bandwidth_gbps"] = 1.0
-    data["timing_model"] = {"n_layers": 4, "hidden": 256, "seq_len": 1024, "vocab": 32000}
+    data["wan"]["bandwidth_gbps"] = 0.1
+    data["timing_model"] = {"n_layers": 2, "hidden": 128, "seq_len": 1024, "vocab": 8000}
     data["geomesh"]["shard_bits"] = 1
     path.write_text(yaml.safe_dump(data))
     out = tmp_path / "bed"
