@@ -481,10 +481,12 @@ class QuorumExchange(ElasticState):
         took_part = outcome["took_part"]
         for i in members:
             if i not in took_part and i in planned:  # lost in the round (healed at its quorum: trained nothing)
+                lost[i] = planned[i]
+                if self.members is not None and i not in self.members:
+                    continue  # (overlapped: the next round's quorum, which formed before this exchange arrived)
                 self.stats["leaves"] += 1
                 self._emit({"type": "leave", "round": number, "time": run._now(), "region": names[i],
                             "reason": "lost during the round's exchange", "tokens_lost": planned[i]})  # fmt: skip
-                lost[i] = planned[i]
         self.members = [i for i in members if i in took_part or i not in planned]  # (healed now: still a member)
         for i in range(self.n):
             if i not in took_part:

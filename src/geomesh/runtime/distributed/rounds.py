@@ -379,8 +379,11 @@ class RoundLoop(PlanLoop):
             lost = {i: planned[i] for i in outcome["lost"] if i in planned}
             self.run.tokens_lost += sum(lost.values())
             self._warn(outcome, number)
-            self.exchange.end_round(result, members or outcome["took_part"], outcome, lost, planned, compute_s,
-                                    comm_s, round_number=number)  # fmt: skip
+            # the exchange's quorum and the round's trainers: one that trained the round and is not in the
+            # exchange (lost before its quorum) left in this round, the run's last included
+            members = sorted(set(members or outcome["took_part"]) | set(planned))
+            self.exchange.end_round(result, members, outcome, lost, planned, compute_s, comm_s,
+                                    round_number=number)  # fmt: skip
             self.run.agree_elapsed([i.get("elapsed_s") for i in result.infos])  # (the clocks it carried)
         self.overlap.arrived.clear()
 
