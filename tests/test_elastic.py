@@ -432,10 +432,11 @@ def healed_in_place(events: list[dict]) -> list[tuple[int, str]]:
 def test_an_overlapped_elastic_run_heals_a_lone_failure_and_survives_a_killed_region(tmp_path, small_corpus):
     """`geomesh-overlap` with elastic regions and the plan loop on (calibration and re-planning: what users run):
     each exchange leaves at its own quorum and runs under the next round's compute.
-    1. r2-t4's leader loses round 3's exchange after every payload arrived (the test hook): the others apply it
-       without r2, which heals from them at the next exchange's quorum and measures that exchange against its
-       own round's plan, as they do (it measured each against the round before, re-planned alone, refused the
-       others' payloads and parted θ).
+    1. r0-h100's leader, the one that writes events.jsonl, loses round 3's exchange after every payload
+       arrived (the test hook): the others apply it without r0, which heals from them at the next exchange's
+       quorum and measures that exchange against its own round's plan, as they do (it measured each against the
+       round before, re-planned alone, refused the others' payloads and parted θ); the records it heals with
+       hold the round it healed over (they were made after that quorum: its file lacked the round).
     2. r1-a100 SIGKILLed later is left out of the exchange in flight (the survivors redo it with the payloads
        they have) and of every later one. A survivor whose exchange failed where the other's completed (the
        kill can land between their parts of the collective) heals as in 1.
@@ -443,7 +444,7 @@ def test_an_overlapped_elastic_run_heals_a_lone_failure_and_survives_a_killed_re
     path = scenario(tmp_path, small_corpus, slowdown=2.0, plan_loop=True)
     out, tag = tmp_path / "run", uuid.uuid4().hex
     proc = start(argv(path, out, 7680 * 2, method="geomesh-overlap"), tag, out,
-                 extra_env={"GEOMESH_TEST_LOSE_EXCHANGE": "r2-t4:3"})  # fmt: skip
+                 extra_env={"GEOMESH_TEST_LOSE_EXCHANGE": "r0-h100:3"})  # fmt: skip
     try:
         wait_for_round(out, proc, 5)
         kill_region(tag, "r1-a100")
@@ -456,7 +457,8 @@ def test_an_overlapped_elastic_run_heals_a_lone_failure_and_survives_a_killed_re
     assert summary["overlap"] is True
     events = read_events(out / "events.jsonl")
     healed = healed_in_place(events)
-    assert healed[0] == (3, "r2-t4") and all(r > 5 and name != "r1-a100" for r, name in healed[1:]), healed
+    assert healed[0] == (3, "r0-h100") and all(r > 5 and name != "r1-a100" for r, name in healed[1:]), healed
+    assert [e["round"] for e in events if e["type"] == "round"] == list(range(1, summary["rounds"] + 1))
     leaves = [e["region"] for e in events if e["type"] == "leave" and (e["round"], e["region"]) not in healed]
     assert leaves == ["r1-a100"]
     assert not [e for e in events if e["type"] == "warning"]  # no plan differed, no payload was refused

@@ -129,6 +129,7 @@ class RoundLoop(PlanLoop):
                 self.overlap.loop = self
         # elastic overlap, the exchanges in flight: (planned tokens, plan, steps, plan entries, round number)
         self._planned_in_flight: list[tuple] = []
+        self._clocks_arrived: list[list] = []  # (elastic overlapped: the clocks of exchanges recorded, not agreed)
         self._in_round = False
         # the index in ``run.plans`` of the plan the round in progress runs, and the one a healing state gave
         self.round_plan_at: int | None = None
@@ -281,6 +282,11 @@ class RoundLoop(PlanLoop):
             self._test_kill_point()
             # 4. exchange over the members' leaders
             sent_before, wire_before = run.transport.wan_bytes, tx_bytes(run._iface)
+            if self.overlap is not None and self.elastic:
+                # the exchanges that arrived during this round: their rounds' records before the next exchange's
+                # quorum, where a region whose own exchange failed heals with the live state, records included
+                # (recorded after it, the writer healed there never had the round it healed over)
+                self._record_arrived(compute_s, 0.0)
             if self.overlap is not None:
                 result, comm_s = self._exchange_overlapped(payload, split, in_exchange, compute_s,
                                                            quorum=not joined_now)  # fmt: skip
@@ -310,11 +316,13 @@ class RoundLoop(PlanLoop):
                     # hold: waited for now
                     self.overlap.drain()
                     comm_s += self.overlap.take_waited()
-                if self.elastic:  # the exchanges that arrived during this round: their rounds' records now
+                if self.elastic:  # an exchange waited for since (drained): its record now
                     self._record_arrived(compute_s, comm_s)
+                    self._agree_arrived_clocks()  # (with this round counted: the run ends with it)
                     if run.time_up:  # the time budget is spent: the exchange in flight is the run's last
                         self.overlap.drain()
                         self._record_arrived(compute_s, comm_s + self.overlap.take_waited())
+                        self._agree_arrived_clocks()
                     self._end_of_round(tr, saver, every, keep, checkpoint_due)
                     continue
                 outcome = self._overlap_outcome(members)
@@ -384,8 +392,15 @@ class RoundLoop(PlanLoop):
             members = sorted(set(members or outcome["took_part"]) | set(planned))
             self.exchange.end_round(result, members, outcome, lost, planned, compute_s, comm_s,
                                     round_number=number)  # fmt: skip
-            self.run.agree_elapsed([i.get("elapsed_s") for i in result.infos])  # (the clocks it carried)
+            self._clocks_arrived.append([i.get("elapsed_s") for i in result.infos])  # (the clocks it carried)
         self.overlap.arrived.clear()
+
+    def _agree_arrived_clocks(self) -> None:
+        """The time budget's decision from the clocks of the exchanges recorded this round, taken once the round
+        is counted (as a static round takes it), whenever their records were made."""
+        for clocks in self._clocks_arrived:
+            self.run.agree_elapsed(clocks)
+        self._clocks_arrived.clear()
 
     # ---- the parts of a round ----------------------------------------------------------------------------
     def _local_phase(self, entries, steps, rs, members, plan, once, drains: bool):
