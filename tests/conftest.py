@@ -102,6 +102,15 @@ def bench_script(name: str):
 FIXED_PLAN = {"replan": False, "calibrate": False}
 
 
+def healed_in_place(events: list[dict]) -> list[tuple[int, str]]:
+    """(round, region) of every region that fell behind and healed while still a member (its own exchange
+    failed where the others' completed, e.g. a member killed between their parts of the collective): a
+    ``leave`` with that reason and its ``join`` in the same round."""
+    joins = {(e["round"], e["region"]) for e in events if e["type"] == "join"}
+    return [(e["round"], e["region"]) for e in events if e["type"] == "leave"
+            and e["reason"].startswith("restarted (or fell behind)") and (e["round"], e["region"]) in joins]
+
+
 def pytest_collection_modifyitems(config, items):
     """The files that hold a test marked ``long`` are collected first (the order inside each group kept):
     make test's workers take one file at a time, and a long file taken last keeps one worker busy while the

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import FIXED_PLAN, tiny_scenario_dict
+from conftest import FIXED_PLAN, healed_in_place, tiny_scenario_dict
 
 from geomesh.cli import launch as cli_launch
 from geomesh.telemetry import read_events
@@ -419,14 +419,6 @@ def test_a_rank_must_know_its_region(tmp_path, small_corpus, flag):
     done = subprocess.run([sys.executable, "-m", "geomesh.run", str(path), "--method", "geomesh", "--out",
                            str(tmp_path / "x"), flag, "mars"], env=env, capture_output=True, text=True, timeout=120)  # fmt: skip
     assert done.returncode == 2 and done.stderr.strip().splitlines()[-1].startswith("error: region 'mars'")
-
-
-def healed_in_place(events: list[dict]) -> list[tuple[int, str]]:
-    """(round, region) of every region that fell behind and healed while still a member: a ``leave`` with that
-    reason and its ``join`` in the same round."""
-    joins = {(e["round"], e["region"]) for e in events if e["type"] == "join"}
-    return [(e["round"], e["region"]) for e in events if e["type"] == "leave"
-            and e["reason"].startswith("restarted (or fell behind)") and (e["round"], e["region"]) in joins]
 
 
 def test_an_overlapped_elastic_run_heals_a_lone_failure_and_survives_a_killed_region(tmp_path, small_corpus):
