@@ -135,9 +135,7 @@ class RankOverlap:
             # (θ with this exchange applied, the run's plans and the plan loop as the others hold them at the next
             # exchange's quorum: this exchange measured, and any re-plan it made in force from the next round)
             self.loop.exchange.apply_healed(result.healed_state)
-            # what this region planned for the exchange is measured no more (the live plan loop measured it), so the
-            # next exchange to arrive is measured against its own round's plan, as the others measure it
-            del self.loop._planned_in_flight[len(self.arrived)]
+            self.loop.healed_over_arrival()
             self.last = None
             return self.params
         if run.is_leader and not result.void:  # the exchange thread's own time, launch to arrival (not the wait)
