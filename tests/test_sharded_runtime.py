@@ -42,8 +42,8 @@ def test_scenario_fields_are_checked():
         load_scenario("default", {"geomesh.exchange": "ring"})
     with pytest.raises(ConfigError, match="geomesh.shard_bits"):
         load_scenario("default", {"geomesh.shard_bits": 3})
-    with pytest.raises(ConfigError, match="overlap"):
-        load_scenario("default", {"geomesh.exchange": "sharded", "geomesh.overlap": True})
+    both = load_scenario("default", {"geomesh.exchange": "sharded", "geomesh.overlap": True})  # overlapped, sharded
+    assert both.geomesh.exchange == "sharded" and both.geomesh.overlap is True
 
 
 def test_geomesh_plan_says_which_exchange_and_why(tmp_path, capsys):

@@ -116,11 +116,12 @@ GPUS = ("H100", "A100", "T4", "V100")
 CORRUPT = [{"at_round": 2, "region": "r2-t4", "kind": "corrupt"}]  # r2-t4's payload damaged on the wire
 
 
-def _scenario(folder, corpus, geomesh, faults=None):
+def _scenario(folder, corpus, geomesh, faults=None, wan=None):
     import yaml
     from conftest import FIXED_PLAN, tiny_scenario_dict
 
     data = tiny_scenario_dict(corpus, GPUS)
+    data["wan"] = wan or data["wan"]
     data["geomesh"].update({**FIXED_PLAN, "max_batch": 16, **geomesh})
     data["compression"] = {"sparse_chunk_size": 256, "sparse_block_k": 24}
     if faults:
@@ -131,11 +132,11 @@ def _scenario(folder, corpus, geomesh, faults=None):
     return path
 
 
-def _launch(path, out, *extra, env=None, ok=True):
+def _launch(path, out, *extra, env=None, ok=True, tokens=TOKENS):
     from geomesh.cli import launch as cli_launch
 
     args = cli_launch.build_parser().parse_args(["launch", str(path), "--nproc", "4", "--method", "geomesh-sparse",
-                                                 "--out", str(out), "--tokens", str(TOKENS), "--save-params",
+                                                 "--out", str(out), "--tokens", str(tokens), "--save-params",
                                                  "--quiet", "--timeout", "90", *extra])  # fmt: skip
     result = cli_launch.launch(args, extra_env={"OMP_NUM_THREADS": "1", **(env or {})})
     if ok:

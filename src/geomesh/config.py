@@ -600,9 +600,6 @@ def validate(cfg: ScenarioConfig) -> ScenarioConfig:
     _require(g.exchange in EXCHANGES, "geomesh.exchange", g.exchange, f"expected one of {', '.join(EXCHANGES)}")
     _require(g.shard_bits in SHARD_BITS, "geomesh.shard_bits", g.shard_bits,
              f"expected one of {', '.join(map(str, SHARD_BITS))} bits per element")  # fmt: skip
-    if g.overlap:  # an overlapped round's exchange (and its last round's fragments) is all-gathered
-        _require(g.exchange != "sharded", "geomesh.exchange", g.exchange,
-                 "expected 'auto' or 'all_gather' with geomesh.overlap: true (the overlapped exchange is an all-gather)")  # fmt: skip
     alive = {r.name: True for r in cfg.regions}
     for i, f in enumerate(sorted(cfg.faults, key=lambda f: f.at_round)):
         w = f"faults[{cfg.faults.index(f)}]"

@@ -60,19 +60,21 @@ def cluster_plans(scenario, profiles=None, allow_drop: bool = False) -> dict[str
 
 
 def cluster_exchanges(scenario) -> dict[str, Any]:
-    """GeoMesh's, geomesh-sparse's and DiLoCo's exchange on the scenario's cluster (planner/exchange.py): the
-    collective the plan takes (the cheapest by the WAN model unless geomesh.exchange forces one), its cost and
-    why."""
+    """GeoMesh's, geomesh-sparse's (plain and overlapped) and DiLoCo's exchange on the scenario's cluster
+    (planner/exchange.py): the collective the plan takes (the cheapest by the WAN model unless geomesh.exchange
+    forces one), its cost and why."""
     from ..methods import get_method
     from ..methods.base import proxy_manifest
     from ..planner.exchange import scenario_exchange
 
     wan, manifest, out = scenario.wan_model(), proxy_manifest(scenario), {}
-    for name in ("geomesh", "geomesh-sparse", "diloco"):
+    profiles = scenario.worker_profiles(require_fit=False)
+    for name in ("geomesh", "geomesh-sparse", "geomesh-sparse-overlap", "diloco"):
         method = get_method(name)
         payload = method.modeled_payload_bytes(scenario, manifest)
+        hidden = method.overlap_hidden_s(scenario, profiles, wan, payload)
         choice = scenario_exchange(scenario, wan, method.collective, payload, method.make_codec(manifest, scenario),
-                                   overlap=method.overlapped(scenario))  # fmt: skip
+                                   overlap=method.overlapped(scenario), hidden_s=hidden)  # fmt: skip
         if choice.name == method.collective:  # the method's own timing of its collective
             seconds, sent = method.exchange(wan, payload)
             choice = dataclasses.replace(choice, cost=dataclasses.replace(choice.cost, seconds=seconds, sent_bytes=sent))
@@ -177,6 +179,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         out["scenario"] = scenario.name
         out["exchange"] = exchange.to_json()
         out["sparse_exchange"] = sparse.to_json()  # geomesh-sparse's (its sparse payloads)
+        out["sparse_overlap_exchange"] = exchanges["geomesh-sparse-overlap"].to_json()  # (overlapped rounds)
         out["baseline"] = {"method": "diloco", **plans["diloco"].to_json(), "exchange": exchanges["diloco"].to_json()}
         if tail is not None:
             out["last_exchange"] = tail
@@ -200,6 +203,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
           f"{human_bytes(exchange.cost.received_bytes)} per round")  # fmt: skip
     print(f"geomesh-sparse's exchange: {EXCHANGE_NAMES[sparse.name]} ({sparse.reason}); each region receives "
           f"{human_bytes(sparse.cost.received_bytes)} per round")  # fmt: skip
+    hidden = exchanges["geomesh-sparse-overlap"]
+    if not plans["geomesh"].overlap:  # (overlapped, geomesh-sparse's line above is this one)
+        print(f"geomesh-sparse-overlap's exchange: {EXCHANGE_NAMES[hidden.name]} ({hidden.reason}); each region "
+              f"receives {human_bytes(hidden.cost.received_bytes)} per round")  # fmt: skip
     dense = exchanges["diloco"]
     print(f"DiLoCo's exchange: {EXCHANGE_NAMES[dense.name]} ({dense.reason}); each region sends "
           f"{human_bytes(dense.cost.sent_bytes)} per round")  # fmt: skip

@@ -83,6 +83,20 @@ class OuterLoopMethod(Method):
         codec = self.make_codec(manifest, scenario)
         return round(codec.payload_nbytes() / manifest.numel * scenario.timing().params)
 
+    def overlap_hidden_s(self, scenario: ScenarioConfig, profiles: list[WorkerProfile], wan: WanModel,
+                         payload_bytes: int) -> float:  # fmt: skip
+        """Overlapped rounds: the compute of this method's all-gather round for ``profiles`` over ``wan``, under
+        which the next round hides an exchange (the exchange's choice counts only what it does not hide,
+        :func:`~geomesh.planner.exchange.choose_exchange`); 0 when the rounds are not overlapped."""
+        if not self.overlapped(scenario) or not profiles:
+            return 0.0
+        from ..planner.exchange import with_exchange
+
+        seconds = self.exchange(wan, payload_bytes)[0]
+        plan = self.plan(with_exchange(scenario, "all_gather"), profiles, exchange_bytes=payload_bytes,
+                         exchange_s=seconds, allow_drop=True)  # fmt: skip
+        return plan.compute_s
+
     def plan(self, scenario: ScenarioConfig, profiles: list[WorkerProfile], exchange_bytes: int = 0,
              exchange_s: float = 0.0, allow_drop: bool = False) -> Plan:  # fmt: skip
         tr = scenario.training

@@ -83,7 +83,7 @@ class CompressedMethod(OuterLoopMethod):
         (:func:`~geomesh.planner.exchange.with_exchange`), or with ``auto`` the plan's choice on the declared WAN
         (what ``geomesh plan`` and a time budget's sizing see)."""
         g = scenario.geomesh
-        if not self.payload.startswith("sparse") or g.shard_bits == EXACT_BITS or self.overlapped(scenario):
+        if not self.payload.startswith("sparse") or g.shard_bits == EXACT_BITS:
             return False
         if g.exchange != "auto":
             return g.exchange == "sharded"
@@ -91,8 +91,11 @@ class CompressedMethod(OuterLoopMethod):
         from .base import proxy_manifest
 
         manifest = proxy_manifest(scenario)
-        choice = scenario_exchange(scenario, scenario.wan_model(), self.collective,
-                                   self.modeled_payload_bytes(scenario, manifest), self.make_codec(manifest, scenario))
+        wan, payload = scenario.wan_model(), self.modeled_payload_bytes(scenario, manifest)
+        profiles = scenario.worker_profiles(require_fit=False) if self.overlapped(scenario) else []
+        hidden = self.overlap_hidden_s(scenario, profiles, wan, payload)
+        choice = scenario_exchange(scenario, wan, self.collective, payload, self.make_codec(manifest, scenario),
+                                   overlap=self.overlapped(scenario), hidden_s=hidden)  # fmt: skip
         return choice.name == "sharded"
 
     @property
@@ -169,6 +172,13 @@ GEOMESH_SPARSE = CompressedMethod(
     feedback="scenario",
     round_sequences_factor=0.5,
     positions="scenario",
+)
+GEOMESH_SPARSE_OVERLAP = dataclasses.replace(
+    GEOMESH_SPARSE,
+    name="geomesh-sparse-overlap",
+    description="geomesh-sparse with the exchange of round r hidden behind the compute of round r+1; the plan "
+    "then takes the sharded exchange wherever the rounds hide it (fewer bytes)",
+    overlap=True,
 )
 SPARSELOCO = CompressedMethod(
     name="sparseloco",

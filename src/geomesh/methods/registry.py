@@ -8,7 +8,7 @@ from __future__ import annotations
 from ..errors import UnknownMethodError
 from .async_local_sgd import ASYNC_LOCAL_SGD
 from .base import Method
-from .compressed import DILOCO_FP4, DILOCO_INT8, GEOMESH_SPARSE, SPARSELOCO
+from .compressed import DILOCO_FP4, DILOCO_INT8, GEOMESH_SPARSE, GEOMESH_SPARSE_OVERLAP, SPARSELOCO
 from .ddp import DDP
 from .streaming import STREAMING_DILOCO
 from .diloco import DILOCO
@@ -17,7 +17,7 @@ from .geomesh import GEOMESH, GEOMESH_BALANCE_ONLY, GEOMESH_OVERLAP, GEOMESH_SIG
 METHODS: dict[str, Method] = {
     m.name: m
     for m in (DDP, DILOCO, ASYNC_LOCAL_SGD, GEOMESH, GEOMESH_BALANCE_ONLY, GEOMESH_SIGN_ONLY, GEOMESH_OVERLAP,
-              GEOMESH_SPARSE, SPARSELOCO, STREAMING_DILOCO, DILOCO_INT8, DILOCO_FP4)
+              GEOMESH_SPARSE, GEOMESH_SPARSE_OVERLAP, SPARSELOCO, STREAMING_DILOCO, DILOCO_INT8, DILOCO_FP4)
 }
 
 

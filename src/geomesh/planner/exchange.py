@@ -26,8 +26,11 @@ candidates whose times are within :data:`SAME_TIME` of each other are the same t
 fewer bytes wins (the WAN is shared). A sharded exchange that re-sparsifies (sparse payloads, combined shards
 not in float32) is timed at :data:`RESPARSIFIED_ROUNDS` of its exchanges against one all-gather: its owners
 return one payload's density of the combined update where the all-gather applies the union of N payloads,
-and it takes about that many rounds to apply what one all-gather round does. An overlapped round
-(docs/overlap.md) keeps the all-gather, which its fragments use. Pure: numbers in, a choice out.
+and it takes about that many rounds to apply what one all-gather round does. Overlapped rounds (docs/overlap.md)
+hide each exchange under the next round's compute, so an exchange is timed by what that compute does not hide
+(``hidden_s``, the all-gather round's compute; a re-sparsified round has 1/:data:`RESPARSIFIED_ROUNDS` of it):
+two exchanges the rounds hide both cost nothing, and the one with fewer bytes wins. The last overlapped round's
+fragments are all-gathered whatever the choice. Pure: numbers in, a choice out.
 """
 
 from __future__ import annotations
@@ -128,13 +131,14 @@ def exchange_costs(wan: WanModel, collective: str, payload_bytes: float, sharded
 
 def choose_exchange(wan: WanModel, collective: str, payload_bytes: float, sharded: ShardedSizes | None = None,
                     forced: str = "auto", overlap: bool = False, bits: int | None = None,
-                    keyed: bool = False) -> ExchangeChoice:  # fmt: skip
+                    keyed: bool = False, hidden_s: float = 0.0) -> ExchangeChoice:  # fmt: skip
     """The exchange of one round: ``forced`` (``all_gather`` or ``sharded``) when a sign or sparse method's
     scenario names one, else the cheapest candidate by modeled time (of two within :data:`SAME_TIME`, the one
-    with fewer bytes); ``overlap`` keeps the all-gather. Dense payloads (``all_reduce``) are all-reduced
-    unless ``keyed``: then they take the all-gather of whole signed payloads or the sharded exchange, as sign
-    payloads do."""
-    costs = exchange_costs(wan, collective, payload_bytes, None if overlap else sharded, keyed)
+    with fewer bytes). ``overlap``: each exchange is timed by what the next round's compute does not hide,
+    ``hidden_s`` the all-gather round's compute (a re-sparsified sharded round's is 1/:data:`RESPARSIFIED_ROUNDS`
+    of it). Dense payloads (``all_reduce``) are all-reduced unless ``keyed``: then they take the all-gather of
+    whole signed payloads or the sharded exchange, as sign payloads do."""
+    costs = exchange_costs(wan, collective, payload_bytes, sharded, keyed)
     n = wan.n
     if collective == "all_reduce" and not keyed:
         return ExchangeChoice("all_reduce", costs["all_reduce"], "dense payloads are all-reduced (no run key: the "
@@ -144,18 +148,20 @@ def choose_exchange(wan: WanModel, collective: str, payload_bytes: float, sharde
         raise ValueError(f"exchange {forced!r}: expected auto, all_gather or sharded")
     if forced != "auto":
         if forced not in costs:
-            raise ValueError(f"exchange {forced!r} is not available here ({'overlapped rounds all-gather' if overlap else 'one region'})")
+            raise ValueError(f"exchange {forced!r} is not available here (one region)")
         name, why = forced, "geomesh.exchange forces it"
     elif len(costs) == 1:
         name = "all_gather"
-        why = ("overlapped rounds all-gather (their last exchange leaves in fragments)" if overlap
-               else "a single region exchanges nothing" if n < 2
+        why = ("a single region exchanges nothing" if n < 2
                else "these payloads are all-gathered (they are neither sign, sparse sign nor dense payloads: no "
                     "sharding)")  # fmt: skip
     else:
         ag, sh = costs["all_gather"], costs["sharded"]
         rounds = RESPARSIFIED_ROUNDS if sharded is not None and sharded.resparsified else 1.0
-        timed = {"all_gather": ag.seconds, "sharded": rounds * sh.seconds}
+        under = hidden_s if overlap else 0.0  # the compute that hides an overlapped all-gather
+        hide = {"all_gather": under, "sharded": under / rounds}
+        timed = {"all_gather": max(0.0, ag.seconds - hide["all_gather"]),
+                 "sharded": rounds * max(0.0, sh.seconds - hide["sharded"])}
         if abs(timed["all_gather"] - timed["sharded"]) <= SAME_TIME * max(timed.values()):
             name = "sharded" if sh.received_bytes < ag.received_bytes else "all_gather"
             other = "sharded" if name == "all_gather" else "all_gather"
@@ -171,6 +177,10 @@ def choose_exchange(wan: WanModel, collective: str, payload_bytes: float, sharde
                     f"re-sparsify, so a round applies one payload's share of the update where the all-gather "
                     f"applies the union of {n} payloads, and its rounds carry 1/{rounds:g} of the "
                     f"sequences)")  # fmt: skip
+        if overlap:
+            why += (f" (overlapped: each exchange counted by what the next round's compute does not hide, "
+                    f"{hide['all_gather']:.2f} s of compute under the all-gather, {hide['sharded']:.2f} s under "
+                    f"the sharded exchange; on the wire {ag.seconds:.2f} s and {sh.seconds:.2f} s)")  # fmt: skip
     cost = costs[name]
     what = _pieces(sharded, bits)
     if name == "sharded":
@@ -251,16 +261,17 @@ def _sizes(scenario, collective: str, codec, keyed: bool) -> ShardedSizes | None
 
 
 def scenario_exchange(scenario, wan: WanModel, collective: str, payload_bytes: float, codec=None,
-                      overlap: bool = False) -> ExchangeChoice:  # fmt: skip
+                      overlap: bool = False, hidden_s: float = 0.0) -> ExchangeChoice:  # fmt: skip
     """The exchange of a method on ``scenario``'s cluster (or the live part of it, ``wan``): the scenario's
     ``geomesh.exchange`` and ``geomesh.shard_bits``, sizes measured on ``codec`` at the timing model's size.
-    Dense payloads with a run key (:func:`scenario_keyed`) cannot be all-reduced: gathered or sharded."""
+    Dense payloads with a run key (:func:`scenario_keyed`) cannot be all-reduced: gathered or sharded.
+    ``overlap``, ``hidden_s``: :func:`choose_exchange` (the method's ``overlap_hidden_s``)."""
     g = scenario.geomesh
     keyed = collective == "all_reduce" and scenario_keyed(scenario, codec)
     sizes = _sizes(scenario, collective, codec, keyed) if codec is not None else None
     forced = g.exchange if sizes is not None and wan.n >= 2 else "auto"
     return choose_exchange(wan, collective, payload_bytes, sizes, forced=forced, overlap=overlap, bits=g.shard_bits,
-                           keyed=keyed)  # fmt: skip
+                           keyed=keyed, hidden_s=hidden_s)  # fmt: skip
 
 
 def with_exchange(scenario, name: str):

@@ -228,6 +228,9 @@ class RankRun(StoppingRule):
             prepare_shared_run_dir(self)
         # groups: every rank creates every group, in the same order
         self.leaders_group = dist.new_group(self.layout.leaders, timeout=self.transport.timeout)
+        self.overlap_group = None  # static overlapped rounds' sharded exchange, on a thread (runtime/.../overlap.py)
+        if self.options.elastic_region is None and getattr(self.method, "overlapped", lambda _: False)(sc):
+            self.overlap_group = dist.new_group(self.layout.leaders, timeout=self.transport.timeout)
         self.region_group = None  # the region's ranks, when there are several (DDP, broadcasts)
         self.shard_group = None  # the ranks FSDP shards over (a region of one GPU too)
         for i in range(len(self.layout.counts)):

@@ -376,11 +376,14 @@ class QuorumExchange(ElasticState):
             self.loop.kit.payload_nbytes)  # fmt: skip
 
     def exchange(self, payload: bytes | None, summed: torch.Tensor | None, info: dict[str, Any],
-                 members: list[int]) -> Exchanged:  # fmt: skip
+                 members: list[int], round_number: int | None = None) -> Exchanged:  # fmt: skip
         """(leader) The all-gather (or all-reduce, or the sharded exchange the plan picked) over the quorum; on a
         failure the survivors form a new quorum and exchange what they have (sharded: with a layout for the
-        new quorum, the lost region's shard owned by the survivors)."""
+        new quorum, the lost region's shard owned by the survivors). ``round_number``: the round it is of
+        (default: the one in progress; an overlapped exchange on its thread is given it, as the round loop
+        counts on meanwhile)."""
         m, run = self.membership, self.run
+        number = self.exchange_round = run.rounds + 1 if round_number is None else round_number
         t0 = time.perf_counter()
         sent = 0
         sharded = None
@@ -406,7 +409,7 @@ class QuorumExchange(ElasticState):
                     infos = [{k: v for k, v in e.items() if k != "payload"} for e in envelopes]
                     gathered = {e["region"]: e["payload"] for e in envelopes}
                     sent += ring_allgather_bytes(self.loop.kit.payload_nbytes, len(envelopes))
-                if self.lose_at == f"{self.names[self.me]}:{run.rounds + 1}":
+                if self.lose_at == f"{self.names[self.me]}:{number}":
                     self.lose_at = None
                     raise ExchangeFailed("test: the connection broke after the payloads arrived")
                 who = sorted(i["region"] for i in infos)
@@ -429,8 +432,8 @@ class QuorumExchange(ElasticState):
                 except MembershipError as err:
                     raise RunError(str(err)) from None
                 if void:
-                    self._say(f"round {run.rounds + 1}: {why}; the round is void")
-                    self._emit({"type": "warning", "round": run.rounds + 1, "worker": self.names[self.me],
+                    self._say(f"round {number}: {why}; the round is void")
+                    self._emit({"type": "warning", "round": number, "worker": self.names[self.me],
                                 "message": f"{why}: the round is void (no region applies it)"})  # fmt: skip
                     self.joined_quorum = ctrl
                     return Exchanged([], None, None, time.perf_counter() - t0, sent, void=True)
@@ -442,12 +445,12 @@ class QuorumExchange(ElasticState):
                 if summed is not None:  # the sum of a failed all-reduce is undefined: this leader's own again
                     summed = self.loop.combiner.reducible(payload if not info.get("rejected") else None)
         if not m.commit():
-            raise RunError(f"round {run.rounds + 1}: torchft did not commit the round (fewer than "
+            raise RunError(f"round {number}: torchft did not commit the round (fewer than "
                            f"{self.min_regions} region(s) took part)")  # fmt: skip
         crcs = {i["crc"] for i in infos}
         if len(crcs) > 1:
             detail = ", ".join(f"{self.names[i['region']]}: {i['crc']}" for i in infos)
-            raise RunError(f"round {run.rounds + 1}: the regions hold different global parameters ({detail})")
+            raise RunError(f"round {number}: the regions hold different global parameters ({detail})")
         if sharded is not None:
             return Exchanged(infos, None, None, time.perf_counter() - t0, sent, update=sharded["update"],
                              sharded=sharded["sharded"])  # fmt: skip

@@ -64,7 +64,9 @@ class RankOverlap:
         self._split: TailSplit | None = None  # the last round's fragments
         self._fragment_codecs: list[Any] = []
         self._fragments: dict[int, tuple[Any, torch.Tensor, float, float]] = {}  # f -> work, buffer, since, at
-        self._rejected: list[tuple[int, str]] = []  # (region, why) of payloads screened out since last taken
+        self._rejected: list[tuple[int, str]] = []  # (region, why) of updates left out since last taken
+        self.round_loop: Any = None  # the round loop (static: its plan's exchange, the sharded one when picked)
+        self._sharded: dict[str, Any] | None = None  # (static) the sharded exchange in flight on the leader's thread
         # elastic regions: the exchange is the quorum's (torchft), run whole on a thread of the leader while its
         # region trains on; the round loop screens, combines and steps when it arrives (see launch_on_thread)
         self.loop: Any = None
@@ -148,8 +150,12 @@ class RankOverlap:
         return self.params
 
     def launch(self, payload: bytes | None, since: float) -> None:
-        """The leader hands its payload to the cross-region collective and does not wait for it."""
+        """The leader hands its payload to the cross-region collective and does not wait for it (the sharded
+        exchange, when the plan picks it: run whole on a thread, over the leaders' overlap group)."""
         self.run.transport.op = f"the exchange of round {self.run.rounds + 1} (overlapped)"
+        if self._sharded_now():
+            self._launch_sharded(payload, since)
+            return
         self._work, self._buffer = self._start(payload, self.combiner)
         self._since = since
         self._launched_at = self.run._now()
@@ -159,6 +165,74 @@ class RankOverlap:
         except (AttributeError, RuntimeError):  # (a backend without futures: measured when it is waited for)
             pass
 
+    def _sharded_now(self) -> bool:
+        """Static rounds whose plan picked the sharded exchange (the same on every rank)."""
+        return self.loop is None and self.round_loop is not None and self.round_loop.sharded is not None
+
+    def _launch_sharded(self, payload: bytes | None, since: float) -> None:
+        """(static, the leader) This round's sharded exchange (:func:`~.sharded.sharded_round`, payloads only, as
+        the overlapped all-gather: the round's infos go with its report) on a thread, over the leaders' overlap
+        group; it arrives at the next round's apply step (:meth:`_arrive_sharded`), held by the shaper to the
+        WAN model's time of the bytes it moves."""
+        from .sharded import quiet, sharded_round
+
+        run, loop = self.run, self.round_loop
+        key, run_id = run.transport._trust()
+        number = run.rounds + 1
+        box: dict[str, Any] = {"shaper_s": loop.exchange.shaper_s(list(range(loop.n)))}
+
+        def work() -> None:
+            try:
+                box["result"] = sharded_round(payload, loop.sharded, run.overlap_group, device=run.device,
+                                              names=loop.names, round_number=number, key=key, run_id=run_id,
+                                              warn=quiet)  # fmt: skip
+            except BaseException as exc:  # noqa: BLE001 - raised where the exchange is waited for
+                box["error"] = exc
+            box["done"] = time.perf_counter()
+
+        self._sharded, self._since, self._launched_at = box, since, run._now()
+        box["thread"] = threading.Thread(target=work, name="geomesh-exchange", daemon=True)
+        box["thread"].start()
+
+    def _arrive_sharded(self) -> Tensors | None:
+        """(static, every rank) The sharded exchange in flight: the leader joins its thread and the shaper, the
+        region's ranks share the update and the exchange's decisions (who was refused, had no update, lost its
+        combined shard, or refused most others: :func:`~.sharded.stands_aside`); the update to apply (None:
+        nothing)."""
+        from .sharded import lost_shard, stands_aside
+
+        run, loop, box, self._sharded = self.run, self.round_loop, self._sharded, None
+        head, flat = None, None
+        if run.is_leader:
+            box["thread"].join()
+            if "error" in box:
+                raise box["error"]
+            r = box["result"]
+            run.transport.wan_bytes += r.sent_bytes
+            self.shaper.hold(box["shaper_s"], self._since)
+            self.wire = (max(box["done"] - self._since, box["shaper_s"]), run.rounds)
+            if run.rank == 0:
+                run.telemetry.emit({"type": "exchange", "round": run.rounds - 1, "start": self._launched_at,
+                                    "end": run._now(), "workers": [r.name for r in run.scenario.regions]})  # fmt: skip
+            head = {"rejected": {str(j): why for j, why in r.rejected.items()}, "absent": list(r.absent),
+                    "lost_shards": {str(k): why for k, why in r.lost_shards.items()}, "suspect": list(r.suspect),
+                    "has_update": r.flat is not None}  # fmt: skip
+            flat = r.flat
+        if run.region_group is not None:
+            head = run.transport.broadcast_json(head, run.leader, run.region_group, what="the round's exchange")
+            if head["has_update"]:
+                if not run.is_leader:
+                    flat = torch.empty(self.manifest.numel, dtype=torch.float32, device=self.device)
+                flat = run.transport.broadcast(flat, run.leader, run.region_group)
+        for j, why in head["rejected"].items():
+            self._rejected.append((int(j), f"payload rejected: {why}"))
+        self._dropped.extend(int(j) for j in head["absent"])
+        for k, why in head["lost_shards"].items():
+            self._rejected.append((int(k), lost_shard(why)))
+        if loop.outvoted or stands_aside(loop, [int(k) for k in head["suspect"]]) or flat is None:
+            return None
+        return loop.combiner._split(flat)
+
     def _start(self, payload: bytes | None, codec: Any) -> tuple[Any, torch.Tensor]:
         """Launch the collective of one payload made by ``codec`` (the whole model's or a fragment's):
         (work, the buffer it fills)."""
@@ -166,7 +240,7 @@ class RankOverlap:
         if self.dense:  # a sum mixes contributions before anyone could check one: the sender checks its own
             reason = screen_payload(codec, payload) if payload is not None else None
             if reason is not None:
-                self._rejected.append((run.region, reason))
+                self._rejected.append((run.region, f"payload rejected: {reason}"))
             flat = codec.reducible(payload if reason is None else None, device=self.device)
             run.transport.wan_bytes += ring_allreduce_bytes(flat.numel() * flat.element_size(), len(run.layout.leaders))
             return dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group, async_op=True), flat
@@ -253,6 +327,13 @@ class RankOverlap:
         if self.loop is not None:
             self._arrive_elastic(waited_from)
             return self._apart(self._formed(), waited_from)
+        if self._sharded is not None or (not run.is_leader and self._sharded_now()):
+            run.transport.op = f"the exchange of round {run.rounds} (overlapped)"
+            combined = self._arrive_sharded()
+            run._mark("comm_wait")
+            self.waited_s += run._cursor - waited_from
+            self._step(combined)
+            return self._apart(self._formed(), waited_from)
         exchanged = self._buffer
         if run.is_leader:
             run.transport.op = f"the exchange of round {run.rounds} (overlapped)"
@@ -312,7 +393,7 @@ class RankOverlap:
             if reason is None:
                 payloads.append(p)
             else:
-                self._rejected.append((region, reason))
+                self._rejected.append((region, f"payload rejected: {reason}"))
         if not payloads:
             return None
         if hasattr(codec, "reducible"):  # signed dense payloads (a run key), summed here in region order

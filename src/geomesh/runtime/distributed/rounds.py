@@ -125,6 +125,7 @@ class RoundLoop(PlanLoop):
             self.overlap = RankOverlap(run, method, self.combiner, self.outer, self.params, self.kit.manifest,
                                        shaper, self.exchange.shaper_s(list(range(self.n))), self.summed,
                                        self.kit.payload_nbytes)  # fmt: skip
+            self.overlap.round_loop = self  # (static: its sharded exchange, when the plan picks it)
             if self.elastic:  # the quorum's exchange runs on the leader's thread; this loop applies it
                 self.overlap.loop = self
         # elastic overlap, the exchanges in flight: (planned tokens, plan, steps, plan entries, round number)
@@ -513,7 +514,8 @@ class RoundLoop(PlanLoop):
                     summed = self.combiner.reducible(payload if reason is None else None)
                 trained = now if quorum else [i for i in now if i != self.me]  # (one healed now trained nothing)
                 info = self._info(payload, compute_s if quorum else 0.0, trained, reason)
-                ov.launch_on_thread(lambda: self.exchange.exchange(payload, summed, info, now), now)
+                number = run.rounds + 1  # (the thread's: this loop counts the round on meanwhile)
+                ov.launch_on_thread(lambda: self.exchange.exchange(payload, summed, info, now, number), now)
             elif split is not None:  # the last fragment, launched as the others were; drained below
                 ov.launch_fragment(split.fragments - 1, payload[-1])
             else:
@@ -650,7 +652,7 @@ class RoundLoop(PlanLoop):
     def _overlap_outcome(self, members: list[int]) -> dict[str, Any]:
         """Overlapped rounds: the payloads that the updates applied during this round rejected or missed.
         Their tokens were counted when trained (the round they came from), so none are counted as lost here."""
-        rejected = [(i, f"payload rejected: {why}") for i, why in self.overlap.take_rejected()]
+        rejected = self.overlap.take_rejected()
         return {"took_part": list(members), "rejected": rejected, "dropped": self.overlap.take_dropped(),
                 "lost": set()}  # fmt: skip
 

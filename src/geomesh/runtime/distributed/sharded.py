@@ -5,6 +5,8 @@ owner re-sparsifies its shard with the residual it holds), and its place in the 
 (:func:`static_sharded_exchange` for static runs, :func:`quorum_sharded_exchange` for elastic regions,
 :func:`apply_sharded`). An owner combines its shard's slices in the senders' identity order (static: their
 global ranks; elastic: their regions), the all-gather path's order, so an exact shard is its update bit for bit.
+This file is long because the protocol is one: its slots, agreements and the loop's view of them (static,
+elastic, overlapped) are read together, so that what a leader sends and what the others conclude stay in step.
 
 Run by every region's leader in a group of the leaders, group rank k owning shard k: the static run's
 leaders' group (Gloo or NCCL; :class:`StaticMover`), or torchft's group over the round's quorum
@@ -186,7 +188,7 @@ class _DiesAfterSlices:
 def sharded_round(payload: bytes | None, ex: ShardedExchange, group: Any = None, *, mover: Any = None,
                   device: torch.device | str = "cpu", names: list[str] | None = None, round_number: int = 0,
                   key: bytes | None = None, run_id: str = "", exclude: dict[int, str] | None = None,
-                  ) -> ShardedResult:  # fmt: skip
+                  warn: Any = warnings.warn) -> ShardedResult:  # fmt: skip
     """This leader's side of one round of the sharded exchange (see the module docstring).
 
     ``payload``: this region's sign payload, or None (no update this round); ``ex``: the exchange for the
@@ -196,7 +198,8 @@ def sharded_round(payload: bytes | None, ex: ShardedExchange, group: Any = None,
     ranks); ``round_number``, ``key``, ``run_id``: what the slots bind with the mover's ``members`` and
     ``scope`` (``key`` None: unsigned slots; a member whose identity is -1, elastic: not known, has its
     slots refused and its agreement rows not counted); ``exclude``: group ranks kept out of this round's
-    combine whatever they send (why), the same on every leader."""
+    combine whatever they send (why), the same on every leader; ``warn``: how a refusal is told (the loop's
+    ``quiet``: it warns per sender, and a thread must not touch the process-wide warnings filters)."""
     mover = mover if mover is not None else StaticMover(group)
     n, me = mover.size, mover.rank
     if ex.n != n:
@@ -249,7 +252,7 @@ def sharded_round(payload: bytes | None, ex: ShardedExchange, group: Any = None,
         detail = reasons.get(j) if k == me else _CODE_WHY[code]
         rejected[j] = f"its slice of shard {k} was refused by region {names[k]}: {detail}"
         if k == me:
-            warnings.warn(f"region {names[j]}: {rejected[j]}; its update is dropped this round")
+            warn(f"region {names[j]}: {rejected[j]}; its update is dropped this round")
     absent = [j for j, (code, _) in sorted(out.items()) if code == NO_UPDATE]
     if not accepted:
         return ShardedResult(None, [], rejected, absent, {}, 0, *moved, suspect=sorted(suspect))
@@ -261,7 +264,7 @@ def sharded_round(payload: bytes | None, ex: ShardedExchange, group: Any = None,
             values, tokens = ex.combine_shard(me, [pieces[j] for j in order])
             frame = ex.encode_combined(me, values, tokens) if values.numel() else b""
         except (PayloadError, ValueError) as exc:  # (a non-finite combine)
-            warnings.warn(f"region {names[me]}: its shard {me} cannot be combined this round: {exc}")
+            warn(f"region {names[me]}: its shard {me} cannot be combined this round: {exc}")
 
     # 3. my combined shard to everyone; 4. open and decode, agree on the shards intact everywhere, reassemble
     sent = trust.seal(frame, ex.combined_nbytes(me), me, "combined", me)
@@ -289,8 +292,8 @@ def sharded_round(payload: bytes | None, ex: ShardedExchange, group: Any = None,
         if refused_by:
             lost[k] = (why_bad[k] if k in why_bad else f"region {names[refused_by[0]]} refused it")
             if k in why_bad:
-                warnings.warn(f"region {names[k]}: its combined shard {k} was rejected: {why_bad[k]}; the shard "
-                              f"is left out of this round's update")  # fmt: skip
+                warn(f"region {names[k]}: its combined shard {k} was rejected: {why_bad[k]}; the shard "
+                     f"is left out of this round's update")  # fmt: skip
     if me in suspect:  # this leader refused most of the others: it cannot follow their update
         return ShardedResult(None, accepted, rejected, absent, lost, total, *moved, suspect=sorted(suspect))
     for k in lost:
@@ -298,6 +301,10 @@ def sharded_round(payload: bytes | None, ex: ShardedExchange, group: Any = None,
     flat = torch.empty(ex.codec.manifest.numel, dtype=torch.float32, device=device)
     update = ex.assemble(shards, device=device, out=flat)
     return ShardedResult(update, accepted, rejected, absent, lost, total, *moved, suspect=sorted(suspect), flat=flat)
+
+
+def quiet(message: str) -> None:
+    """A :func:`sharded_round` ``warn`` that tells nothing (the round loop warns, naming the region)."""
 
 
 def _slices(ex: ShardedExchange, payload: bytes) -> list[bytes]:
@@ -380,8 +387,7 @@ def _offsets(sizes: list[int]) -> list[int]:
 def loop_exchange(loop: Any, wan: Any = None) -> ShardedExchange | None:
     """The sharded exchange a run's rounds use when the plan picks it (:func:`exchange_choice`), or None: the
     all-gather (or the dense sum). Its layout is for every region of the scenario; elastic rounds cut one per
-    quorum size (:func:`layout_for`). Overlapped rounds all-gather (the plan keeps them on it, static or
-    elastic)."""
+    quorum size (:func:`layout_for`)."""
     choice = exchange_choice(loop, wan)
     if choice is None or choice.name != "sharded":
         return None
@@ -391,15 +397,18 @@ def loop_exchange(loop: Any, wan: Any = None) -> ShardedExchange | None:
 def exchange_choice(loop: Any, wan: Any = None) -> Any:
     """The plan's choice of exchange for a run's payloads (planner/exchange.py: the scenario's
     ``geomesh.exchange``, else the cheaper by the WAN model over ``wan``: the declared WAN unless given, the
-    measured one after the WAN probe); None where there is no choice (unsigned dense payloads, summed by an
-    all-reduce; one region). Signed dense payloads are gathered whole or sharded, as the plan picks."""
+    measured one after the WAN probe; overlapped, each timed by what the round does not hide); None where there
+    is no choice (unsigned dense payloads, summed by an all-reduce; one region)."""
     from ...planner.exchange import scenario_exchange
 
     sc, method, kit = loop.sc, loop.method, loop.kit
     if (kit.dense and kit.key is None) or loop.n < 2:
         return None
-    return scenario_exchange(sc, wan if wan is not None else sc.wan_model(), method.collective,
-                             kit.modeled_payload_nbytes, loop.combiner, overlap=method.overlapped(sc))  # fmt: skip
+    wan = wan if wan is not None else sc.wan_model()
+    profiles = list(loop.run.profiles) if method.overlapped(sc) else []  # (what the round hides, overlapped)
+    hidden = method.overlap_hidden_s(sc, profiles, wan, kit.modeled_payload_nbytes)
+    return scenario_exchange(sc, wan, method.collective, kit.modeled_payload_nbytes, loop.combiner,
+                             overlap=method.overlapped(sc), hidden_s=hidden)  # fmt: skip
 
 
 def layout_for(loop: Any, m: int) -> ShardedExchange:
@@ -471,10 +480,8 @@ def static_sharded_exchange(xc: Any, payload: bytes | None, info: dict[str, Any]
         infos[k]["region"] = k
     _exclude_odd_plans(dict(enumerate(infos)), exclude)
     key, run_id = run.transport._trust()
-    with warnings.catch_warnings():  # (the loop warns once per bad sender, naming its region)
-        warnings.simplefilter("ignore")
-        r = sharded_round(payload, loop.sharded, run.leaders_group, device=run.device, names=loop.names,
-                          round_number=number, key=key, run_id=run_id, exclude=exclude)  # fmt: skip
+    r = sharded_round(payload, loop.sharded, run.leaders_group, device=run.device, names=loop.names,
+                      round_number=number, key=key, run_id=run_id, exclude=exclude, warn=quiet)  # fmt: skip
     run.transport.wan_bytes += r.sent_bytes
     for j, why in r.rejected.items():
         infos[j]["slot_rejected"] = why
@@ -528,12 +535,11 @@ def quorum_sharded_exchange(xc: Any, payload: bytes | None, info: dict[str, Any]
     names = [loop.names[r] if 0 <= r < len(loop.names) else f"#{r}" if r >= 0 else f"(quorum member {k})"
              for k, r in enumerate(regions)]  # fmt: skip
     mover = QuorumMover(m, tuple(regions), timeout_s)
-    if os.environ.get(TEST_KILL_ENV) == f"{loop.names[xc.me]}:{run.rounds + 1}":
+    if os.environ.get(TEST_KILL_ENV) == f"{loop.names[xc.me]}:{xc.exchange_round}":
         mover = _DiesAfterSlices(mover)
-    with warnings.catch_warnings():  # (the loop warns once per bad sender, naming its region)
-        warnings.simplefilter("ignore")
-        r = sharded_round(payload, layout_for(loop, size), mover=mover, device=run.device, names=names,
-                          round_number=run.rounds + 1, key=m.key, run_id=m.run_id, exclude=exclude)  # fmt: skip
+    r = sharded_round(payload, layout_for(loop, size), mover=mover, device=run.device, names=names,
+                      round_number=xc.exchange_round, key=m.key, run_id=m.run_id, exclude=exclude,
+                      warn=quiet)  # fmt: skip
     for j, why in r.rejected.items():
         if j in by_slot:
             by_slot[j]["slot_rejected"] = why
@@ -575,21 +581,29 @@ def apply_sharded(loop: Any, result: Any, took_part: list[int], rejected: list, 
         elif not i.get("sent"):
             dropped.append(k)
         if i.get("shard_lost") and not i.get("slot_rejected"):
-            rejected.append((k, f"its combined shard was rejected ({i['shard_lost']}); the shard is left out of "
-                                "this round's update"))  # fmt: skip
-    sh = result.sharded
-    if loop.me in sh["suspect"] and loop.elastic:  # it cannot follow the others' θ: it leaves their quorum
-        raise RunError(f"region {loop.names[loop.me]} refused the slices or combined shards of most other regions "
-                       f"in round {loop.run.rounds + 1}: it holds another run key (reliability.hmac_key_env / "
-                       "hmac_key_file) than they do, or its link corrupts them; it stops (restart it to rejoin "
-                       "with the live state)")  # fmt: skip
-    if loop.me in sh["suspect"]:
-        if not loop.outvoted:
-            loop.outvoted = True
-            loop.run.outvoted = (f"region {loop.names[loop.me]} refused the slices or combined shards of most other "
-                                 "regions: it holds another run key (reliability.hmac_key_env / hmac_key_file) than "
-                                 f"they do, or its link corrupts them; it stood aside from round {loop.run.rounds + 1}")  # fmt: skip
-        return None
-    if result.update is None:
+            rejected.append((k, lost_shard(i["shard_lost"])))
+    if stands_aside(loop, result.sharded["suspect"]) or result.update is None:
         return None
     return loop.combiner._split(result.update)
+
+
+def stands_aside(loop: Any, suspect: list[int]) -> bool:
+    """Whether this region refused the slices or combined shards of most others (a suspect): elastic, it
+    stops; static, it stands aside from the run (it applies nothing from now on)."""
+    if loop.me not in suspect:
+        return False
+    n = loop.run.rounds + 1
+    why = (f"region {loop.names[loop.me]} refused the slices or combined shards of most other regions in round {n}: "
+           "it holds another run key (reliability.hmac_key_env / hmac_key_file) than they do, or its link corrupts "
+           "them")  # fmt: skip
+    if loop.elastic:  # it cannot follow the others' θ: it leaves their quorum
+        raise RunError(f"{why}; it stops (restart it to rejoin with the live state)")
+    if not loop.outvoted:
+        loop.outvoted = True
+        loop.run.outvoted = f"{why}; it stood aside from then on"
+    return True
+
+
+def lost_shard(why: str) -> str:
+    """Why an owner's update is left out when its combined shard was rejected."""
+    return f"its combined shard was rejected ({why}); the shard is left out of this round's update"

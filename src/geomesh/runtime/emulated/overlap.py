@@ -120,9 +120,12 @@ class EmulatedOverlap:
     # ---- the end of a round -----------------------------------------------------------------------
     @torch.no_grad()
     def finish(self, method: Any, outer: Any, combiner: Any, arrived: list[bytes], own: dict[int, bytes | None],
-               names: list[str], entries: list[Any], steps: list[int]) -> None:  # fmt: skip
-        """Every worker's eager start for the next round (from θ_r and the payload it sent, ``own``), then the
-        outer step with the payloads that ``arrived`` (as :meth:`OuterLoopMethod.apply`)."""
+               names: list[str], entries: list[Any], steps: list[int],
+               combine_arrived: Any = None) -> None:  # fmt: skip
+        """Every worker's eager start for the next round (from θ_r and the payload it sent, ``own``, decoded by
+        ``combiner``), then the outer step with the payloads that ``arrived``, combined by ``combine_arrived``
+        (the round's exchange: ``combiner`` all-gathered, or the sharded exchange; as
+        :meth:`OuterLoopMethod.apply`)."""
         device = next(iter(outer.params.values())).device
         weights = eager_weights(planned_tokens(entries, steps), method.weighting)
         for i, start in enumerate(self.starts):
@@ -132,7 +135,7 @@ class EmulatedOverlap:
             for name, t in start.items():
                 t.copy_(new[name])
         if arrived:
-            combined = combiner.combine(arrived, device=device)
+            combined = (combine_arrived or combiner).combine(arrived, device=device)
             outer.step(combined)
             self.last = combined
 

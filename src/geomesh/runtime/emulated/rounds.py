@@ -69,7 +69,7 @@ class RoundsLoop(EmulatedCore):
             declared or as measured (``record``: what the plan record adds, a re-plan's reason)."""
             live = loop.cluster.live()
             profiles = [cluster.profiles[i] for i in live]
-            self._plan_exchange(method, loop, live, combiner, modeled_payload)
+            self._plan_exchange(method, loop, live, combiner, modeled_payload, profiles)
             if method.balanced and g.replan:
                 known = loop.online.factors if loop.online is not None else {}
                 loop.online = make_online(live)
@@ -251,10 +251,12 @@ class RoundsLoop(EmulatedCore):
                 self._warn(names[i], f"{failed[i]}; its update is dropped this round")
             if split is not None:  # the run's last outer step, fragment by fragment
                 overlap.finish_tail(outer, combiners, arrived)
-            elif overlap is not None:  # next round's eager starts from θ_r, then the outer step
-                overlap.finish(method, outer, combiner, arrived[0], dict(zip(live, payloads)), names, entries, steps)
+            elif overlap is not None:  # next round's eager starts from θ_r, then the outer step (all-gathered, or
+                # sharded: the plan's choice)
+                overlap.finish(method, outer, combiner, arrived[0], dict(zip(live, payloads)), names, entries, steps,
+                               combine_arrived=self._round_combiner(combiner, loop.kind, live))  # fmt: skip
             else:  # all-gathered, or sharded (each region combines its shard: the plan's choice)
-                combine = self._round_combiner(combiner, loop.kind, live, loop.cluster.wan(live))
+                combine = self._round_combiner(combiner, loop.kind, live)
                 method.apply(arrived[0], CombineOn(combine, self.device), outer)
             if overlap is not None:
                 length = overlap.spans(self, compute, actual_s)  # the exchange takes the cluster's WAN ...
@@ -326,11 +328,14 @@ class RoundsLoop(EmulatedCore):
         self.telemetry.emit({"type": "wan_probe", "time": self.clock, "seconds": seconds,
                              "wan_measured": loop.wan.summary()})  # fmt: skip
 
-    def _exchange_choice(self, method: OuterLoopMethod, wan: Any, combiner: Any, modeled_payload: int) -> Any:
+    def _exchange_choice(self, method: OuterLoopMethod, wan: Any, combiner: Any, modeled_payload: int,
+                         profiles: list[Any]) -> Any:  # fmt: skip
         """The plan's exchange for the live workers' WAN (planner/exchange.py): the all-gather, the sharded
-        exchange, or the all-reduce of dense payloads."""
+        exchange, or the all-reduce of dense payloads (overlapped: counted by what the round of ``profiles``
+        does not hide)."""
+        hidden = method.overlap_hidden_s(self.scenario, profiles, wan, modeled_payload)
         return scenario_exchange(self.scenario, wan, method.collective, modeled_payload, combiner,
-                                 overlap=method.overlapped(self.scenario))  # fmt: skip
+                                 overlap=method.overlapped(self.scenario), hidden_s=hidden)  # fmt: skip
 
     @staticmethod
     def _plan_wan(loop: LoopState, live: list[int]) -> Any:
@@ -339,7 +344,7 @@ class RoundsLoop(EmulatedCore):
         return loop.wan.planned(declared) if loop.wan is not None else declared
 
     def _plan_exchange(self, method: OuterLoopMethod, loop: LoopState, live: list[int], combiner: Any,
-                       modeled_payload: int) -> None:  # fmt: skip
+                       modeled_payload: int, profiles: list[Any]) -> None:  # fmt: skip
         """The exchange of the plan being made: chosen over the WAN the plan assumes (the declared one, or the
         one measured so far, which the plan then assumes), timed there (``loop.exchange_s``, the plan's) and on
         the cluster's own WAN (``loop.actual_s``, the modeled clock's), with its latency and transfer parts on
@@ -348,7 +353,8 @@ class RoundsLoop(EmulatedCore):
             loop.wan.assume()
         declared = loop.cluster.wan(live)
         wan = self._plan_wan(loop, live)
-        choice = self._exchange_choice(method, wan, combiner, modeled_payload)
+        choice = self._exchange_choice(method, wan, combiner, modeled_payload,
+                                       profiles)
         loop.kind = choice.name
         # the plan's own exchange: the sharded one, or (signed dense payloads) the all-gather in place of the
         # method's all-reduce; else the method's collective as it times it
@@ -367,12 +373,12 @@ class RoundsLoop(EmulatedCore):
         loop.actual_s = seconds(loop.cluster.actual_wan(live))
         loop.parts = time_parts(seconds, declared) if loop.wan is not None else (0.0, 0.0)
 
-    def _round_combiner(self, combiner: Any, kind: str | None, live: list[int], wan: Any) -> Any:
+    def _round_combiner(self, combiner: Any, kind: str | None, live: list[int]) -> Any:
         """What combines this round's payloads: the run's codec (every worker combines every payload), or the
         sharded exchange over the live workers (``kind``, the plan's choice; each owner combines its shard of
         the slices, its combined shard goes to everyone quantised to geomesh.shard_bits, or for sparse payloads
         re-sparsified with the owner's error feedback; every worker applies the decoded shards). One per live
-        workers and exchange (``wan`` is not part of it), the owners' residuals restored from a checkpoint."""
+        workers and exchange (not of the WAN), the owners' residuals restored from a checkpoint."""
         cache = self._combiners
         key = (tuple(live), kind)  # (not the WAN: the layout, and its owners' residuals, outlive a link fault)
         if key not in cache:

@@ -1,0 +1,142 @@
+"""The sharded exchange under overlapped rounds (docs/overlap.md, planner/exchange.py): the plan times each
+exchange by what the next round's compute does not hide, so where both are hidden it takes the one with fewer
+bytes (geomesh-sparse on `default`: the re-sparsified sharded exchange, 129x below DiLoCo per round); both
+runtimes run it (static ranks: on the leader's thread over a group of their own; elastic: the quorum's).
+
+Real 4-leader `geomesh launch` runs of geomesh-sparse with overlap: kept exact (float32 combined shards) the
+sharded exchange is the all-gather bit for bit; a damaged sparse slice drops only its sender; re-sparsified, θ
+is the emulated runtime's; and the method as users run it (calibration, re-planning, the WAN measured) ends
+with one θ on every region, static and elastic."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from test_sharded_sparse_distributed import TOKENS, _launch
+
+from geomesh.network import WanModel
+from geomesh.planner.exchange import ShardedSizes, choose_exchange
+
+CORRUPT = [{"at_round": 2, "region": "r2-t4", "kind": "corrupt"}]  # r2-t4's payload damaged on the wire
+SPARSE = ShardedSizes(slices_body=10e6, slice_header=48, combined_body=10e6, combined_header=48, kind="sparse")
+
+
+def uniform(n: int, rtt_s: float = 0.1, bytes_per_s: float = 1.25e8) -> WanModel:
+    return WanModel(tuple(tuple(0.0 if i == j else rtt_s for j in range(n)) for i in range(n)),
+                    tuple(tuple(bytes_per_s for _ in range(n)) for _ in range(n)))  # fmt: skip
+
+
+def test_overlapped_exchanges_are_timed_by_what_the_round_does_not_hide():
+    wan = uniform(4)
+    plain = choose_exchange(wan, "all_gather", 10e6, SPARSE)
+    assert plain.name == "all_gather"  # plain rounds: two re-sparsified exchanges cost more than one all-gather
+    hidden = choose_exchange(wan, "all_gather", 10e6, SPARSE, overlap=True, hidden_s=30.0)
+    assert hidden.name == "sharded" and "fewer bytes" in hidden.reason and "does not hide" in hidden.reason
+    assert hidden.cost.received_bytes < hidden.candidates["all_gather"].received_bytes
+    # a round too short to hide either: what is left of each is compared, as plain rounds compare them whole
+    exposed = choose_exchange(wan, "all_gather", 10e6, SPARSE, overlap=True, hidden_s=0.0)
+    assert exposed.name == plain.name
+    # a round that hides the all-gather but not the sharded exchange's half rounds keeps the all-gather
+    ag, sh = plain.candidates["all_gather"].seconds, plain.candidates["sharded"].seconds
+    between = choose_exchange(wan, "all_gather", 10e6, SPARSE, overlap=True, hidden_s=max(ag, sh) * 1.5)
+    assert between.name == "all_gather"
+
+
+def test_the_plan_puts_overlapped_geomesh_sparse_on_the_sharded_exchange():
+    from geomesh.cli.plan import cluster_exchanges
+    from geomesh.config import load_scenario
+    from geomesh.methods import get_method
+
+    plain, over = (cluster_exchanges(load_scenario("default", {"geomesh.overlap": o})) for o in (False, True))
+    assert plain["geomesh-sparse"].name == "all_gather" and over["geomesh-sparse"].name == "sharded"
+    assert over["geomesh"].name == "all_gather"  # 1-bit payloads at 4 regions: the all-gather moves fewer bytes
+    sc = load_scenario("default", {"geomesh.overlap": True})
+    assert get_method("geomesh-sparse").resparsified(sc)  # so its rounds carry a quarter of the sequences
+    diloco = get_method("diloco").exchange(sc.wan_model(), get_method("diloco").modeled_payload_bytes(sc))[1]
+    assert diloco / over["geomesh-sparse"].cost.sent_bytes >= 128
+
+
+# ---- real `geomesh launch` runs, 4 leaders ---------------------------------------------------------------------
+
+
+# every exchange shorter than the round that hides it: the all-gather's plan and schedule, whichever exchange
+FAST_WAN = {"rtt": [[0 if i == j else 10 for j in range(4)] for i in range(4)], "bandwidth_gbps": 400.0}
+
+
+def _scenario(folder, corpus, geomesh, faults=None, wan=None):
+    from test_sharded_sparse_distributed import _scenario as sparse_scenario
+
+    return sparse_scenario(folder, corpus, {"overlap": True, **geomesh}, faults, wan)
+
+
+@pytest.fixture(scope="module")
+def overlapped_runs(tmp_path_factory, small_corpus):
+    """geomesh-sparse overlapped, the same scenario twice: the all-gather, and the sharded exchange kept exact
+    (32 bits); in both, region r2-t4's payload is damaged on the wire in its third round."""
+    folder = tmp_path_factory.mktemp("overlap-sharded")
+    runs = {}
+    for name, geomesh in (("all_gather", {"exchange": "all_gather"}),
+                          ("sharded", {"exchange": "sharded", "shard_bits": 32})):  # fmt: skip
+        out = folder / name
+        path = _scenario(folder / f"{name}-scenario", small_corpus, geomesh, CORRUPT, FAST_WAN)
+        runs[name] = (_launch(path, out), out)
+    return runs
+
+
+def test_exact_overlapped_sharded_launch_equals_the_all_gather_bit_for_bit(overlapped_runs):
+    from test_sharded_distributed import assert_same_run
+
+    (ag, _), (sh, _) = overlapped_runs["all_gather"], overlapped_runs["sharded"]
+    assert ag["overlap"] is sh["overlap"] is True
+    assert ag["exchange"] == "all_gather" and sh["exchange"] == "sharded"
+    assert_same_run(overlapped_runs)
+    assert sh["tokens_lost"] == ag["tokens_lost"]
+
+
+def test_a_damaged_sparse_slice_drops_only_its_sender_while_overlapped(overlapped_runs):
+    """r2-t4's damaged payload goes out as damaged slices while the next round trains: their owners refuse
+    them, every region drops its update of that round (one warning naming it) and applies the others'."""
+    from geomesh.telemetry import read_events
+
+    (ag, _), (sh, sh_out) = overlapped_runs["all_gather"], overlapped_runs["sharded"]
+    assert sh["rejected_payloads"] == ag["rejected_payloads"] == 1
+    warned = [e for e in read_events(sh_out / "events.jsonl") if e["type"] == "warning"]
+    assert [w["worker"] for w in warned] == ["r2-t4"]
+    assert "payload rejected" in warned[0]["message"] and "slice of shard" in warned[0]["message"]
+
+
+def test_re_sparsified_overlapped_launch_equals_emulated(tmp_path, small_corpus):
+    """Re-sparsified combined shards (the owners' error feedback) under overlap: the emulated runtime replays the
+    same schedule and exchange in one process, so θ is the emulated runtime's, to float tolerance."""
+    from geomesh.config import load_scenario
+    from geomesh.methods import get_method
+    from geomesh.runtime.emulated import EmulatedRun, RunOptions
+
+    path = _scenario(tmp_path / "s", small_corpus, {"exchange": "sharded"})
+    s = _launch(path, tmp_path / "run")
+    assert s["exchange"] == "sharded" and s["shard_bits"] == 8 and s["overlap"] is True
+    emulated = EmulatedRun(load_scenario(path), get_method("geomesh-sparse"), RunOptions(tokens=TOKENS, progress=False))
+    e = emulated.run()
+    assert e["exchange"] == "sharded" and e["rounds"] == s["rounds"] >= 3 and e["tokens"] == s["tokens"]
+    assert s["final_val_loss"] == pytest.approx(e["final_val_loss"], rel=1e-5)
+    expected, got = emulated.cluster.global_model.state_dict(), torch.load(tmp_path / "run" / "final_params.pt")
+    for name in expected:
+        torch.testing.assert_close(got[name], expected[name], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("elastic", [False, True], ids=["static", "elastic"])
+def test_overlapped_sharded_launch_as_users_run_it(tmp_path, small_corpus, elastic):
+    """geomesh-sparse overlapped through the sharded exchange with calibration, re-planning and the WAN measured
+    (the plan loop users run), static and with elastic regions: every round recorded, one θ on every region."""
+    path = _scenario(tmp_path / "s", small_corpus, {"exchange": "sharded", "replan": True, "calibrate": True,
+                                                    "measure_wan": True})  # fmt: skip
+    s = _launch(path, tmp_path / "run", *(("--min-regions", "3") if elastic else ()), tokens=3 * TOKENS)
+    assert s["exchange"] == "sharded" and s["overlap"] is True and s["rounds"] >= 3
+    events = [json.loads(line) for line in (tmp_path / "run" / "events.jsonl").read_text().splitlines()]
+    rounds = [e for e in events if e.get("type") == "round"]
+    assert [e["round"] for e in rounds] == list(range(1, s["rounds"] + 1))
+    assert not [e for e in events if e.get("type") == "warning"]
+    checksums = s["param_checksums"]  # per rank (static runs) or per region (elastic ones)
+    assert len(set(checksums.values() if isinstance(checksums, dict) else checksums)) == 1
