@@ -451,7 +451,8 @@ def test_an_overlapped_elastic_run_heals_a_lone_failure_and_survives_a_killed_re
     healed = healed_in_place(events)
     # (the kill lands once the writer has round 5's record: another survivor's part of that exchange can still
     # be in flight, so a heal it causes is round 5's or later)
-    assert healed[0] == (3, "r0-h100") and all(r >= 5 and name != "r1-a100" for r, name in healed[1:]), healed
+    # (round 3's exchange arrives in round 4: r0 heals at the quorum of round 4's exchange)
+    assert healed[0] == (4, "r0-h100") and all(r >= 5 and name != "r1-a100" for r, name in healed[1:]), healed
     assert [e["round"] for e in events if e["type"] == "round"] == list(range(1, summary["rounds"] + 1))
     leaves = [e["region"] for e in events if e["type"] == "leave" and (e["round"], e["region"]) not in healed]
     assert leaves == ["r1-a100"]

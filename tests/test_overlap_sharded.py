@@ -44,7 +44,8 @@ def test_overlapped_exchanges_are_timed_by_what_the_round_does_not_hide():
     assert between.name == "all_gather"
 
 
-def test_the_plan_puts_overlapped_geomesh_sparse_on_the_sharded_exchange():
+def test_the_plan_puts_overlapped_geomesh_sparse_on_the_sharded_exchange(capsys):
+    from geomesh.cli import main
     from geomesh.cli.plan import cluster_exchanges
     from geomesh.config import load_scenario
     from geomesh.methods import get_method
@@ -56,6 +57,9 @@ def test_the_plan_puts_overlapped_geomesh_sparse_on_the_sharded_exchange():
     assert get_method("geomesh-sparse").resparsified(sc)  # so its rounds carry a quarter of the sequences
     diloco = get_method("diloco").exchange(sc.wan_model(), get_method("diloco").modeled_payload_bytes(sc))[1]
     assert diloco / over["geomesh-sparse"].cost.sent_bytes >= 128
+    assert main(["plan", "default"]) == 0  # geomesh plan says so, and why
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("geomesh-sparse-overlap's exchange"))
+    assert "sharded exchange (as fast as the all-gather" in line and "does not hide" in line
 
 
 # ---- real `geomesh launch` runs, 4 leaders ---------------------------------------------------------------------
@@ -85,6 +89,7 @@ def overlapped_runs(tmp_path_factory, small_corpus):
     return runs
 
 
+@pytest.mark.long
 def test_exact_overlapped_sharded_launch_equals_the_all_gather_bit_for_bit(overlapped_runs):
     from test_sharded_distributed import assert_same_run
 
@@ -129,14 +134,40 @@ def test_re_sparsified_overlapped_launch_equals_emulated(tmp_path, small_corpus)
 @pytest.mark.parametrize("elastic", [False, True], ids=["static", "elastic"])
 def test_overlapped_sharded_launch_as_users_run_it(tmp_path, small_corpus, elastic):
     """geomesh-sparse overlapped through the sharded exchange with calibration, re-planning and the WAN measured
-    (the plan loop users run), static and with elastic regions: every round recorded, one θ on every region."""
+    (the plan loop users run), static (its first region of two ranks, whose leader shares the update and the
+    exchange's decisions with the other) and with elastic regions; r2-t4's payload is damaged in round 3:
+    every round recorded, one warning, naming r2-t4, and one θ on every rank."""
+    import yaml
+
     path = _scenario(tmp_path / "s", small_corpus, {"exchange": "sharded", "replan": True, "calibrate": True,
-                                                    "measure_wan": True})  # fmt: skip
-    s = _launch(path, tmp_path / "run", *(("--min-regions", "3") if elastic else ()), tokens=3 * TOKENS)
+                                                    "measure_wan": True}, CORRUPT)  # fmt: skip
+    extra = ("--min-regions", "3") if elastic else ("--nproc", "5")
+    if not elastic:
+        data = yaml.safe_load(path.read_text())
+        data["regions"][0]["count"] = 2
+        path.write_text(yaml.safe_dump(data))
+    s = _launch(path, tmp_path / "run", *extra, tokens=3 * TOKENS)
     assert s["exchange"] == "sharded" and s["overlap"] is True and s["rounds"] >= 3
     events = [json.loads(line) for line in (tmp_path / "run" / "events.jsonl").read_text().splitlines()]
     rounds = [e for e in events if e.get("type") == "round"]
     assert [e["round"] for e in rounds] == list(range(1, s["rounds"] + 1))
-    assert not [e for e in events if e.get("type") == "warning"]
+    warned = [e for e in events if e.get("type") == "warning"]
+    assert [w["worker"] for w in warned] == ["r2-t4"] and "slice of shard" in warned[0]["message"]
     checksums = s["param_checksums"]  # per rank (static runs) or per region (elastic ones)
+    assert len(checksums) == (4 if elastic else 5)
     assert len(set(checksums.values() if isinstance(checksums, dict) else checksums)) == 1
+
+
+def test_overlapped_sharded_launch_resumes_bit_identical(tmp_path, small_corpus):
+    """A checkpoint drains the exchange in flight (joins the leader's thread) and holds the owners' residuals: a
+    run whose rank exits after round 2 resumes and ends with the uninterrupted run's θ bit for bit."""
+    path = _scenario(tmp_path / "s", small_corpus, {"exchange": "sharded"})
+    common = ("--wan", "none", "--checkpoint-every", "1")
+    ref = _launch(path, tmp_path / "ref", *common)
+    assert ref["exchange"] == "sharded" and ref["overlap"] is True and ref["rounds"] >= 3
+    cut = _launch(path, tmp_path / "run", *common, env={"GEOMESH_TEST_EXIT_AFTER_ROUND": "1:2"}, ok=False)
+    assert cut.code != 0 and not (tmp_path / "run" / "summary.json").exists()
+    resumed = _launch(path, tmp_path / "run", *common, "--resume")
+    assert resumed["rounds"] == ref["rounds"] and resumed["final_val_loss"] == ref["final_val_loss"]
+    want, got = torch.load(tmp_path / "ref" / "final_params.pt"), torch.load(tmp_path / "run" / "final_params.pt")
+    assert all(torch.equal(want[name], got[name]) for name in want)

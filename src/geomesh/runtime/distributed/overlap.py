@@ -14,6 +14,14 @@ completed right after the round (:meth:`RankOverlap.drain`): nothing is left to 
 fragments (:meth:`RankOverlap.tail_send`): the leader launches each fragment's collective at its send step,
 inside the round, and the shaper holds the fragments one after another, as the WAN would carry them.
 
+Where the plan picks the sharded exchange (docs/overlap.md, *Which exchange*), a static leader runs it whole
+(:func:`~.sharded.sharded_round`: several direct exchanges with work between them, which no single
+``async_op`` covers) on a thread, over a group of the leaders of its own: the round's report goes over the
+leaders' group meanwhile, and one group's collectives must be issued in one order on every member. At the
+apply step the leader joins it and shares the update and the exchange's decisions inside its region
+(:meth:`RankOverlap._arrive_sharded`). Elastic leaders run the quorum's exchange on their thread, whichever kind
+(:meth:`RankOverlap.launch_on_thread`).
+
 Rank 0 (with a sharded θ, region 0's ranks together) evaluates θ when it is formed, i.e. inside :meth:`arrive`, labelled with the tokens it contains.
 """
 
