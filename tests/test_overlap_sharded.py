@@ -112,23 +112,34 @@ def test_a_damaged_sparse_slice_drops_only_its_sender_while_overlapped(overlappe
     assert "payload rejected" in warned[0]["message"] and "slice of shard" in warned[0]["message"]
 
 
-def test_re_sparsified_overlapped_launch_equals_emulated(tmp_path, small_corpus):
-    """Re-sparsified combined shards (the owners' error feedback) under overlap: the emulated runtime replays the
-    same schedule and exchange in one process, so θ is the emulated runtime's, to float tolerance."""
+def test_re_sparsified_overlapped_launch_equals_emulated_and_resumes_bit_identical(tmp_path, small_corpus):
+    """Re-sparsified combined shards (the owners' error feedback) under overlap, a checkpoint every 2 rounds
+    (the exchange before it drained: the leader's thread joined): the emulated runtime replays the same schedule
+    and exchange in one process, so θ is the emulated runtime's, to float tolerance; and a run whose rank exits
+    after round 3 resumes from round 2's checkpoint (the owners' residuals in it) to the same θ bit for bit."""
     from geomesh.config import load_scenario
     from geomesh.methods import get_method
     from geomesh.runtime.emulated import EmulatedRun, RunOptions
 
     path = _scenario(tmp_path / "s", small_corpus, {"exchange": "sharded"})
-    s = _launch(path, tmp_path / "run")
-    assert s["exchange"] == "sharded" and s["shard_bits"] == 8 and s["overlap"] is True
-    emulated = EmulatedRun(load_scenario(path), get_method("geomesh-sparse"), RunOptions(tokens=TOKENS, progress=False))
+    common = ("--wan", "none", "--checkpoint-every", "2")
+    s = _launch(path, tmp_path / "ref", *common)
+    assert s["exchange"] == "sharded" and s["shard_bits"] == 8 and s["overlap"] is True and s["rounds"] >= 4
+    emulated = EmulatedRun(load_scenario(path), get_method("geomesh-sparse"),
+                           RunOptions(out_dir=tmp_path / "emulated", tokens=TOKENS, progress=False,
+                                      checkpoint_every=2))  # fmt: skip
     e = emulated.run()
-    assert e["exchange"] == "sharded" and e["rounds"] == s["rounds"] >= 3 and e["tokens"] == s["tokens"]
+    assert e["exchange"] == "sharded" and e["rounds"] == s["rounds"] and e["tokens"] == s["tokens"]
     assert s["final_val_loss"] == pytest.approx(e["final_val_loss"], rel=1e-5)
-    expected, got = emulated.cluster.global_model.state_dict(), torch.load(tmp_path / "run" / "final_params.pt")
+    expected, got = emulated.cluster.global_model.state_dict(), torch.load(tmp_path / "ref" / "final_params.pt")
     for name in expected:
         torch.testing.assert_close(got[name], expected[name], rtol=1e-5, atol=1e-6)
+    cut = _launch(path, tmp_path / "run", *common, env={"GEOMESH_TEST_EXIT_AFTER_ROUND": "1:3"}, ok=False)
+    assert cut.code != 0 and not (tmp_path / "run" / "summary.json").exists()
+    resumed = _launch(path, tmp_path / "run", *common, "--resume")
+    assert resumed["rounds"] == s["rounds"] and resumed["final_val_loss"] == s["final_val_loss"]
+    resumed_params = torch.load(tmp_path / "run" / "final_params.pt")
+    assert all(torch.equal(got[name], resumed_params[name]) for name in got)
 
 
 @pytest.mark.parametrize("elastic", [False, True], ids=["static", "elastic"])
@@ -146,7 +157,7 @@ def test_overlapped_sharded_launch_as_users_run_it(tmp_path, small_corpus, elast
         data = yaml.safe_load(path.read_text())
         data["regions"][0]["count"] = 2
         path.write_text(yaml.safe_dump(data))
-    s = _launch(path, tmp_path / "run", *extra, tokens=3 * TOKENS)
+    s = _launch(path, tmp_path / "run", *extra, tokens=2 * TOKENS)
     assert s["exchange"] == "sharded" and s["overlap"] is True and s["rounds"] >= 3
     events = [json.loads(line) for line in (tmp_path / "run" / "events.jsonl").read_text().splitlines()]
     rounds = [e for e in events if e.get("type") == "round"]
@@ -156,18 +167,3 @@ def test_overlapped_sharded_launch_as_users_run_it(tmp_path, small_corpus, elast
     checksums = s["param_checksums"]  # per rank (static runs) or per region (elastic ones)
     assert len(checksums) == (4 if elastic else 5)
     assert len(set(checksums.values() if isinstance(checksums, dict) else checksums)) == 1
-
-
-def test_overlapped_sharded_launch_resumes_bit_identical(tmp_path, small_corpus):
-    """A checkpoint drains the exchange in flight (joins the leader's thread) and holds the owners' residuals: a
-    run whose rank exits after round 2 resumes and ends with the uninterrupted run's θ bit for bit."""
-    path = _scenario(tmp_path / "s", small_corpus, {"exchange": "sharded"})
-    common = ("--wan", "none", "--checkpoint-every", "1")
-    ref = _launch(path, tmp_path / "ref", *common)
-    assert ref["exchange"] == "sharded" and ref["overlap"] is True and ref["rounds"] >= 3
-    cut = _launch(path, tmp_path / "run", *common, env={"GEOMESH_TEST_EXIT_AFTER_ROUND": "1:2"}, ok=False)
-    assert cut.code != 0 and not (tmp_path / "run" / "summary.json").exists()
-    resumed = _launch(path, tmp_path / "run", *common, "--resume")
-    assert resumed["rounds"] == ref["rounds"] and resumed["final_val_loss"] == ref["final_val_loss"]
-    want, got = torch.load(tmp_path / "ref" / "final_params.pt"), torch.load(tmp_path / "run" / "final_params.pt")
-    assert all(torch.equal(want[name], got[name]) for name in want)
