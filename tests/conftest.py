@@ -117,3 +117,27 @@ def pytest_collection_modifyitems(config, items):
     others have nothing left to do."""
     long_files = {item.path for item in items if item.get_closest_marker("long")}
     items.sort(key=lambda item: item.path not in long_files)
+
+
+def ranks_with_keys(path, out, method: str, tokens: int, keys: list[str], key_env: str = "GEOMESH_TEST_RUN_KEY"):
+    """A static run started rank by rank (``python -m geomesh.run``, one process per region, as a deployment
+    starts them), rank i with run key ``keys[i]`` in ``key_env``: (their exit codes, their stderr)."""
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    procs = []
+    for rank, key in enumerate(keys):
+        env = {**os.environ, "PYTHONPATH": src, "RANK": str(rank), "WORLD_SIZE": str(len(keys)),
+               "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
+               key_env: key}  # fmt: skip
+        env.pop("GEOMESH_REGION", None)
+        procs.append(subprocess.Popen([sys.executable, "-m", "geomesh.run", str(path), "--method", method, "--out",
+                                       str(out), "--tokens", str(tokens), "--quiet", "--timeout", "60"],
+                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))  # fmt: skip
+    errs = [p.communicate(timeout=240)[1] for p in procs]
+    return [p.returncode for p in procs], errs

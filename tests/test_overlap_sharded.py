@@ -167,3 +167,31 @@ def test_overlapped_sharded_launch_as_users_run_it(tmp_path, small_corpus, elast
     checksums = s["param_checksums"]  # per rank (static runs) or per region (elastic ones)
     assert len(checksums) == (4 if elastic else 5)
     assert len(set(checksums.values() if isinstance(checksums, dict) else checksums)) == 1
+
+
+def test_an_overlapped_sharded_region_with_another_key_stands_aside(tmp_path, small_corpus):
+    """A signed static run, r3-v100 started with another run key (a mis-deployed region), overlapped through the
+    sharded exchange: the others refuse its slices and its combined shard every round (each warning names it)
+    and finish with one θ; it refuses most of theirs, so its refusals do not count (no veto), it applies nothing
+    from then on and ends with one error naming the key."""
+    import yaml
+    from conftest import ranks_with_keys
+
+    from geomesh.telemetry import read_events
+
+    path = _scenario(tmp_path / "s", small_corpus, {"exchange": "sharded"})
+    data = yaml.safe_load(path.read_text())
+    data["reliability"] = {"hmac_key_env": "GEOMESH_TEST_RUN_KEY"}
+    path.write_text(yaml.safe_dump(data))
+    out = tmp_path / "run"
+    good, wrong = "the-run-key-of-32-bytes-for-tests", "a-wrong-key-of-32-bytes-for-tests"
+    codes, errs = ranks_with_keys(path, out, "geomesh-sparse", TOKENS, [good, good, good, wrong])
+    assert codes == [0, 0, 0, 2], errs
+    odd = [ln for ln in errs[3].splitlines() if ln.startswith("error:")]
+    assert len(odd) == 1 and "r3-v100" in odd[0] and "another run key" in odd[0], errs[3]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["exchange"] == "sharded" and summary["overlap"] is True and summary["rounds"] >= 3
+    warned = [e for e in read_events(out / "events.jsonl") if e["type"] == "warning"]
+    assert warned and all(w["worker"] == "r3-v100" for w in warned)
+    checksums = summary["param_checksums"]
+    assert checksums[0] == checksums[1] == checksums[2] != checksums[3]

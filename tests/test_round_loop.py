@@ -82,30 +82,13 @@ def test_a_region_with_another_key_is_rejected_each_round_and_the_others_finish(
     """A static run signed with a run key, one region started with another key (as a mis-deployed region
     would be): every round the others reject its payload (the slot's tag fails), name it and finish; it cannot
     authenticate them, so it stands aside (it applies nothing) and ends with one error naming the key."""
-    import os
-    import socket
-    import subprocess
-    import sys
-    from pathlib import Path
+    from conftest import ranks_with_keys
 
     path = write(tmp_path, small_corpus, hmac_key_env="GEOMESH_TEST_RUN_KEY")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    src = str(Path(__file__).resolve().parents[1] / "src")
     out = tmp_path / "run"
-    procs = []
-    for rank in range(3):
-        key = "a-wrong-key-of-32-bytes-for-tests" if rank == 2 else "the-run-key-of-32-bytes-for-tests"
-        env = {**os.environ, "PYTHONPATH": src, "RANK": str(rank), "WORLD_SIZE": "3", "LOCAL_RANK": str(rank),
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
-               "GEOMESH_TEST_RUN_KEY": key}  # fmt: skip
-        env.pop("GEOMESH_REGION", None)
-        procs.append(subprocess.Popen([sys.executable, "-m", "geomesh.run", str(path), "--method", "geomesh",
-                                       "--out", str(out), "--tokens", "8000", "--quiet", "--timeout", "60"],
-                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))  # fmt: skip
-    errs = [p.communicate(timeout=240)[1] for p in procs]
-    assert [p.returncode for p in procs] == [0, 0, 2], errs
+    good, wrong = "the-run-key-of-32-bytes-for-tests", "a-wrong-key-of-32-bytes-for-tests"
+    codes, errs = ranks_with_keys(path, out, "geomesh", 8000, [good, good, wrong])
+    assert codes == [0, 0, 2], errs
     odd = [ln for ln in errs[2].splitlines() if ln.startswith("error:")]
     assert len(odd) == 1 and "r2-t4" in odd[0] and "another run key" in odd[0], errs[2]
     summary = yaml.safe_load((out / "summary.json").read_text())
