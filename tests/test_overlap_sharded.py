@@ -169,17 +169,19 @@ def test_overlapped_sharded_launch_as_users_run_it(tmp_path, small_corpus, elast
     assert len(set(checksums.values() if isinstance(checksums, dict) else checksums)) == 1
 
 
-def test_an_overlapped_sharded_region_with_another_key_stands_aside(tmp_path, small_corpus):
-    """A signed static run, r3-v100 started with another run key (a mis-deployed region), overlapped through the
-    sharded exchange: the others refuse its slices and its combined shard every round (each warning names it)
-    and finish with one θ; it refuses most of theirs, so its refusals do not count (no veto), it applies nothing
-    from then on and ends with one error naming the key."""
+@pytest.mark.parametrize("exchange", ["sharded", "all_gather"])
+def test_an_overlapped_region_with_another_key_stands_aside(tmp_path, small_corpus, exchange):
+    """A signed static run, r3-v100 started with another run key (a mis-deployed region), overlapped: the others
+    refuse its payloads (sharded: its slices and its combined shard) every round, each warning naming it, and
+    finish with one θ; it refuses most of theirs, so its refusals do not count (no veto), it applies nothing from
+    then on and ends with one error naming the key (overlapped all-gathers had no such rule: the run stopped with
+    "the regions hold different global parameters")."""
     import yaml
     from conftest import ranks_with_keys
 
     from geomesh.telemetry import read_events
 
-    path = _scenario(tmp_path / "s", small_corpus, {"exchange": "sharded"})
+    path = _scenario(tmp_path / "s", small_corpus, {"exchange": exchange})
     data = yaml.safe_load(path.read_text())
     data["reliability"] = {"hmac_key_env": "GEOMESH_TEST_RUN_KEY"}
     path.write_text(yaml.safe_dump(data))
@@ -190,7 +192,7 @@ def test_an_overlapped_sharded_region_with_another_key_stands_aside(tmp_path, sm
     odd = [ln for ln in errs[3].splitlines() if ln.startswith("error:")]
     assert len(odd) == 1 and "r3-v100" in odd[0] and "another run key" in odd[0], errs[3]
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["exchange"] == "sharded" and summary["overlap"] is True and summary["rounds"] >= 3
+    assert summary["exchange"] == exchange and summary["overlap"] is True and summary["rounds"] >= 3
     warned = [e for e in read_events(out / "events.jsonl") if e["type"] == "warning"]
     assert warned and all(w["worker"] == "r3-v100" for w in warned)
     checksums = summary["param_checksums"]

@@ -392,7 +392,8 @@ class RankOverlap:
         """The combined update in the exchanged bytes of payloads made by ``codec``; None when none arrived."""
         if self.dense:
             return codec.reduced_update(exchanged)
-        payloads = []  # every payload screened before any is combined (a bad one costs its sender's update)
+        payloads, rejected = [], []  # every payload screened before any is combined (a bad one costs its sender's
+        # update)
         for region, p in enumerate(split_gathered(exchanged.cpu(), codec.payload_nbytes())):
             if p is None:
                 self._dropped.append(region)
@@ -401,7 +402,11 @@ class RankOverlap:
             if reason is None:
                 payloads.append(p)
             else:
-                self._rejected.append((region, f"payload rejected: {reason}"))
+                rejected.append((region, f"payload rejected: {reason}"))
+        loop = self.round_loop  # a static region that cannot authenticate most others holds another run key: it
+        if loop is not None and loop._outvoted(rejected, list(range(loop.n))):  # stands aside (as in plain rounds)
+            return None
+        self._rejected.extend(rejected)
         if not payloads:
             return None
         if hasattr(codec, "reducible"):  # signed dense payloads (a run key), summed here in region order
