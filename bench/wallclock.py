@@ -52,7 +52,8 @@ from statistics import median
 
 import yaml
 
-METHODS = ("diloco", "geomesh", "geomesh-overlap", "geomesh-sparse", "torchft-diloco")
+METHODS = ("diloco", "geomesh", "geomesh-overlap", "geomesh-sparse", "torchft-diloco")  # the default run
+KNOWN = (*METHODS, "geomesh-sparse-overlap")  # --methods may name these
 NAMES = ("r0-h100", "r1-a100", "r2-t4")
 BASELINES = (("diloco", "diloco"), ("torchft-diloco", "torchft"))  # (method, key): times to its final loss
 
@@ -449,7 +450,7 @@ def report(args: argparse.Namespace) -> int:
         saved = json.loads((out / "results.json").read_text())
     except (OSError, json.JSONDecodeError) as exc:
         raise BenchError(f"--report: no results to read in {out} ({exc})") from None
-    methods = [m for m in METHODS if any(r["method"] == m for r in saved["runs"])]
+    methods = [m for m in KNOWN if any(r["method"] == m for r in saved["runs"])]
     budget = saved["scenario"]["training"].get("time_budget_s")
     return finish(out, argparse.Namespace(**saved["args"]), saved["scenario"], saved["runs"], methods, budget)
 
@@ -461,9 +462,9 @@ def run(args: argparse.Namespace) -> int:
     from geomesh.runtime.distributed.transport import netns_unavailable_reason
 
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    unknown = [m for m in methods if m not in METHODS]
+    unknown = [m for m in methods if m not in KNOWN]
     if unknown or not methods:
-        raise BenchError(f"--methods {args.methods!r}: expected some of {', '.join(METHODS)}")
+        raise BenchError(f"--methods {args.methods!r}: expected some of {', '.join(KNOWN)}")
     if args.repeats < 1 or (args.tokens is None and not 0 < args.time_budget < math.inf) or args.mbps <= 0:
         raise BenchError("--repeats >= 1, --time-budget > 0 seconds and --mbps > 0 expected")
     cpu = parse_cpu(args.cpu)
