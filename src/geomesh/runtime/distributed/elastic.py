@@ -48,6 +48,8 @@ from ...config import ConfigError
 from ...errors import RunError
 from ...telemetry import Telemetry
 from ..checkpoint_state import run_fingerprint
+from .agreement import (HeaderRefused, RoundHeader, accept_header, arrivals_digest, commit_decision, make_header,
+                        maker_of, vote)  # fmt: skip
 from .elastic_state import ElasticState, Records
 from .clock import record_spans
 from .deadline import MEASURED_ROUNDS, adaptive_deadline_s, deadline_history
@@ -62,6 +64,7 @@ __all__ = ["QuorumExchange", "RegionLayout", "adaptive_deadline_s", "deadline_hi
 # tests: "REGION:ROUND": that region's leader loses its exchange of that round after the payloads arrived (as
 # when the connection to a dying member breaks late): the others commit the round, it falls behind
 TEST_LOSE_ENV = "GEOMESH_TEST_LOSE_EXCHANGE"
+MAX_ATTEMPTS = 8  # a round rolled back this many times in a row stops the run with one error
 
 
 class QuorumExchange(ElasticState):
@@ -91,10 +94,12 @@ class QuorumExchange(ElasticState):
         self.members: list[int] | None = None  # last round's
         self.written = -1  # records already in events.jsonl (-1: this leader has not written it)
         self.healed_state: dict | None = None
-        # the quorum this region healed at while retrying a failed exchange: the others formed it for their next
-        # collective (the round's quorum, or an overlapped exchange's), so it is this region's next quorum too;
-        # asking the Lighthouse for another would leave both sides waiting for each other
-        self.joined_quorum: dict[str, Any] | None = None
+        # the round's agreement (agreement.py): its header (None: none accepted), why this region refused one,
+        # and the attempt of the round in progress (each roll-back of it is a new attempt)
+        self.header: RoundHeader | None = None
+        self.refusal: str | None = None
+        self.attempt = 0
+        self.failed_attempts = 0  # roll-backs in a row (a round that never commits stops the run, MAX_ATTEMPTS)
         self.lose_at = os.environ.get(TEST_LOSE_ENV)  # tests: "REGION:ROUND" (see TEST_LOSE_ENV), once
         self.whole: tuple[dict, dict] | None = None  # a sharded θ and momentum, gathered (the leader: _snapshot)
         self.membership: Membership | None = None
@@ -203,6 +208,63 @@ class QuorumExchange(ElasticState):
                          calibration={int(k): v for k, v in head["calibration"].items()},
                          resume_round=head.get("resume_round"))  # fmt: skip
 
+    def agree_round(self, quorum: list[int], members: list[int], proposal, reason: str) -> RoundHeader | None:
+        """(every rank) The round's header (:mod:`.agreement`): the quorum's maker ships its ``proposal`` (the plan
+        its plan loop holds for ``members``, and why); every leader checks what arrived and shares it inside its
+        region. None: this region refused it, or it did not arrive (:attr:`refusal` says why); the region then
+        trains nothing this round and votes no, so the round is rolled back everywhere and tried again."""
+        run, m = self.run, self.membership
+        number = run.rounds + 1
+        head = None
+        if run.is_leader:
+            maker = maker_of(quorum)
+            mine = None
+            if maker == self.me:
+                mine = make_header(run=self.job_hash, round_number=number, attempt=self.attempt, members=members,
+                                   plan=proposal, exchange=self.loop.exchange_kind, reason=reason,
+                                   maker=self.me).to_json()  # fmt: skip
+            try:
+                got = {region: obj.get("header") for _, region, obj in
+                       m.all_gather_framed_slots({"region": self.me, "header": mine}) if isinstance(obj, dict)}
+                self._note_rejections()
+                header = accept_header(got.get(maker), run=self.job_hash, round_number=number,
+                                       min_attempt=self.attempt, quorum=quorum, names=self.names,
+                                       sender=maker if maker in got else None)  # fmt: skip
+                head = {"header": header.to_json(), "refusal": None}
+            except ExchangeFailed as exc:
+                m.report(exc)
+                head = {"header": None, "refusal": f"the header's collective failed ({exc})"}
+            except HeaderRefused as exc:
+                head = {"header": None, "refusal": str(exc)}
+        if run.world > 1:
+            head = run.transport.broadcast_json(head, run.leader, run.region_group, what="the round's header")
+        self.refusal = head["refusal"]
+        if head["header"] is None:
+            self._say(f"round {number}: refused the round's header: {self.refusal}")
+            self._emit({"type": "warning", "round": number, "worker": self.names[self.me],
+                        "message": f"refused the round's header ({self.refusal}); it takes no part in the round"})
+            self.header = None
+            return None
+        h = head["header"]
+        self.header = RoundHeader(run=h["run"], round=h["round"], attempt=h["attempt"], members=tuple(h["members"]),
+                                  plan=h["plan"], digest=h["digest"], exchange=h["exchange"], reason=h["reason"],
+                                  maker=h["maker"])  # fmt: skip
+        self.attempt = self.header.attempt
+        return self.header
+
+    def round_settled(self, committed: bool, why: str = "") -> None:
+        """After the round's vote: a committed round's attempts start again at 0; a rolled-back one is retried as
+        the next attempt, up to :data:`MAX_ATTEMPTS` (then the run stops with one error, not a silent loop)."""
+        if committed:
+            self.attempt, self.failed_attempts = 0, 0
+            return
+        if self.header is not None:
+            self.attempt = max(self.attempt, self.header.attempt + 1)
+        self.failed_attempts += 1
+        if self.failed_attempts >= MAX_ATTEMPTS:
+            raise RunError(f"round {self.run.rounds + 1} of region {self.names[self.me]} was rolled back "
+                           f"{self.failed_attempts} times in a row (the last: {why}); it stops")  # fmt: skip
+
     def leader_wait_s(self) -> float:
         """How long a region's ranks may wait for their leader's quorum or exchange: the startup wait and the
         quorum's timeout (each ``--timeout``), a heal of the model's state, and the round deadline."""
@@ -221,20 +283,15 @@ class QuorumExchange(ElasticState):
         self.launch_members = list(ctrl["members"])
         return list(ctrl["members"])
 
-    def _quorum(self, first: bool, retry: bool = False) -> dict[str, Any]:
-        """(leader) Join the round's quorum and learn its members; retried until a header exchange works.
-        ``retry``: the survivors of a failed exchange, among themselves only (a shrink-only quorum); fewer than
-        ``min_regions`` of them is ``{"short": True}`` at once (the round cannot be completed)."""
-        if self.joined_quorum is not None:  # (its state is applied already)
-            ctrl, self.joined_quorum = self.joined_quorum, None
-            return {**ctrl, "healed": False}
+    def _quorum(self, first: bool) -> dict[str, Any]:
+        """(leader) Join the round's quorum and learn its members; retried until a header exchange works."""
         m = self.membership
         startup_until = time.monotonic() + self.run.options.timeout_s
         short_since: float | None = None  # when quorums of too few regions that hold the run's key began
         failing_since: float | None = None  # when quorums whose group could not be set up began
         while True:
             try:  # a member that died between the quorum and the group's set-up fails it: ask again
-                healed, _ = m.quorum(shrink_only=retry)
+                healed, _ = m.quorum()
             except ExchangeFailed as exc:
                 m.report(exc)
                 failing_since = time.monotonic() if failing_since is None else failing_since
@@ -247,7 +304,7 @@ class QuorumExchange(ElasticState):
                 wait = first and not healed and time.monotonic() < startup_until
                 headers = m.all_gather_framed({"region": self.me, "hash": self.job_hash, "wait": wait,
                                                "healed": healed, "calibration": self.my_calibration,
-                                               "resume": self.pending_resume})  # fmt: skip
+                                               "resume": self.pending_resume, "attempt": self.attempt})  # fmt: skip
             except ExchangeFailed as exc:
                 m.report(exc)
                 continue
@@ -264,8 +321,6 @@ class QuorumExchange(ElasticState):
             # torchft counts every quorum member towards min_regions, a region with another key too: a round of
             # fewer regions that prove the key would commit a step the missing ones must then heal across (and
             # let the odd one train on alone). Such a quorum is not one: ask again, up to --timeout.
-            if len(members) < self.min_regions and retry and not healed:
-                return {"short": True, "members": members, "healed": False, "rejoined": [], "calibration": {}}
             if len(members) < self.min_regions:
                 short_since = time.monotonic() if short_since is None else short_since
                 if time.monotonic() - short_since > self.run.options.timeout_s:
@@ -283,6 +338,8 @@ class QuorumExchange(ElasticState):
                 return {"members": members, "healed": False, "rejoined": [], "calibration": {},
                         "resume_round": self._agreed_resume_round(resuming)}  # fmt: skip
             # regions that were behind and received a live region's state at this quorum
+            attempts = [h.get("attempt") for h in headers]
+            self.attempt = max([self.attempt] + [a for a in attempts if isinstance(a, int) and 0 <= a < 1 << 20])
             return {"members": members, "healed": healed,
                     "rejoined": sorted(h["region"] for h in headers if h["healed"]),
                     "calibration": {h["region"]: h.get("calibration") for h in headers
@@ -325,9 +382,11 @@ class QuorumExchange(ElasticState):
         self._restarted_in_place(view.rejoined)
         self._membership_events(members)
 
-    def planned(self, plan, members: list[int], round_index: int) -> None:
+    def planned(self, plan, members: list[int], round_index: int, header: RoundHeader | None = None) -> None:
+        agreed = {} if header is None else {"attempt": header.attempt, "maker": self.names[header.maker],
+                                            "reason": header.reason, "digest": header.digest}  # fmt: skip
         self._emit({"type": "plan", "round": round_index, "time": self.run._now(), "plan": plan.to_json(),
-                    "members": [self.names[i] for i in members]})  # fmt: skip
+                    "members": [self.names[i] for i in members], **agreed})  # fmt: skip
 
     def apply_healed(self, state: dict[str, Any]) -> None:
         self._apply_healed(state)
@@ -377,76 +436,57 @@ class QuorumExchange(ElasticState):
 
     def exchange(self, payload: bytes | None, summed: torch.Tensor | None, info: dict[str, Any],
                  members: list[int], round_number: int | None = None) -> Exchanged:  # fmt: skip
-        """(leader) The all-gather (or all-reduce, or the sharded exchange the plan picked) over the quorum; on a
-        failure the survivors form a new quorum and exchange what they have (sharded: with a layout for the
-        new quorum, the lost region's shard owned by the survivors). ``round_number``: the round it is of
-        (default: the one in progress; an overlapped exchange on its thread is given it, as the round loop
-        counts on meanwhile)."""
+        """(leader) The all-gather (or all-reduce, or the sharded exchange the plan picked) over the quorum, then
+        the round's commit vote (:mod:`.agreement`). A round that does not commit comes back ``void``: no region
+        applies it, every one rolls it back and trains it again under a new header. ``round_number``: the round
+        it is of (default: the one in progress; an overlapped exchange on its thread is given it, as the round
+        loop counts on meanwhile)."""
         m, run = self.membership, self.run
         number = self.exchange_round = run.rounds + 1 if round_number is None else round_number
+        header = self.header if self.header is not None and self.header.round == number else None
+        if self.loop.overlap is not None:  # (overlapped: the vote is on this exchange, over its own quorum)
+            header = RoundHeader(run=self.job_hash, round=number, attempt=0, members=tuple(sorted(members)), plan={},
+                                 digest="", exchange="", reason="overlapped exchange", maker=min(members))  # fmt: skip
         t0 = time.perf_counter()
-        sent = 0
-        sharded = None
+        sent, sharded, infos, gathered = 0, None, [], None
         deadline = self.last_deadline_s = self.round_deadline_s(members)
-        while True:
-            try:
-                since = time.perf_counter()
-                if self.loop.sharded is not None and summed is None:
-                    from .sharded import quorum_sharded_exchange
+        ok, why, arrived = header is not None, self.refusal or "it holds no header for the round", None
+        group_intact = True
+        try:
+            since = time.perf_counter()
+            if self.loop.sharded is not None and summed is None:
+                from .sharded import quorum_sharded_exchange
 
-                    sharded = quorum_sharded_exchange(self, payload, info, deadline)
-                    infos, gathered = sharded["infos"], None
-                    sent += sharded["wan_bytes"]
-                elif summed is not None:
-                    infos = m.all_gather_framed(info, timeout_s=deadline)
-                    self._note_rejections()
-                    m.all_reduce_sum(summed, timeout_s=deadline)
-                    sent += ring_allreduce_bytes(4 * (self.loop.d + 1), len(infos))  # (on the wire: docs/formats.md)
-                    gathered = None
-                else:
-                    envelopes = m.all_gather_framed({**info, "payload": payload}, timeout_s=deadline)
-                    self._note_rejections()
-                    infos = [{k: v for k, v in e.items() if k != "payload"} for e in envelopes]
-                    gathered = {e["region"]: e["payload"] for e in envelopes}
-                    sent += ring_allgather_bytes(self.loop.kit.payload_nbytes, len(envelopes))
-                if self.lose_at == f"{self.names[self.me]}:{number}":
-                    self.lose_at = None
-                    raise ExchangeFailed("test: the connection broke after the payloads arrived")
-                who = sorted(i["region"] for i in infos)
-                WanShaper(self._wan(who), run.options.wan).hold(self.shaper_s(who), since)
-                break
-            except ExchangeFailed as exc:
-                m.report(exc)
-                self._say(f"exchange failed ({exc}); re-forming the quorum without the lost region(s)")
-                try:
-                    ctrl = self._quorum(first=False, retry=True)
-                    # void: too few of the round's regions survive, or one that did not train it was admitted (a
-                    # shrink-only request that found too few survivors asks as a joiner does) and healed from us
-                    # with the round's starting state; this quorum (joiners healed from us) is the next round's
-                    why = (f"fewer than {self.min_regions} of its regions finished its exchange" if ctrl.get("short")
-                           else "a region rejoined before its exchange was redone"
-                           if set(ctrl["members"]) - set(members) and not ctrl["healed"] else None)  # fmt: skip
-                    if ctrl.get("short"):
-                        ctrl = self._quorum(first=False)
-                    void = why is not None and not ctrl["healed"]
-                except MembershipError as err:
-                    raise RunError(str(err)) from None
-                if void:
-                    self._say(f"round {number}: {why}; the round is void")
-                    self._emit({"type": "warning", "round": number, "worker": self.names[self.me],
-                                "message": f"{why}: the round is void (no region applies it)"})  # fmt: skip
-                    self.joined_quorum = ctrl
-                    return Exchanged([], None, None, time.perf_counter() - t0, sent, void=True)
-                if ctrl["healed"]:  # the others finished this round without us, and formed their next quorum
-                    state, self.healed_state = self.healed_state, None
-                    self.joined_quorum = ctrl
-                    return Exchanged([], None, None, time.perf_counter() - t0, sent, healed_state=state)
-                self._restarted_in_place(ctrl["rejoined"])  # as the region that rejoined records it
-                if summed is not None:  # the sum of a failed all-reduce is undefined: this leader's own again
-                    summed = self.loop.combiner.reducible(payload if not info.get("rejected") else None)
-        if not m.commit():
-            raise RunError(f"round {number}: torchft did not commit the round (fewer than "
-                           f"{self.min_regions} region(s) took part)")  # fmt: skip
+                sharded = quorum_sharded_exchange(self, payload, info, deadline)
+                infos = sharded["infos"]
+                sent += sharded["wan_bytes"]
+                update = sharded["update"]  # (the combined update every leader assembled from the owners' shards)
+                extra = update.numpy().tobytes() if update is not None else b"none"
+                arrived = arrivals_digest([i["region"] for i in infos], extra=extra)
+            elif summed is not None:
+                infos = m.all_gather_framed(info, timeout_s=deadline)
+                self._note_rejections()
+                m.all_reduce_sum(summed, timeout_s=deadline)
+                sent += ring_allreduce_bytes(4 * (self.loop.d + 1), len(infos))  # (on the wire: docs/formats.md)
+                arrived = arrivals_digest([i["region"] for i in infos], extra=summed.numpy().tobytes())
+            else:
+                envelopes = m.all_gather_framed({**info, "payload": payload}, timeout_s=deadline)
+                self._note_rejections()
+                infos = [{k: v for k, v in e.items() if k != "payload"} for e in envelopes]
+                gathered = {e["region"]: e["payload"] for e in envelopes}
+                sent += ring_allgather_bytes(self.loop.kit.payload_nbytes, len(envelopes))
+                arrived = arrivals_digest(gathered, gathered)
+            if self.lose_at == f"{self.names[self.me]}:{number}":
+                self.lose_at = None
+                raise ExchangeFailed("test: the connection broke after the payloads arrived")
+            who = sorted(i["region"] for i in infos)
+            WanShaper(self._wan(who), run.options.wan).hold(self.shaper_s(who), since)
+        except ExchangeFailed as exc:
+            m.report(exc)
+            ok, why, group_intact = False, f"its exchange failed ({exc})", False
+        committed, why_not = self._vote(header, ok, arrived, why, group_intact)
+        if not committed:
+            return Exchanged([], None, None, time.perf_counter() - t0, sent, void=True, why=why_not)
         crcs = {i["crc"] for i in infos}
         if len(crcs) > 1:
             detail = ", ".join(f"{self.names[i['region']]}: {i['crc']}" for i in infos)
@@ -455,6 +495,29 @@ class QuorumExchange(ElasticState):
             return Exchanged(infos, None, None, time.perf_counter() - t0, sent, update=sharded["update"],
                              sharded=sharded["sharded"])  # fmt: skip
         return Exchanged(sorted(infos, key=lambda i: i["region"]), gathered, summed, time.perf_counter() - t0, sent)
+
+    def _vote(self, header: RoundHeader | None, ok: bool, arrived: str | None, why: str,
+              group_intact: bool) -> tuple[bool, str]:  # fmt: skip
+        """(leader) The round's commit vote over the quorum's leaders: (commit, why not). Every member that
+        gathers the votes reads the same ones and decides alike; one that cannot gather them rolls back (if the
+        others committed, it is behind: the next quorum heals it). A rolled-back round is a commit failure for
+        torchft (its step stays), so the next quorum is a new one with a group formed afresh."""
+        m = self.membership
+        decided, why_not = False, why
+        if group_intact:  # (a region that refused the header votes no: the others learn it at once)
+            try:
+                votes = m.all_gather_framed(vote(region=self.me, header=header, ok=ok, arrived=arrived, why=why),
+                                            timeout_s=self.last_deadline_s)  # fmt: skip
+                if header is not None:
+                    decided, why_not = commit_decision(votes, header, self.names)
+            except ExchangeFailed as exc:
+                m.report(exc)
+                group_intact, why_not = False, f"the commit vote failed ({exc})"
+        if decided and m.commit():
+            return True, ""
+        if group_intact:  # (a failed collective reported itself already)
+            m.report(ExchangeFailed(f"the round was rolled back: {why_not}"))
+        return False, why_not or "torchft did not commit the round"
 
     def theta_changed(self) -> None:
         self._snapshot()
@@ -564,6 +627,7 @@ class QuorumExchange(ElasticState):
                         "deadlines_s": [r.get("deadline_s") for r in self.records if r.get("type") == "round"],
                         "regions_at_end": [self.names[i] for i in final], "leaves": st["leaves"],
                         "joins": st["joins"], "rounds_without": st["rounds_without"],
+                        "rollbacks": int(run.telemetry.counters.get("rollbacks", 0)),
                         "tokens_lost": st["tokens_lost"]},  # fmt: skip
             "rounds_without": st["rounds_without"],
             "tokens_lost": sum(st["tokens_lost"].values()),

@@ -57,10 +57,10 @@ class Exchanged:
     summed: torch.Tensor | None  # the sum of the dense contributions; summed codecs
     comm_s: float  # seconds the collective took on this leader (the shaper's hold included)
     wan_bytes: int  # bytes this leader handed to the collective
-    healed_state: dict[str, Any] | None = None  # elastic: this region fell behind during the exchange
-    # elastic: fewer than min_regions of the round's members survived its exchange and no one else may join it
-    # mid-round: nobody applies the round (its tokens are lost), the next one starts from the same θ
+    # elastic: the round's commit vote did not commit it (runtime/distributed/agreement.py): no region applies
+    # it, every live one rolls it back and trains it again; ``why`` says why
     void: bool = False
+    why: str = ""
     # the sharded exchange (runtime/distributed/sharded.py): the leaders' combined update (flat float32) and
     # what the exchange decided (accepted senders, lost shards, suspects); None: payloads were gathered
     update: torch.Tensor | None = None
@@ -69,7 +69,7 @@ class Exchanged:
     def to_json(self) -> dict[str, Any]:
         """The non-tensor part, as the leader shares it inside its region."""
         return {"infos": self.infos, "comm_s": self.comm_s, "wan_bytes": self.wan_bytes,
-                "healed_state": self.healed_state, "sharded": self.sharded, "void": self.void}  # fmt: skip
+                "sharded": self.sharded, "void": self.void, "why": self.why}  # fmt: skip
 
 
 def compute_idle(compute_s: list[float]) -> float | None:

@@ -229,17 +229,15 @@ class Membership:
         """After a resume from a checkpoint: the rounds already done."""
         self.manager.load_state_dict({"step": int(step), "batches_committed": int(step)})
 
-    def quorum(self, shrink_only: bool = False) -> tuple[bool, int]:
+    def quorum(self) -> tuple[bool, int]:
         """Join this round's quorum (blocks until the Lighthouse forms it). Returns (healed, participants):
-        ``healed`` when this region was behind and has just received a live region's state. ``shrink_only``:
-        only members of the last quorum (the survivors of a failed exchange: a region that joins the run now
-        must not land in the middle of a round it did not train)."""
+        ``healed`` when this region was behind and has just received a live region's state."""
         before = self.step
         give_up = time.monotonic() + self.quorum_timeout.total_seconds()
         while True:
             self.heal.last_error = None
             try:
-                self._request_quorum(give_up, shrink_only)
+                self._request_quorum(give_up)
             except Exception as exc:  # noqa: BLE001 - torchft raises RuntimeError/TimeoutError from its RPCs
                 why = "timed out" if _timed_out(exc) else _short(exc)
                 raise MembershipError(f"no quorum of at least {self.min_regions} region(s) within "
@@ -264,7 +262,7 @@ class Membership:
             self.first_step = self.step
         return self.step != before, self.manager.num_participants()
 
-    def _request_quorum(self, give_up: float, shrink_only: bool = False) -> None:
+    def _request_quorum(self, give_up: float) -> None:
         """Ask the quorum service for this round's quorum until ``give_up`` (monotonic), one bounded request at a
         time. The Lighthouse drops a participant whose heartbeats lapse (a host cut off from it for more than
         its heartbeat timeout) but keeps that participant's pending request waiting for a quorum it can no
@@ -273,8 +271,7 @@ class Membership:
         while True:
             left = give_up - time.monotonic()
             try:
-                self.manager.start_quorum(timeout=timedelta(seconds=max(min(QUORUM_ATTEMPT_S, left), 0.1)),
-                                          shrink_only=shrink_only)  # fmt: skip
+                self.manager.start_quorum(timeout=timedelta(seconds=max(min(QUORUM_ATTEMPT_S, left), 0.1)))
                 return
             except Exception as exc:  # noqa: BLE001 - torchft raises RuntimeError/TimeoutError from its RPCs
                 if not _timed_out(exc) or give_up - time.monotonic() <= 0:
@@ -282,9 +279,6 @@ class Membership:
                 # torchft's start_quorum first waits on the last request's future, which re-raises its timeout:
                 # the request is over (its RPC gave up), so the next one starts afresh
                 self.manager._quorum_future = None
-                # a shrink-only request from a region the others already left out (it was cut off while they
-                # went on) is never admitted: after one attempt it asks as a joiner does, and heals
-                shrink_only = False
 
     def report(self, exc: Exception) -> None:
         """A collective failed: the round is void for torchft, and this leader's group is torn down at once.

@@ -141,13 +141,14 @@ class RankOverlap:
         result = self.loop._share(result)
         run._mark("comm_wait")
         self.waited_s += run._cursor - waited_from
-        if result.healed_state is not None:  # this region fell behind during the exchange: the live state
-            # (θ with this exchange applied, the run's plans and the plan loop as the others hold them at the next
-            # exchange's quorum: this exchange measured, and any re-plan it made in force from the next round)
-            self.loop.exchange.apply_healed(result.healed_state)
-            self.loop.healed_over_arrival()
+        if result.void:  # the exchange's vote did not commit it: no region applies it (the round is rolled back;
+            # its tokens are lost work), and each moves its steps onto θ as it stands
             self.last = None
+            self.loop.exchange.round_settled(committed=False, why=result.why)
+            self.arrived.append((result, {"took_part": [], "rejected": [], "dropped": [], "lost": set(self._members),
+                                          "update": None, "void": result.why or "rolled back"}, self._members))
             return self.params
+        self.loop.exchange.round_settled(committed=True)
         if run.is_leader and not result.void:  # the exchange thread's own time, launch to arrival (not the wait)
             self.wire = (result.comm_s, run.rounds)
         outcome = self.loop._apply(result, self._members)

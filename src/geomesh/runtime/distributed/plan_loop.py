@@ -450,12 +450,6 @@ class PlanLoop:
         self.observe(result, outcome, steps, entries, plan=plan, wire_round=number - 1,
                      after_round=self.run.rounds + (1 if self._in_round else 0))  # fmt: skip
 
-    def healed_over_arrival(self) -> None:
-        """Elastic overlapped rounds: the exchange about to arrive failed on this region alone and it healed from
-        the live state, whose plan loop measured that exchange already. Its plan in flight is dropped here, so
-        the next exchange to arrive is measured against its own round's plan, as the others measure it."""
-        del self._planned_in_flight[len(self.overlap.arrived)]
-
     def _note_overlap_wire(self) -> None:
         """(leader) The wire time of the overlapped exchange that arrived (its launch to its arrival), for the
         next report or info this leader sends."""

@@ -101,6 +101,7 @@ class RoundLoop(PlanLoop):
         self.outvoted = False  # this static region holds another run key than the others (see _outvoted)
         self.lay_out = lambda whole: lay_out_like(whole, self.params)  # updates land as θ is held
         self.overlap = None  # the overlapped round (runtime/distributed/overlap.py, docs/overlap.md)
+        self.plan_reason = "unchanged"  # why the plan in force is what it is (the round header says it)
         region, _, at = os.environ.get(TEST_KILL_ENV, "").partition(":")
         at, _, how = at.partition(":")
         self._kill_at = (region, int(at), how) if at.isdigit() else None
@@ -243,11 +244,22 @@ class RoundLoop(PlanLoop):
             if not members:
                 raise RunError(f"round {r + 1}: every live region is away (the scenario's leave faults)")
             self.exchange.members_known(view, members)
+            header = None
             if self.planned_for != members:
+                was = self.planned_for
                 self.plan = self.make_plan(members)
-                run.plans.append(self.plan)
-                self.exchange.planned(self.plan, members, r)
+                self.plan_reason = ("the run's first plan" if not run.plans
+                                    else "members changed: " + ", ".join(self.names[i] for i in members)
+                                    if was is not None and set(was) != set(members)
+                                    else "the round's faults or members changed")
+                if not self.elastic or self.overlap is not None:  # (else the round's header records it)
+                    run.plans.append(self.plan)
+                    self.exchange.planned(self.plan, members, r)
                 self.planned_for = list(members)
+            if self.elastic and self.overlap is None:  # the round's header: the maker's plan, trained by all
+                header = self.exchange.agree_round(view.members, members, self.plan, self.plan_reason)
+                if header is not None:
+                    members = self._adopt(header, r)
             # the plan this round runs (a re-plan made during it is in force from the next round); one healed at
             # the quorum of an exchange about to leave takes the plan the others' round ran, which the plan loop
             # measures that exchange against when it arrives
@@ -270,7 +282,8 @@ class RoundLoop(PlanLoop):
             round_start = run._cursor
             once = effects.once.get(self.me, set())
             payload, split = None, None
-            if self.me in members:
+            snapshot = self._round_snapshot() if self.elastic and self.overlap is None else None
+            if self.me in members and (header is not None or not self.elastic or self.overlap is not None):
                 payload, split = self._local_phase(entries, steps, rs, members, plan, once, last or checkpoint_due)
             run._mark("compute")
             # (overlapped: less the wait for the exchange that arrived at the apply step, its outer step and an
@@ -295,12 +308,10 @@ class RoundLoop(PlanLoop):
             else:
                 result, comm_s = self._exchange(payload, members, compute_s)
                 self._exchange_end = run._cursor
-                if result.healed_state is not None:  # this region fell behind during the exchange
-                    self.exchange.apply_healed(result.healed_state)
-                    continue
-                if result.void:  # too few of the round's members finished its exchange: nobody applies it
-                    run.tokens_lost += planned.get(self.me, 0)
-                    self.faults.count_lost(r, {self.me: planned[self.me]} if self.me in planned else {})
+                if self.elastic:
+                    self.exchange.round_settled(committed=not result.void, why=result.why)
+                if result.void:  # the round's vote did not commit it: rolled back on every region, tried again
+                    self._roll_back(r, planned, snapshot, result.why)
                     continue
             wire_after = tx_bytes(run._iface)
             # 5. screen, combine, step (overlapped: the previous round's update, applied inside this round)
@@ -385,6 +396,10 @@ class RoundLoop(PlanLoop):
         for result, outcome, members in self.overlap.arrived:
             planned = self._planned_in_flight.pop(0)[0]
             number = self.run.rounds - len(self._planned_in_flight)
+            if outcome.get("void"):  # rolled back on every region: none of its tokens reached θ
+                self.run.tokens_done -= sum(planned.values())
+                self._roll_back(number - 1, planned, None, outcome["void"])
+                continue
             lost = {i: planned[i] for i in outcome["lost"] if i in planned}
             self.run.tokens_lost += sum(lost.values())
             self._warn(outcome, number)
@@ -434,6 +449,61 @@ class RoundLoop(PlanLoop):
             parts = tuple(corrupt_payload(p) if p is not None else None for p in parts)
             payload = parts if split is not None else parts[0]
         return payload, split
+
+    @property
+    def exchange_kind(self) -> str:
+        """The exchange the rounds use now: ``sharded``, ``all_reduce`` (unsigned dense sums) or ``all_gather``."""
+        return "sharded" if self.sharded is not None else "all_reduce" if self.summed else "all_gather"
+
+    def _adopt(self, header, round_index: int) -> list[int]:
+        """Train the round as its header says (elastic): the maker's plan and exchange, whatever this region's
+        own plan loop proposed. Returns the round's members."""
+        trained = header.trained_plan()
+        if self.plan is None or trained.digest() != self.plan.digest() or not self.run.plans:
+            self.plan = trained
+        if not self.run.plans or self.run.plans[-1].digest() != header.digest or header.reason != "unchanged":
+            self.run.plans.append(self.plan)
+            self.exchange.planned(self.plan, list(header.members), round_index, header)
+        if header.exchange != self.exchange_kind and header.exchange != "all_reduce" and not self.summed:
+            from ...codec.sharded_sparse import sharded_exchange
+
+            self.sharded = (sharded_exchange(self.combiner, self.n, self.sc.geomesh.shard_bits)
+                            if header.exchange == "sharded" else None)  # fmt: skip
+        self.plan_reason = "unchanged"
+        return list(header.members)
+
+    def _round_snapshot(self) -> dict[str, Any]:
+        """What a rolled-back round must restore besides θ and the outer momentum (which change only at the
+        outer step): this region's error-feedback residual and its shard owners' residuals."""
+        from .owners import OwnerResiduals
+
+        codec = self.codec.state_dict() if getattr(self.codec, "residual", None) else None
+        owners = {k: v.clone() for k, v in OwnerResiduals(self).state().items()}
+        return {"codec": codec, "owners": owners}
+
+    def _roll_back(self, round_index: int, planned: dict[int, int], snapshot: dict[str, Any] | None,
+                   why: str) -> None:  # fmt: skip
+        """The round's vote did not commit it: every live region restores the round's starting state and
+        trains it again as a new attempt; what it trained in it is lost work, recorded."""
+        from .owners import OwnerResiduals
+
+        run = self.run
+        if snapshot is not None:
+            if snapshot["codec"] is not None:
+                self.codec.load_state_dict(snapshot["codec"])
+            if snapshot["owners"]:
+                OwnerResiduals(self).load(snapshot["owners"])
+        run.tokens_lost += sum(planned.values())  # (every member's work of the round: none reached θ)
+        self.faults.count_lost(round_index, planned)
+        if self.elastic:
+            for i, t in planned.items():
+                self.exchange.stats["tokens_lost"][self.names[i]] += t
+        run.telemetry.count("rollbacks")
+        self.emit({"type": "rollback", "round": round_index + 1, "time": run._now(), "region": self.names[self.me],
+                   "reason": why, "tokens_lost": {self.names[i]: t for i, t in planned.items()}})  # fmt: skip
+        if run.is_leader:
+            print(f"region {self.names[self.me]}: round {round_index + 1} rolled back ({why}); it is trained "
+                  f"again", flush=True)  # fmt: skip
 
     def _test_slow(self, round_index: int) -> float:
         """Tests: this region's hidden slowdown in round ``round_index`` (0-based; :data:`TEST_SLOW_ENV`)."""
@@ -536,11 +606,7 @@ class RoundLoop(PlanLoop):
                                             run.region_group, what="the round's exchange")  # fmt: skip
         if head.get("void"):
             return Exchanged(infos=[], payloads=None, summed=None, comm_s=head["comm_s"], wan_bytes=head["wan_bytes"],
-                             void=True)  # fmt: skip
-        if head["healed_state"] is not None or (run.is_leader and result.healed_state is not None):
-            state = self.exchange.share_state(result.healed_state if run.is_leader else None)
-            return Exchanged(infos=head["infos"], payloads=None, summed=None, comm_s=head["comm_s"],
-                             wan_bytes=head["wan_bytes"], healed_state=state)  # fmt: skip
+                             void=True, why=head.get("why", ""))  # fmt: skip
         if head.get("sharded") is not None:  # the sharded exchange's update (runtime/distributed/sharded.py)
             from .sharded import share_sharded
 
@@ -570,15 +636,6 @@ class RoundLoop(PlanLoop):
         took_part = [i["region"] for i in infos if i.get("active", True)] if infos else list(members)
         rejected: list[tuple[int, str]] = []
         dropped: list[int] = []
-        # the plan this region's own payload of that round was made under (overlapped: the exchange arrives in
-        # the next round, whose plan may be a new one for new members), else the plan in force
-        own = next((i.get("plan") for i in infos if i.get("region") == self.me), None)
-        reference = own if own is not None else (self.plan.digest() if self.plan is not None else None)
-        for i in infos if result.sharded is None else ():  # a member that reported a plan other than this
-            # rank's: its update is not used (sharded: the exchange kept it out of the combine, on every leader)
-            if i.get("plan") is not None and reference is not None and i["plan"] != reference \
-                    and i["region"] in took_part:  # fmt: skip
-                rejected.append((i["region"], "its plan differs from this region's (the regions disagree)"))
         combined = None
         if self.summed:
             for i in infos:
