@@ -258,8 +258,13 @@ class RoundLoop(PlanLoop):
                 self.planned_for = list(members)
             if self.elastic and self.overlap is None:  # the round's header: the maker's plan, trained by all
                 header = self.exchange.agree_round(view.members, members, self.plan, self.plan_reason)
-                if header is not None:
-                    members = self._adopt(header, r)
+                if header is None:  # no round without its header: take part in the exchange (so the others are
+                    # not held to the deadline) with nothing, vote no, and roll back with them
+                    result, _ = self._exchange(None, members, 0.0)
+                    self.exchange.round_settled(committed=not result.void, why=result.why)
+                    self._roll_back(r, {}, None, result.why or self.exchange.refusal or "no header")
+                    continue
+                members = self._adopt(header, r)
             # the plan this round runs (a re-plan made during it is in force from the next round); one healed at
             # the quorum of an exchange about to leave takes the plan the others' round ran, which the plan loop
             # measures that exchange against when it arrives
