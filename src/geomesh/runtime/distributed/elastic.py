@@ -33,6 +33,9 @@ authenticate (a region with another key is a quorum member for torchft, never on
 with fewer, the quorum times out after ``--timeout`` seconds and the run stops with one ``error:`` line.
 Faults, planning, screening, evaluation and checkpoints are the round loop's, as in a static run; with
 ``--checkpoint-every N`` each region writes its own checkpoint into ``DIR/checkpoints/<region>``.
+
+This file is long because the quorum, the round's header, its exchange, its vote and its records are one
+region's side of one elastic round; the agreement's rules themselves are pure, in :mod:`.agreement`.
 """
 
 from __future__ import annotations
