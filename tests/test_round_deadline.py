@@ -95,7 +95,9 @@ def test_an_elastic_run_holds_each_exchange_to_the_measured_deadline_and_drops_a
         assert r["deadline_s"] == (cap if k < MEASURED_ROUNDS else pytest.approx(adaptive_deadline_s(history, **rel)))
     assert all(r["deadline_s"] < cap for r in rounds[MEASURED_ROUNDS:])  # measured rounds are far shorter
     leave = [e for e in events if e["type"] == "leave"]
-    assert [(e["region"], e["round"], e["reason"]) for e in leave] == [("r2-t4", 5, "lost during the round's exchange")]
+    # (its round-5 exchange timed out: rolled back, and trained again without it)
+    assert [(e["region"], e["round"]) for e in leave] == [("r2-t4", 5)]
+    assert [e["round"] for e in events if e["type"] == "rollback"] == [5]
     assert [r["members"] for r in rounds[4:]] == [["r0-h100", "r1-a100"]] * (len(rounds) - 4)
     el = result.summary["elastic"]
     assert el["round_deadline_mode"] == "adaptive" and el["deadlines_s"] == [r["deadline_s"] for r in rounds]

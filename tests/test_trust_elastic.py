@@ -109,8 +109,10 @@ forged = seal({"region": 1, "hash": "x", "wait": False, "healed": False, "payloa
               ctx=Context("guessed", "quorum", 0, 0), sender=1, key=b"guessed key, not the run's").to_bytes()
 try:
     manager.start_quorum(timeout=timedelta(seconds=120))  # recovery is offered, and fails
-    gather(pickle.dumps(Evil()))  # the header: a pickle that would run code on every leader
-    gather(forged)  # the envelope: a frame with a forged tag
+    gather(pickle.dumps(Evil()))  # the quorum's header: a pickle that would run code on every leader
+    gather(forged)  # the round's header: a frame with a forged tag
+    gather(forged)  # the envelope
+    gather(forged)  # the commit vote
     manager.start_quorum(timeout=timedelta(seconds=120))
     gather(b"", claim=1 << 40)  # the next header: a 1 TiB frame
     gather(b"", claim=1 << 40)
@@ -218,7 +220,7 @@ def test_an_outsider_gets_nothing_and_a_second_copy_exits_while_the_run_goes_on(
         assert attempt["metadata"].startswith("geomesh-heal://127.0.0.1:")
         assert attempt["http"].startswith("failed")
         assert attempt["received_bytes"] < 200 and "no proof of the run's key" in attempt["reply"]  # (270k params)
-    assert seen["gathers"] >= 2 and seen["members"] == 3, seen  # it took part in the leaders' exchanges
+    assert seen["gathers"] >= 4 and seen["members"] == 3, seen  # it took part in the leaders' exchanges
     assert not marker.exists()  # the pickle never ran
     logs = rank_logs(out)
     assert "refused a recovery request from 127.0.0.1" in logs

@@ -64,9 +64,6 @@ from .transport import WanShaper, ring_allgather_bytes, ring_allreduce_bytes
 __all__ = ["QuorumExchange", "RegionLayout", "adaptive_deadline_s", "deadline_history", "min_regions_of",
            "region_layout"]
 
-# tests: "REGION:ROUND": that region's leader loses its exchange of that round after the payloads arrived (as
-# when the connection to a dying member breaks late): the others commit the round, it falls behind
-TEST_LOSE_ENV = "GEOMESH_TEST_LOSE_EXCHANGE"
 MAX_ATTEMPTS = 8  # a round rolled back this many times in a row stops the run with one error
 
 
@@ -103,10 +100,11 @@ class QuorumExchange(ElasticState):
         self.refusal: str | None = None
         self.attempt = 0
         self.failed_attempts = 0  # roll-backs in a row (a round that never commits stops the run, MAX_ATTEMPTS)
-        self.lose_at = os.environ.get(TEST_LOSE_ENV)  # tests: "REGION:ROUND" (see TEST_LOSE_ENV), once
         self.whole: tuple[dict, dict] | None = None  # a sharded θ and momentum, gathered (the leader: _snapshot)
         self.membership: Membership | None = None
         self.launch_members: list[int] | None = None  # overlapped: the members at the last exchange's quorum
+        self.launch_head: dict[str, Any] | None = None  # ... and the next round's header, shipped at that quorum
+        self.refused_rounds: set[int] = set()  # (overlapped) rounds trained without their header: voted no
         self.my_calibration: dict[str, Any] | None = None  # this region's step times measured in place
         self.pending_resume: dict[str, Any] | None = None  # resumed, until the first quorum agrees on the round
         run.keeps_records = run.is_leader
@@ -184,12 +182,16 @@ class QuorumExchange(ElasticState):
         run = self.run
         if self.loop.overlap is not None and not first:
             # (the leader took it: its region's ranks learn it from the leader, as every quorum)
-            launched = list(self.launch_members) if run.is_leader and self.launch_members is not None else None
+            launched = {"members": list(self.launch_members), "head": self.launch_head} \
+                if run.is_leader and self.launch_members is not None else None  # fmt: skip
             if run.world > 1:
                 launched = run.transport.broadcast_json(launched, run.leader, run.region_group,
                                                         what="the overlapped round's members")  # fmt: skip
             if launched is not None:
-                return RoundView(members=launched)
+                if launched["head"] is not None:  # (the next round's header, shipped at that quorum)
+                    self._take_header(launched["head"], run.rounds + 1)
+                self.launch_head = None
+                return RoundView(members=launched["members"], quorum=False)
         view = None
         if run.is_leader:
             ctrl = self._quorum(first)
@@ -211,36 +213,44 @@ class QuorumExchange(ElasticState):
                          calibration={int(k): v for k, v in head["calibration"].items()},
                          resume_round=head.get("resume_round"))  # fmt: skip
 
-    def agree_round(self, quorum: list[int], members: list[int], proposal, reason: str) -> RoundHeader | None:
-        """(every rank) The round's header (:mod:`.agreement`): the quorum's maker ships its ``proposal`` (the plan
-        its plan loop holds for ``members``, and why); every leader checks what arrived and shares it inside its
-        region. None: this region refused it, or it did not arrive (:attr:`refusal` says why); the region then
-        trains nothing this round and votes no, so the round is rolled back everywhere and tried again."""
-        run, m = self.run, self.membership
-        number = run.rounds + 1
-        head = None
-        if run.is_leader:
-            maker = maker_of(quorum)
-            mine = None
-            if maker == self.me:
-                mine = make_header(run=self.job_hash, round_number=number, attempt=self.attempt, members=members,
-                                   plan=proposal, exchange=self.loop.exchange_kind, reason=reason,
-                                   maker=self.me).to_json()  # fmt: skip
-            try:
-                got = {region: obj.get("header") for _, region, obj in
-                       m.all_gather_framed_slots({"region": self.me, "header": mine}) if isinstance(obj, dict)}
-                self._note_rejections()
-                header = accept_header(got.get(maker), run=self.job_hash, round_number=number,
-                                       min_attempt=self.attempt, quorum=quorum, names=self.names,
-                                       sender=maker if maker in got else None)  # fmt: skip
-                head = {"header": header.to_json(), "refusal": None}
-            except ExchangeFailed as exc:
-                m.report(exc)
-                head = {"header": None, "refusal": f"the header's collective failed ({exc})"}
-            except HeaderRefused as exc:
-                head = {"header": None, "refusal": str(exc)}
+    def agree_round(self, quorum: list[int], members: list[int], proposal, reason: str,
+                    number: int | None = None) -> RoundHeader | None:  # fmt: skip
+        """(every rank) The header of round ``number`` (default: the next one; :mod:`.agreement`): the quorum's
+        maker ships its ``proposal`` (the plan its plan loop holds for ``members``, and why); every leader checks
+        what arrived and shares it inside its region. None: this region refused it, or it did not arrive
+        (:attr:`refusal` says why); the region then takes no part in the round and votes no, so the round is
+        rolled back everywhere and tried again."""
+        run = self.run
+        number = run.rounds + 1 if number is None else number
+        head = self._ship_header(quorum, members, proposal, reason, number) if run.is_leader else None
         if run.world > 1:
             head = run.transport.broadcast_json(head, run.leader, run.region_group, what="the round's header")
+        return self._take_header(head, number)
+
+    def _ship_header(self, quorum: list[int], members: list[int], proposal, reason: str, number: int) -> dict:
+        """(leader) The header collective over the quorum's leaders: the maker's header, checked."""
+        m = self.membership
+        maker = maker_of(quorum)
+        mine = None
+        if maker == self.me:
+            mine = make_header(run=self.job_hash, round_number=number, attempt=self.attempt, members=members,
+                               plan=proposal, exchange=self.loop.exchange_kind, reason=reason,
+                               maker=self.me).to_json()  # fmt: skip
+        try:
+            got = {region: obj.get("header") for _, region, obj in
+                   m.all_gather_framed_slots({"region": self.me, "header": mine}) if isinstance(obj, dict)}
+            self._note_rejections()
+            header = accept_header(got.get(maker), run=self.job_hash, round_number=number, min_attempt=self.attempt,
+                                   quorum=quorum, names=self.names, sender=maker if maker in got else None)  # fmt: skip
+            return {"header": header.to_json(), "refusal": None}
+        except ExchangeFailed as exc:
+            m.report(exc)
+            return {"header": None, "refusal": f"the header's collective failed ({exc})"}
+        except HeaderRefused as exc:
+            return {"header": None, "refusal": str(exc)}
+
+    def _take_header(self, head: dict[str, Any], number: int) -> RoundHeader | None:
+        """(every rank) The header its leader accepted (or why none), as this region's."""
         self.refusal = head["refusal"]
         if head["header"] is None:
             self._say(f"round {number}: refused the round's header: {self.refusal}")
@@ -254,6 +264,10 @@ class QuorumExchange(ElasticState):
                                   maker=h["maker"])  # fmt: skip
         self.attempt = self.header.attempt
         return self.header
+
+    def header_for(self, number: int) -> RoundHeader | None:
+        """The accepted header of round ``number``, if this region holds one."""
+        return self.header if self.header is not None and self.header.round == number else None
 
     def round_settled(self, committed: bool, why: str = "") -> None:
         """After the round's vote: a committed round's attempts start again at 0; a rolled-back one is retried as
@@ -276,14 +290,18 @@ class QuorumExchange(ElasticState):
         nbytes = 12 * sum(p.numel() for p in self.params.values())  # θ, momentum and a margin, in fp32
         return 2 * self.run.options.timeout_s + heal_timeout_s(nbytes) + self.deadline_s
 
-    def launch_quorum(self) -> list[int]:
-        """(leader, overlapped rounds) The quorum of the exchange about to leave: its members."""
+    def launch_quorum(self, propose) -> list[int]:
+        """(leader, overlapped rounds) The quorum of the exchange about to leave: its members. The next round
+        starts with them, so its header is shipped here (``propose(quorum)``: this region's (members, plan,
+        reason) for it), before the exchange's thread takes the group."""
         ctrl = self._quorum(first=False)
         if ctrl["healed"]:
             raise RunError(f"region {self.names[self.me]} fell behind the others between two overlapped exchanges; "
                            f"restart it (it rejoins with the live state)")  # fmt: skip
         self._restarted_in_place(ctrl["rejoined"])
         self.launch_members = list(ctrl["members"])
+        members, plan, reason = propose(self.launch_members)
+        self.launch_head = self._ship_header(self.launch_members, members, plan, reason, self.run.rounds + 2)
         return list(ctrl["members"])
 
     def _quorum(self, first: bool) -> dict[str, Any]:
@@ -448,8 +466,11 @@ class QuorumExchange(ElasticState):
         number = self.exchange_round = run.rounds + 1 if round_number is None else round_number
         header = self.header if self.header is not None and self.header.round == number else None
         if self.loop.overlap is not None:  # (overlapped: the vote is on this exchange, over its own quorum)
-            header = RoundHeader(run=self.job_hash, round=number, attempt=0, members=tuple(sorted(members)), plan={},
-                                 digest="", exchange="", reason="overlapped exchange", maker=min(members))  # fmt: skip
+            refused = number in self.refused_rounds
+            self.refused_rounds.discard(number)
+            header = None if refused else RoundHeader(
+                run=self.job_hash, round=number, attempt=0, members=tuple(sorted(members)), plan={}, digest="",
+                exchange="", reason="overlapped exchange", maker=min(members))  # fmt: skip
         t0 = time.perf_counter()
         sent, sharded, infos, gathered = 0, None, [], None
         deadline = self.last_deadline_s = self.round_deadline_s(members)
@@ -479,9 +500,8 @@ class QuorumExchange(ElasticState):
                 gathered = {e["region"]: e["payload"] for e in envelopes}
                 sent += ring_allgather_bytes(self.loop.kit.payload_nbytes, len(envelopes))
                 arrived = arrivals_digest(gathered, gathered)
-            if self.lose_at == f"{self.names[self.me]}:{number}":
-                self.lose_at = None
-                raise ExchangeFailed("test: the connection broke after the payloads arrived")
+            if run.hooks.at("arrived", self.names[self.me], number):
+                raise ExchangeFailed("fault hook: the connection broke after the payloads arrived")
             who = sorted(i["region"] for i in infos)
             WanShaper(self._wan(who), run.options.wan).hold(self.shaper_s(who), since)
         except ExchangeFailed as exc:

@@ -46,6 +46,7 @@ class RoundView:
     # elastic regions resumed together: the newest round whose checkpoint every resumed member holds (each
     # region loads it, then asks for the quorum again, where a region with none heals from them)
     resume_round: int | None = None
+    quorum: bool = True  # False: an overlapped round that starts with the members of the last exchange's quorum
 
 
 @dataclass

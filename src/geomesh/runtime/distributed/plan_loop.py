@@ -16,7 +16,6 @@ class: it reads the loop's fields (run, scenario, method, kit, faults, plan)."""
 from __future__ import annotations
 
 import math
-import os
 import statistics
 import time
 from typing import Any, Callable
@@ -29,26 +28,8 @@ from ...planner.wan import probe_sizes, time_parts
 from .exchange import Exchanged, reported_overhead_s
 
 WARMUP_ROUNDS = 1
-# tests: "K" or "K:ROUND:K2": every probe and every exchange takes, as measured, what the declared WAN K times
-# slower gives it (latencies x K, bandwidths / K; K2 for the exchanges of rounds after ROUND): each leader's
-# report is replaced, as received, by that function of the exchange's bytes, so that every run measures the
-# same WAN and re-plans for it at the same round (real wire times differ between runs)
-TEST_WAN_ENV = "GEOMESH_TEST_WAN"
-# tests: "1": every region's measured compute of a round is replaced, as received, by what the plan that round
-# ran says (its compute_s): the online planner sees the same figures in every run (with TEST_WAN_ENV, a
-# re-plan for the measured WAN is the same plan in every run)
-TEST_COMPUTE_ENV = "GEOMESH_TEST_COMPUTE_AS_PLANNED"
-
-
-def test_wan_factor(round_number: int) -> float | None:
-    """Tests: how many times slower than declared the WAN is, as measured, for the exchange of
-    ``round_number`` (1-based; 0: the probes before round 0), or None without :data:`TEST_WAN_ENV`."""
-    spec = os.environ.get(TEST_WAN_ENV, "")
-    if not spec:
-        return None
-    k, _, rest = spec.partition(":")
-    after, _, k2 = rest.partition(":")
-    return float(k2) if after and round_number > int(after) else float(k)
+# (tests: the fault hooks' ``wan`` stand-in replaces each leader's measured wire time, as received, by what the
+# declared WAN K times slower gives it, so that every run measures the same WAN; runtime/hooks.py)
 
 
 def seconds(value: Any) -> float | None:
@@ -243,7 +224,7 @@ class PlanLoop:
         if run.region_group is not None:
             medians = run.transport.broadcast_json(medians, run.leader, run.region_group, what="the WAN probes")
         wan = self.faults.wan(members)
-        k = test_wan_factor(0)
+        k = self.run.hooks.wan_factor(0)
         for size, seconds in zip(sizes, medians):
             self.wan_measure.observe_probe(wan, size, seconds if k is None else k * wan.allgather_s(size))
         self.wan_probe_s = time.perf_counter() - start
@@ -308,7 +289,8 @@ class PlanLoop:
         if not reports:
             return None
         lat, transfer = time_parts(self.exchange_cost(prev), self.faults.wan(prev))
-        wires = [s if (k := test_wan_factor(number)) is None else k * (lat + transfer) for s, number in reports]
+        wires = [s if (k := self.run.hooks.wan_factor(number)) is None else k * (lat + transfer)
+                 for s, number in reports]  # fmt: skip
         self.wan_measure.observe(lat, transfer, statistics.median(wires))
         return self.wan_measure.should_replan()
 
@@ -326,7 +308,7 @@ class PlanLoop:
         if self.online is None or not result.infos:
             return
         measured = {}
-        as_planned = os.environ.get(TEST_COMPUTE_ENV) == "1"
+        as_planned = self.run.hooks.compute_as_planned
         for info in result.infos:
             i, c = info.get("region"), seconds(info.get("compute_s"))
             full = i in steps and steps[i] == entries[i].inner_steps  # a shortened last round says nothing new
@@ -361,6 +343,7 @@ class PlanLoop:
         planned_s = {w.name: w.compute_s for w in plan.workers}
         self.plan = replanned
         run.plans.append(replanned)
+        self.plan_reason = f"re-planned after round {number}"  # (the next round's header says so)
         ov = self.overlap
         if wan_drift is not None and ov is not None and ov.in_flight_s > 0:  # the exchange in flight is now
             ov.in_flight_s = replanned.exchange_s  # expected as the measured WAN has it (its apply step)

@@ -28,8 +28,6 @@ One round (every rank of every region; the leader alone crosses the WAN):
 
 from __future__ import annotations
 
-import os
-import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -50,11 +48,6 @@ from .exchange import Exchanged, StaticExchange, wait_for_slowest_s
 from .plan_loop import PlanLoop
 from .region import lay_out_like
 from .transport import WanShaper, split_gathered, tx_bytes
-
-TEST_KILL_ENV = "GEOMESH_TEST_KILL_MID_ROUND"  # "REGION:ROUND[:hang]": its ranks die (or hang) before that exchange
-# tests: "REGION:ROUND:FACTOR": from the round after ROUND, that region's inner steps are padded with sleep to
-# FACTOR x their time, unknown to the plan (a busy neighbour): only its measured compute can tell the planner
-TEST_SLOW_ENV = "GEOMESH_TEST_SLOW_AFTER_ROUND"
 
 STATIC_MEMBERSHIP_FAULTS = ("the scenario's leave/join faults need elastic regions: set reliability.min_regions "
                             "(or --min-regions N) to at least 1; a static run keeps every region in every round")
@@ -102,12 +95,7 @@ class RoundLoop(PlanLoop):
         self.lay_out = lambda whole: lay_out_like(whole, self.params)  # updates land as θ is held
         self.overlap = None  # the overlapped round (runtime/distributed/overlap.py, docs/overlap.md)
         self.plan_reason = "unchanged"  # why the plan in force is what it is (the round header says it)
-        region, _, at = os.environ.get(TEST_KILL_ENV, "").partition(":")
-        at, _, how = at.partition(":")
-        self._kill_at = (region, int(at), how) if at.isdigit() else None
-        region, _, rest = os.environ.get(TEST_SLOW_ENV, "").partition(":")
-        at, _, factor = rest.partition(":")
-        self._slow_after = (region, int(at), float(factor)) if at.isdigit() and factor else None
+        self.hooks = run.hooks  # the faults a test or the chaos harness injects (runtime/hooks.py)
         if self.elastic:
             from .elastic import QuorumExchange
 
@@ -219,7 +207,7 @@ class RoundLoop(PlanLoop):
             if view.healed:  # the live state first (its plan loop too), then this round's news, as the others
                 self._evaluation_due = False  # (of the θ it held before: not the run's)
                 self.exchange.apply_healed(view.state)
-                self._kill_at = None  # (tests: a restarted process healed into the run is not killed again there)
+                self.hooks.forget(self.names[self.me])  # (a restarted process healed into the run: not killed again)
             if view.calibration:
                 self.use_calibration(view.calibration)
             if self.wan_measure is not None and run.rounds == 0 and self.wan_probe_s is None and not view.healed \
@@ -236,7 +224,8 @@ class RoundLoop(PlanLoop):
                 run.worker.optimizer.state.clear()
                 if hasattr(self.codec, "reset_residual"):
                     self.codec.reset_residual()
-            run.worker.slowdown = self.sc.regions[self.me].slowdown * self.faults.speed(self.me) * self._test_slow(r)
+            run.worker.slowdown = (self.sc.regions[self.me].slowdown * self.faults.speed(self.me)
+                                   * self.hooks.slowdown(self.names[self.me], r + 1))  # fmt: skip
             if effects.remake:
                 self.planned_for = None
             in_exchange = [i for i in view.members if not self.faults.away(i)]
@@ -252,19 +241,28 @@ class RoundLoop(PlanLoop):
                                     else "members changed: " + ", ".join(self.names[i] for i in members)
                                     if was is not None and set(was) != set(members)
                                     else "the round's faults or members changed")
-                if not self.elastic or self.overlap is not None:  # (else the round's header records it)
+                if not self.elastic:  # (elastic: the round's header records it)
                     run.plans.append(self.plan)
                     self.exchange.planned(self.plan, members, r)
                 self.planned_for = list(members)
-            if self.elastic and self.overlap is None:  # the round's header: the maker's plan, trained by all
-                header = self.exchange.agree_round(view.members, members, self.plan, self.plan_reason)
-                if header is None:  # no round without its header: take part in the exchange (so the others are
-                    # not held to the deadline) with nothing, vote no, and roll back with them
+            if self.elastic:  # the round's header: the maker's plan, trained by all
+                if view.quorum:  # (overlapped rounds after the first: shipped at the last exchange's quorum)
+                    # (one healed at an overlapped exchange's quorum trains from the next round: that one's header)
+                    self.exchange.agree_round(view.members, members, self.plan, self.plan_reason,
+                                              r + 2 if joined_now else r + 1)  # fmt: skip
+                header = self.exchange.header_for(r + 1)
+                if header is not None:
+                    members = self._adopt(header, r)
+                elif self.overlap is None:  # no round without its header: take part in the exchange (so the
+                    # others are not held to the deadline) with nothing, vote no, and roll back with them
                     result, _ = self._exchange(None, members, 0.0)
                     self.exchange.round_settled(committed=not result.void, why=result.why)
                     self._roll_back(r, {}, None, result.why or self.exchange.refusal or "no header")
                     continue
-                members = self._adopt(header, r)
+                elif not joined_now:  # overlapped: its exchange leaves under way already; it votes no on it
+                    self.exchange.refused_rounds.add(r + 1)
+                    if not run.plans:
+                        run.plans.append(self.plan)
             # the plan this round runs (a re-plan made during it is in force from the next round); one healed at
             # the quorum of an exchange about to leave takes the plan the others' round ran, which the plan loop
             # measures that exchange against when it arrives
@@ -298,7 +296,7 @@ class RoundLoop(PlanLoop):
             apart = self.overlap.apart_s - self.overlap.waited_s if self.overlap is not None else 0.0
             self.round_overhead_s = self._overhead_tail + (round_start - quorum_end) + max(apart, 0.0)
             self._overhead_tail = 0.0
-            self._test_kill_point()
+            self.hooks.at("send", self.names[self.me], r + 1)
             # 4. exchange over the members' leaders
             sent_before, wire_before = run.transport.wan_bytes, tx_bytes(run._iface)
             if self.overlap is not None and self.elastic:
@@ -460,21 +458,35 @@ class RoundLoop(PlanLoop):
         """The exchange the rounds use now: ``sharded``, ``all_reduce`` (unsigned dense sums) or ``all_gather``."""
         return "sharded" if self.sharded is not None else "all_reduce" if self.summed else "all_gather"
 
+    def _propose_next(self, quorum: list[int]) -> tuple[list[int], Plan, str]:
+        """(leader, overlapped elastic rounds) What this region proposes for the round that starts with the
+        members of the exchange's quorum now forming: (members, plan, why); shipped only by the maker."""
+        members = [i for i in quorum if not self.faults.away(i)]
+        if self.planned_for != members:
+            was = self.planned_for
+            self.plan = self.make_plan(members)
+            self.planned_for = list(members)
+            self.plan_reason = "members changed: " + ", ".join(self.names[i] for i in members) if was else \
+                "the run's first plan"  # fmt: skip
+        return members, self.plan, self.plan_reason
+
     def _adopt(self, header, round_index: int) -> list[int]:
         """Train the round as its header says (elastic): the maker's plan and exchange, whatever this region's
-        own plan loop proposed. Returns the round's members."""
+        own plan loop proposed (a proposal of its own made since, for a reason the header does not carry yet,
+        stays its proposal for the next header). Returns the round's members."""
         trained = header.trained_plan()
-        if self.plan is None or trained.digest() != self.plan.digest() or not self.run.plans:
+        if self.plan is not None and trained.digest() == self.plan.digest():
+            self.plan_reason = "unchanged"
+        if self.plan is None or self.plan_reason == "unchanged":
             self.plan = trained
         if not self.run.plans or self.run.plans[-1].digest() != header.digest or header.reason != "unchanged":
-            self.run.plans.append(self.plan)
-            self.exchange.planned(self.plan, list(header.members), round_index, header)
+            self.run.plans.append(trained)
+            self.exchange.planned(trained, list(header.members), round_index, header)
         if header.exchange != self.exchange_kind and header.exchange != "all_reduce" and not self.summed:
             from ...codec.sharded_sparse import sharded_exchange
 
             self.sharded = (sharded_exchange(self.combiner, self.n, self.sc.geomesh.shard_bits)
                             if header.exchange == "sharded" else None)  # fmt: skip
-        self.plan_reason = "unchanged"
         return list(header.members)
 
     def _round_snapshot(self) -> dict[str, Any]:
@@ -509,19 +521,6 @@ class RoundLoop(PlanLoop):
         if run.is_leader:
             print(f"region {self.names[self.me]}: round {round_index + 1} rolled back ({why}); it is trained "
                   f"again", flush=True)  # fmt: skip
-
-    def _test_slow(self, round_index: int) -> float:
-        """Tests: this region's hidden slowdown in round ``round_index`` (0-based; :data:`TEST_SLOW_ENV`)."""
-        slow = self._slow_after
-        return slow[2] if slow is not None and slow[0] == self.names[self.me] and round_index >= slow[1] else 1.0
-
-    def _test_kill_point(self) -> None:
-        """Tests: this region's ranks die (or hang) with their payload unsent (:data:`TEST_KILL_ENV`)."""
-        if self._kill_at is not None and self._kill_at[:2] == (self.names[self.me], self.run.rounds + 1):
-            if self._kill_at[2] == "hang":  # stop responding (torchft's heartbeat thread goes on)
-                while True:
-                    time.sleep(3600)
-            os.kill(os.getpid(), signal.SIGKILL)
 
     def _info(self, payload: bytes | None, compute_s: float, members: list[int], reason: str | None) -> dict:
         """What this leader tells the others with its payload (JSON)."""
@@ -576,7 +575,7 @@ class RoundLoop(PlanLoop):
             comm_start = run._cursor
             since = time.perf_counter()
             if self.elastic:  # this exchange's quorum now (the barrier), then the exchange on a thread
-                now = self.exchange.launch_quorum() if quorum else list(members)
+                now = self.exchange.launch_quorum(self._propose_next) if quorum else list(members)
                 # the quorum waits for the slowest member, as the static barrier does: straggler_wait (it was
                 # booked as comm_wait, so overlapped elastic rounds showed their stragglers as WAN idle)
                 run._mark("straggler_wait")
