@@ -30,6 +30,7 @@ from ...methods.base import Method, OuterLoopMethod
 from ...planner import Plan
 from ...telemetry import Telemetry, write_json_atomic
 from ..checkpoint_state import truncate_events
+from ..hooks import HOOKS_ENV, LEGACY, FaultHooks, HooksError
 from .clock import WallClock, record_spans
 from .checkpoints import DistCheckpointError, check_resume, fingerprint
 from .folder import prepare_shared_run_dir
@@ -40,7 +41,7 @@ from .region import RegionWorker, build_training, is_sharded, local_bytes, param
 from ..summary import build_summary
 from .transport import Transport
 
-TEST_EXIT_ENV = "GEOMESH_TEST_EXIT_AFTER_ROUND"  # "RANK:ROUND": that rank exits abruptly (tests only)
+TEST_EXIT_ENV = LEGACY["exit"]  # "RANK:ROUND[:hang]": the fault hooks' point ``done`` (runtime/hooks.py)
 WIRE_IFACE_ENV = "GEOMESH_WIRE_IFACE"  # a network interface whose tx bytes measure what really went out
 
 MEMBERSHIP_FAULTS = ("leave", "join")  # faults that change who is in a round: elastic regions only
@@ -133,20 +134,15 @@ class RankRun(StoppingRule):
         self.clock = WallClock()
         self.keeps_records = self.rank == 0  # the rank whose telemetry keeps the run's records (elastic: leaders)
         self._profiles_cache: list[WorkerProfile] | None = None
-        self._exit_after = self._test_exit()
+        try:  # the faults a test or the chaos harness injects (runtime/hooks.py): read once, here
+            self.hooks = FaultHooks.from_env()
+        except HooksError as exc:
+            raise RunError(f"{HOOKS_ENV}: {exc}") from None
         self._iface = os.environ.get(WIRE_IFACE_ENV) or None
         self.totals = {"bytes_sent": 0, "proxy_bytes_sent": 0, "wire_bytes_sent": 0, "intra_region_bytes": 0,
                        "comm_s": 0.0}  # fmt: skip
 
     # ---- helpers ----------------------------------------------------------------------------------
-    def _test_exit(self) -> tuple[int, bool] | None:
-        """``RANK:ROUND`` (exit abruptly) or ``RANK:ROUND:hang`` (stop responding) from the test hook."""
-        parts = os.environ.get(TEST_EXIT_ENV, "").split(":")
-        ok = len(parts) >= 2 and parts[0].strip().isdigit() and parts[1].strip().isdigit()
-        if ok and int(parts[0]) == dist.get_rank():
-            return int(parts[1]), parts[2:] == ["hang"]
-        return None
-
     # the clock's cursor and pending spans, as the loops and checkpoints read and set them
     @property
     def _cursor(self) -> float:
@@ -468,15 +464,8 @@ class RankRun(StoppingRule):
                            f"{self.out_dir / 'checkpoints'}: {exc.strerror or exc}") from None  # fmt: skip
 
     def _test_exit_point(self) -> None:
-        """The test hook: this rank exits abruptly (or hangs) once its round is done (:data:`TEST_EXIT_ENV`)."""
-        if self._exit_after is None or self.rounds < self._exit_after[0]:
-            return
-        hang = self._exit_after[1]
-        print(f"rank {self.rank}: {'hanging' if hang else 'exiting abruptly'} after round {self.rounds} "
-              f"({TEST_EXIT_ENV})", file=sys.stderr, flush=True)  # fmt: skip
-        while hang:
-            time.sleep(3600)
-        os._exit(17)
+        """The fault hooks' point ``done``: the round's records are written (an abrupt exit or a hang)."""
+        self.hooks.at("done", self.scenario.regions[self.region].name, self.rounds, rank=self.rank)
 
     def _prepare_resume(self) -> str | None:
         """Every rank checks the newest complete checkpoint's files against its marker (sizes, SHA-256, the

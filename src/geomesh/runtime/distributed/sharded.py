@@ -46,8 +46,6 @@ at four latency steps whatever N; the WAN model (``WanModel.sharded_s``) times t
 from __future__ import annotations
 
 import hmac
-import os
-import signal
 import struct
 import time
 import warnings
@@ -61,6 +59,7 @@ import torch.distributed as dist
 from ...codec.sharded import ShardedExchange
 from ...codec.sharded_sparse import sharded_exchange
 from ...errors import PayloadError, RunError
+from ..hooks import LEGACY
 from .frames import Rejected, pack_pieces, split_pieces
 from .transport import SLOT_HEAD, SLOT_HEADER_NBYTES, _slot_tag
 
@@ -71,8 +70,8 @@ _CODE_WHY = {SLOT_REFUSED: "its slot failed its signature or round", SLICE_REFUS
              EXCLUDED: "it was excluded before the exchange"}  # fmt: skip
 _REFUSALS = (SLOT_REFUSED, SLICE_REFUSED)
 # tests: "REGION:ROUND": that elastic region's leader dies in the middle of that round's sharded exchange (its
-# slices delivered, its combined shard never sent), so its shard must be re-owned
-TEST_KILL_ENV = "GEOMESH_TEST_KILL_IN_SHARDED"
+# slices delivered, its combined shard never sent)
+TEST_KILL_ENV = LEGACY["slices"]  # "REGION:ROUND": the fault hooks' point ``slices`` (runtime/hooks.py)
 
 
 @dataclass(frozen=True)
@@ -173,15 +172,16 @@ class QuorumMover:
 
 
 class _DiesAfterSlices:
-    """Tests (:data:`TEST_KILL_ENV`): a mover whose process is SIGKILLed once its slices have left."""
+    """The fault hooks' point ``slices`` (runtime/hooks.py): a mover that fires it once its slices have left."""
 
-    def __init__(self, mover: Any):
+    def __init__(self, mover: Any, fire: Any):
         self.mover, self.size, self.rank, self.members, self.scope = (mover, mover.size, mover.rank, mover.members,
                                                                       mover.scope)  # fmt: skip
+        self.fire = fire
 
     def all_to_all(self, send: list[bytes], recv_sizes: list[int]) -> list[bytes]:
         got = self.mover.all_to_all(send, recv_sizes)
-        os.kill(os.getpid(), signal.SIGKILL)
+        self.fire()
         return got
 
 
@@ -531,12 +531,11 @@ def quorum_sharded_exchange(xc: Any, payload: bytes | None, info: dict[str, Any]
     for slot in range(size):
         if regions[slot] < 0:
             exclude[slot] = "its round info was rejected"
-    _exclude_odd_plans(by_slot, exclude)
     names = [loop.names[r] if 0 <= r < len(loop.names) else f"#{r}" if r >= 0 else f"(quorum member {k})"
              for k, r in enumerate(regions)]  # fmt: skip
     mover = QuorumMover(m, tuple(regions), timeout_s)
-    if os.environ.get(TEST_KILL_ENV) == f"{loop.names[xc.me]}:{xc.exchange_round}":
-        mover = _DiesAfterSlices(mover)
+    if xc.run.hooks.pending("slices", loop.names[xc.me], xc.exchange_round):
+        mover = _DiesAfterSlices(mover, lambda: xc.run.hooks.at("slices", loop.names[xc.me], xc.exchange_round))
     r = sharded_round(payload, layout_for(loop, size), mover=mover, device=run.device, names=names,
                       round_number=xc.exchange_round, key=m.key, run_id=m.run_id, exclude=exclude,
                       warn=quiet)  # fmt: skip
