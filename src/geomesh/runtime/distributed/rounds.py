@@ -192,6 +192,7 @@ class RoundLoop(PlanLoop):
         first = True
         while True:
             # 1. who trains this round
+            self.hooks.at("quorum", self.names[self.me], run.rounds + 1)
             view = self.exchange.open_round(first)
             if view.resume_round is not None:
                 self._resume_at(view.resume_round, saver)
@@ -381,6 +382,7 @@ class RoundLoop(PlanLoop):
             else:
                 run._evaluate(run._now())
         if checkpoint_due:
+            self.hooks.at("checkpoint", self.names[self.me], run.rounds)
             run._save_checkpoint(saver, keep)
         # the evaluation and the checkpoint are the round's "other" time, as in an overlapped round (unmarked, the
         # next round's quorum or barrier booked them as a wait: an evaluation at a slow region's speed read as WAN
@@ -687,6 +689,7 @@ class RoundLoop(PlanLoop):
             combined = None
         update = None
         if combined is not None:
+            self.hooks.at("step", self.names[self.me], self.run.rounds + (0 if self.overlap is not None else 1))
             update = self.lay_out(combined)
             self.outer.step(update)
             self.exchange.theta_changed()
