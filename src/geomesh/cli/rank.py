@@ -109,7 +109,7 @@ def _main(args: argparse.Namespace) -> int:
         from ..config import ConfigError, load_scenario, parse_overrides
         from ..methods import get_method
         from ..runtime.distributed import DistributedRun, parse_ranks_per_region, rank_layout
-        from ..runtime.distributed.membership import MembershipError
+        from ..runtime.distributed.membership import MembershipError, RunFinished
 
         validate(args)
         scenario = load_scenario(args.scenario, parse_overrides(scenario_overrides(args)))
@@ -153,6 +153,10 @@ def _main(args: argparse.Namespace) -> int:
             summary = run.run()
         except USER_ERRORS:
             raise
+        except RunFinished as exc:  # (elastic: it arrived after the others finished: nothing is left to do)
+            if run.is_leader:
+                print(f"{who}: {exc}", flush=True)
+            return 0
         except MembershipError as exc:  # elastic regions: no quorum in time (too few regions, no quorum service)
             print(f"error: {who}: {exc}", file=sys.stderr)
             return 1

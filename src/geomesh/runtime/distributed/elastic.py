@@ -58,7 +58,8 @@ from .clock import record_spans
 from .deadline import MEASURED_ROUNDS, adaptive_deadline_s, deadline_history
 from .exchange import Exchanged, RoundView, reported_overhead_s, round_idle
 from .layout import RegionLayout, min_regions_of, region_layout
-from .membership import LIGHTHOUSE_ENV, ExchangeFailed, Membership, MembershipError, group_store_host
+from .membership import (LIGHTHOUSE_ENV, ExchangeFailed, Membership, MembershipError, RunFinished,
+                         group_store_host)  # fmt: skip
 from .transport import WanShaper, ring_allgather_bytes, ring_allreduce_bytes
 
 __all__ = ["QuorumExchange", "RegionLayout", "adaptive_deadline_s", "deadline_history", "min_regions_of",
@@ -173,6 +174,10 @@ class QuorumExchange(ElasticState):
             )  # fmt: skip
         except MembershipError as exc:
             raise RunError(str(exc)) from None
+        from .board import RunBoard
+
+        self.board = RunBoard(lighthouse, run=f"{self.membership.run_id}/{self.job_hash}", key=self.membership.key)
+        self.membership.finished = self.board.finished
 
     # ---- 1. the quorum ----------------------------------------------------------------------------------
     def open_round(self, first: bool) -> RoundView:
@@ -192,22 +197,32 @@ class QuorumExchange(ElasticState):
                     self._take_header(launched["head"], run.rounds + 1)
                 self.launch_head = None
                 return RoundView(members=launched["members"], quorum=False)
-        view = None
+        view, finished = None, None
         if run.is_leader:
-            ctrl = self._quorum(first)
+            try:
+                ctrl = self._quorum(first)
+            except RunFinished as exc:  # (the run board: the run ended without this region)
+                finished = exc.note
+                self.membership.shutdown()
+        if run.is_leader and finished is None:
             state = self.healed_state if ctrl["healed"] else None
             self.healed_state = None
             view = RoundView(members=ctrl["members"], healed=ctrl["healed"], state=state,
                              rejoined=ctrl["rejoined"], calibration=ctrl["calibration"],
                              resume_round=ctrl.get("resume_round"))  # fmt: skip
         if run.world == 1:
+            if finished is not None:
+                raise RunFinished(finished)
             return view
         run.wait_for_leader("the round's quorum", self.leader_wait_s())
         head = run.transport.broadcast_json(
+            {"finished": finished} if finished is not None else
             {"members": view.members, "healed": view.healed, "rejoined": view.rejoined,
              "calibration": {str(k): v for k, v in view.calibration.items()},
              "resume_round": view.resume_round} if run.is_leader else None,
             run.leader, run.region_group, what="the round's quorum")  # fmt: skip
+        if head.get("finished") is not None:  # every rank of the region stops alike
+            raise RunFinished(head["finished"])
         state = self.share_state(view.state if run.is_leader else None) if head["healed"] else None
         return RoundView(members=head["members"], healed=head["healed"], state=state, rejoined=head["rejoined"],
                          calibration={int(k): v for k, v in head["calibration"].items()},
@@ -627,6 +642,9 @@ class QuorumExchange(ElasticState):
             for end in ends:
                 record_spans(run.telemetry, self.names[end["region"]], end.get("spans"))
             self._write_events(final)
+            # word for a region that arrives after the end (it stops at once, exit 0: board.py)
+            self.board.post_finished({"round": run.rounds, "regions": [self.names[i] for i in final],
+                                      "checksum": checksums.get(self.names[self.me])})  # fmt: skip
             self.membership.shutdown()
         writer = self._writer(final) if run.is_leader else False
         if run.region_group is not None:  # its ranks evaluate θ and gather it for the summary together

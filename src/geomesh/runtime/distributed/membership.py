@@ -77,6 +77,15 @@ class ExchangeFailed(RuntimeError):
     """A collective over the quorum failed: a member died, hung past the deadline or left."""
 
 
+class RunFinished(MembershipError):
+    """The run this region belongs to finished without it (the run board says so: :mod:`.board`)."""
+
+    def __init__(self, note: dict[str, Any]):
+        super().__init__(f"the run finished at round {note.get('round')} without this region (regions at the end: "
+                         f"{', '.join(map(str, note.get('regions') or [])) or 'unknown'})")  # fmt: skip
+        self.note = note
+
+
 class DuplicateRegion(MembershipError):
     """Another live instance of this region took part in the run first: this one must stop."""
 
@@ -102,15 +111,61 @@ def hostport(host: str, port: int | str) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
+class QuorumService:
+    """The quorum service: torchft's Lighthouse and, on the next port, the run board (:mod:`.board`)."""
+
+    def __init__(self, lighthouse: Any, board: Any):
+        self.lighthouse, self.board = lighthouse, board
+
+    def address(self) -> str:
+        return self.lighthouse.address()
+
+    def shutdown(self) -> None:
+        self.lighthouse.shutdown()
+        self.board = None  # (the store's listener closes with it)
+
+
+def _free_port_pair(host: str) -> int:
+    """A port P such that P and P+1 are free on ``host`` now (the Lighthouse's and the board's)."""
+    for _ in range(50):
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+            s.bind((host, 0))
+            port = s.getsockname()[1]
+        try:
+            with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+                s.bind((host, port + 1))
+            return port
+        except OSError:
+            continue
+    raise MembershipError(f"no two free ports in a row on {host}")
+
+
 def start_lighthouse(min_regions: int, deadline_s: float, bind: str = "127.0.0.1:0",
-                     heartbeat_timeout_s: float = 5.0):  # fmt: skip
-    """A torchft Lighthouse (in this process, on a background thread); ``.address()`` is what regions use.
-    ``bind``: HOST:PORT it listens on (default: loopback only, for regions on this machine)."""
+                     heartbeat_timeout_s: float = 5.0) -> QuorumService:  # fmt: skip
+    """A torchft Lighthouse (in this process, on a background thread) and the run board on the next port;
+    ``.address()`` is what regions use. ``bind``: HOST:PORT it listens on (default: loopback only, for regions
+    on this machine; port 0: two free ports in a row)."""
     os.environ.setdefault("RUST_LOG", "error")  # torchft's own (Rust) logging: errors only
     from torchft.coordination import LighthouseServer
 
-    return LighthouseServer(bind=bind, min_replicas=int(min_regions), join_timeout_ms=int(deadline_s * 1000),
-                            quorum_tick_ms=100, heartbeat_timeout_ms=int(heartbeat_timeout_s * 1000))  # fmt: skip
+    from .board import start_board
+
+    host, _, port = bind.rpartition(":")
+    host = host.strip("[]")
+    for _ in range(10):
+        p = int(port) or _free_port_pair(host)
+        lighthouse = LighthouseServer(bind=hostport(host, p), min_replicas=int(min_regions),
+                                      join_timeout_ms=int(deadline_s * 1000), quorum_tick_ms=100,
+                                      heartbeat_timeout_ms=int(heartbeat_timeout_s * 1000))  # fmt: skip
+        try:
+            return QuorumService(lighthouse, start_board(host, p + 1))
+        except Exception as exc:  # noqa: BLE001 - its port taken meanwhile
+            if int(port):  # (a port asked for: the service runs without a board, late regions wait it out)
+                print(f"warning: the run board could not listen on {hostport(host, p + 1)}: {_short(exc)}",
+                      file=sys.stderr, flush=True)  # fmt: skip
+                return QuorumService(lighthouse, None)
+            lighthouse.shutdown()
+    raise MembershipError(f"the quorum service could not start on {host}")
 
 
 def _is_loopback(host: str) -> bool:
@@ -220,6 +275,8 @@ class Membership:
                 heartbeat_interval=timedelta(milliseconds=100), init_sync=False, checkpoint_transport=self.heal,
             )  # fmt: skip
         self.control_bytes = 0
+        # the run board's word that the run finished (None: no board); read while no quorum comes
+        self.finished: Callable[[], dict[str, Any] | None] | None = None
 
     @property
     def step(self) -> int:
@@ -238,6 +295,8 @@ class Membership:
             self.heal.last_error = None
             try:
                 self._request_quorum(give_up)
+            except RunFinished:
+                raise
             except Exception as exc:  # noqa: BLE001 - torchft raises RuntimeError/TimeoutError from its RPCs
                 why = "timed out" if _timed_out(exc) else _short(exc)
                 raise MembershipError(f"no quorum of at least {self.min_regions} region(s) within "
@@ -269,6 +328,9 @@ class Membership:
         longer be in: one long request would wait out the whole timeout after the link came back. A new request
         registers the region again, so a region cut off for a while rejoins within one attempt of its return."""
         while True:
+            note = self.finished() if self.finished is not None else None
+            if note is not None:
+                raise RunFinished(note)
             left = give_up - time.monotonic()
             try:
                 self.manager.start_quorum(timeout=timedelta(seconds=max(min(QUORUM_ATTEMPT_S, left), 0.1)))
