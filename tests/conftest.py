@@ -88,10 +88,12 @@ def tiny_scenario(tmp_path, small_corpus):
 def bench_script(name: str):
     """The module of ``bench/<name>.py`` (the bench scripts are files, not a package)."""
     import importlib.util
+    import sys
 
     path = Path(__file__).resolve().parents[1] / "bench" / f"{name}.py"
     spec = importlib.util.spec_from_file_location(f"bench_{name}", path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # (dataclasses look their module up there)
     spec.loader.exec_module(module)
     return module
 
