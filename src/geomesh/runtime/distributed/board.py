@@ -1,15 +1,16 @@
 """The run board: where a finished run leaves word for a region that arrives after it.
 
 A region started (or restarted) after the others finished would ask the quorum service for a quorum that never
-forms, and fail after ``--timeout`` although the run succeeded. So the quorum service also keeps a small board
-(a ``torch.distributed`` TCPStore beside the Lighthouse, on the next port: ``http://HOST:P`` -> ``HOST:P+1``).
-At the end of a run the live leaders post ``finished`` (the round, the regions at the end, the checksum of θ);
-a region that cannot get a quorum reads the board, and if its run finished, it stops at once with exit 0 and
-one line. A board that cannot be reached is no board: the region waits for its quorum as before.
+forms, and fail after ``--timeout`` although the run succeeded. So the quorum service also keeps a small board:
+an HTTP server beside the Lighthouse, on the next port (``http://HOST:P`` -> ``http://HOST:P+1``), bound to the
+service's address only. At the end of a run the live leaders post ``finished`` (the round, the regions at the
+end, the checksum of θ); a region that asks for a quorum reads the board first, and if its run finished, it stops
+at once with exit 0 and one line. A board that cannot be reached is no board: the region waits for its quorum.
 
 The board is outside the trust boundary: anyone who reaches the port can write to it. A note is JSON bytes,
-bounded, signed with the run key (an HMAC over the run and the note) when the run has one; a note that does not
-parse or whose tag does not hold is ignored with a warning. Nothing read from it is unpickled.
+bounded (:data:`NOTE_LIMIT`), kept per run, signed with the run key (an HMAC over the run and the note) when the
+run has one; a note that does not parse or whose tag does not hold is ignored with a warning. Nothing read from
+it is unpickled.
 """
 
 from __future__ import annotations
@@ -18,31 +19,70 @@ import hashlib
 import hmac
 import json
 import sys
-from datetime import timedelta
+import threading
+import urllib.request
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import urlsplit
 
 NOTE_LIMIT = 4096  # bytes: a note is a few fields
+RUNS_LIMIT = 1024  # notes a board keeps (the oldest go first)
 
 
-def board_address(lighthouse: str) -> tuple[str, int] | None:
-    """The board's (host, port) beside the quorum service at ``lighthouse`` (``http://HOST:PORT``)."""
+def board_url(lighthouse: str) -> str | None:
+    """The board's URL beside the quorum service at ``lighthouse`` (``http://HOST:PORT``)."""
     try:
         parts = urlsplit(lighthouse if "//" in lighthouse else f"http://{lighthouse}")
-        return (parts.hostname, parts.port + 1) if parts.hostname and parts.port else None
+        if not parts.hostname or not parts.port:
+            return None
+        host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
+        return f"http://{host}:{parts.port + 1}"
     except ValueError:
         return None
 
 
-def start_board(host: str, port: int):
-    """(the quorum service) The board's store, listening on ``host:port``."""
-    from torch.distributed import TCPStore
+class _Notes(BaseHTTPRequestHandler):
+    notes: dict[str, bytes]
 
-    return TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+    def log_message(self, *args: Any) -> None:  # (quiet: the service's output is the operator's)
+        pass
+
+    def _key(self) -> str | None:
+        key = self.path.rsplit("/", 1)[-1]
+        return key if self.path.startswith("/finished/") and key.isalnum() and len(key) <= 64 else None
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server's name
+        note = self.notes.get(self._key() or "")
+        self.send_response(200 if note is not None else 404)
+        self.end_headers()
+        if note is not None:
+            self.wfile.write(note)
+
+    def do_PUT(self) -> None:  # noqa: N802 - http.server's name
+        key, size = self._key(), int(self.headers.get("Content-Length") or -1)
+        if key is None or not 0 < size <= NOTE_LIMIT:
+            self.send_response(400)
+            self.end_headers()
+            return
+        body = self.rfile.read(size)
+        if len(self.notes) >= RUNS_LIMIT and key not in self.notes:
+            self.notes.pop(next(iter(self.notes)))
+        self.notes[key] = body
+        self.send_response(204)
+        self.end_headers()
+
+
+def start_board(host: str, port: int) -> ThreadingHTTPServer:
+    """(the quorum service) The board, listening on ``host:port`` only, on a daemon thread."""
+    handler = type("Notes", (_Notes,), {"notes": {}})
+    server = ThreadingHTTPServer((host, port), handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, name="geomesh-board", daemon=True).start()
+    return server
 
 
 def _key(run: str) -> str:
-    return f"geomesh/finished/{hashlib.sha256(run.encode()).hexdigest()[:32]}"
+    return hashlib.sha256(run.encode()).hexdigest()[:32]
 
 
 def _tag(key: bytes | None, run: str, body: bytes) -> str:
@@ -50,46 +90,33 @@ def _tag(key: bytes | None, run: str, body: bytes) -> str:
 
 
 class RunBoard:
-    """A region's view of the board (a client of the store; a few seconds at most per call)."""
+    """A region's view of the board (an HTTP client; a few seconds at most per call)."""
 
     def __init__(self, lighthouse: str, run: str, key: bytes | None, timeout_s: float = 3.0):
         self.run, self.key = run, key
-        self.address = board_address(lighthouse)
+        self.url = board_url(lighthouse)
         self.timeout_s = timeout_s
-        self._store = None
-
-    def _open(self):
-        if self._store is None and self.address is not None:
-            from torch.distributed import TCPStore
-
-            try:
-                self._store = TCPStore(self.address[0], self.address[1], is_master=False,
-                                       timeout=timedelta(seconds=self.timeout_s))  # fmt: skip
-            except Exception:  # noqa: BLE001 - no board (an older quorum service, a closed port): none is used
-                self.address = None
-        return self._store
 
     def post_finished(self, note: dict[str, Any]) -> None:
         """Leave word that this run finished (``note``: JSON: the round, the regions at the end, the checksum)."""
-        store = self._open()
-        if store is None:
+        if self.url is None:
             return
         body = json.dumps({"run": self.run, **note}, sort_keys=True).encode()
+        data = json.dumps({"body": body.decode(), "tag": _tag(self.key, self.run, body)}).encode()
         try:
-            store.set(_key(self.run), json.dumps({"body": body.decode(), "tag": _tag(self.key, self.run, body)}))
-        except Exception:  # noqa: BLE001 - the board is a courtesy to late regions, never the run's failure
+            request = urllib.request.Request(f"{self.url}/finished/{_key(self.run)}", data=data, method="PUT")
+            urllib.request.urlopen(request, timeout=self.timeout_s).close()
+        except (OSError, ValueError):  # the board is a courtesy to late regions, never the run's failure
             pass
 
     def finished(self) -> dict[str, Any] | None:
         """The note of this run's end, if the board holds a genuine one."""
-        store = self._open()
-        if store is None:
+        if self.url is None:
             return None
         try:
-            if not store.check([_key(self.run)]):
-                return None
-            raw = store.get(_key(self.run))
-        except Exception:  # noqa: BLE001 - unreachable now: no word
+            with urllib.request.urlopen(f"{self.url}/finished/{_key(self.run)}", timeout=self.timeout_s) as reply:
+                raw = reply.read(NOTE_LIMIT + 1)
+        except (OSError, ValueError):  # 404 (no note), or no board there: no word
             return None
         return read_note(raw, self.run, self.key)
 

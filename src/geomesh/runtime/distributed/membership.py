@@ -122,7 +122,9 @@ class QuorumService:
 
     def shutdown(self) -> None:
         self.lighthouse.shutdown()
-        self.board = None  # (the store's listener closes with it)
+        if self.board is not None:
+            self.board.shutdown()
+            self.board.server_close()
 
 
 def _free_port_pair(host: str) -> int:
