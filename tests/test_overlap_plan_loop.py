@@ -14,6 +14,7 @@ import pytest
 import yaml
 from conftest import tiny_scenario_dict
 
+from geomesh.runtime.hooks import NO_HOOKS
 from geomesh.cli import launch as cli_launch
 from geomesh.cli import main
 from geomesh.runtime.distributed.exchange import Exchanged
@@ -90,7 +91,7 @@ class Online:
 class Loop(PlanLoop):
     def __init__(self):
         self.names = ["r0", "r1", "r2"]
-        self.run = SimpleNamespace(rounds=4)
+        self.run = SimpleNamespace(rounds=4, hooks=NO_HOOKS)
         self.online, self.wan_measure, self.wan_members = Online(), None, None
         self.plan = SimpleNamespace(exchange_s=0.1)
         self.kit = SimpleNamespace(modeled_payload_nbytes=1000)
@@ -132,7 +133,7 @@ def kind_loop(small_corpus, tmp_path, latency: float, transfer: float):
     class KindLoop(PlanLoop):
         def __init__(self):
             self.sc, self.method, self.kit, self.combiner, self.n = sc, method, kit, kit.combiner, 3
-            self.run = SimpleNamespace(rounds=0, _now=lambda: 0.0)
+            self.run = SimpleNamespace(rounds=0, _now=lambda: 0.0, hooks=NO_HOOKS)
             self.sharded = None
             self.wan_measure = WanEstimator()
             self.wan_measure._a, self.wan_measure._b = latency, transfer

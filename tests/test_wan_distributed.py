@@ -8,6 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from geomesh.runtime.hooks import NO_HOOKS
 from geomesh.network import WanModel
 from geomesh.planner.wan import WanEstimator
 from geomesh.runtime.distributed.exchange import Exchanged
@@ -21,7 +22,7 @@ class Loop(PlanLoop):
         wan = WanModel(rtt_s=((0, 0.1, 0.1), (0.1, 0, 0.1), (0.1, 0.1, 0)),
                        bandwidth_Bps=((1e7,) * 3,) * 3)  # fmt: skip
         self.faults = SimpleNamespace(wan=lambda members: wan.subset(members))
-        self.run = SimpleNamespace(rounds=5)
+        self.run = SimpleNamespace(rounds=5, hooks=NO_HOOKS)
         self.wan_measure = WanEstimator()
         self.wan_members = [0, 1, 2]
         self.sharded, self.summed, self.wire_nbytes = None, False, 1_000_000
