@@ -128,11 +128,11 @@ class FaultHooks:
             if not due or (f.region is not None and f.region != region) or (f.rank is not None and f.rank != rank):
                 continue
             f.fired = True
+            print(f"fault hook: {f.action} at {point} of round {round_number} ({region}, rank {rank})",
+                  file=sys.stderr, flush=True)  # fmt: skip
             if f.action == "lose":
                 lose = True
                 continue
-            print(f"fault hook: {f.action} at {point} of round {round_number} ({region}, rank {rank})",
-                  file=sys.stderr, flush=True)  # fmt: skip
             if f.action == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
             while f.action == "hang":  # stop responding (torchft's heartbeat thread goes on)

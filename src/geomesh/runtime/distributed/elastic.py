@@ -515,7 +515,7 @@ class QuorumExchange(ElasticState):
                 gathered = {e["region"]: e["payload"] for e in envelopes}
                 sent += ring_allgather_bytes(self.loop.kit.payload_nbytes, len(envelopes))
                 arrived = arrivals_digest(gathered, gathered)
-            if run.hooks.at("arrived", self.names[self.me], number):
+            if run.hooks.at("arrived", self.names[self.me], number, rank=run.rank):
                 raise ExchangeFailed("fault hook: the connection broke after the payloads arrived")
             who = sorted(i["region"] for i in infos)
             WanShaper(self._wan(who), run.options.wan).hold(self.shaper_s(who), since)

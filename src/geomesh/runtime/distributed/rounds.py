@@ -192,7 +192,7 @@ class RoundLoop(PlanLoop):
         first = True
         while True:
             # 1. who trains this round
-            self.hooks.at("quorum", self.names[self.me], run.rounds + 1)
+            self.hooks.at("quorum", self.names[self.me], run.rounds + 1, rank=run.rank)
             view = self.exchange.open_round(first)
             if view.resume_round is not None:
                 self._resume_at(view.resume_round, saver)
@@ -297,7 +297,7 @@ class RoundLoop(PlanLoop):
             apart = self.overlap.apart_s - self.overlap.waited_s if self.overlap is not None else 0.0
             self.round_overhead_s = self._overhead_tail + (round_start - quorum_end) + max(apart, 0.0)
             self._overhead_tail = 0.0
-            self.hooks.at("send", self.names[self.me], r + 1)
+            self.hooks.at("send", self.names[self.me], r + 1, rank=run.rank)
             # 4. exchange over the members' leaders
             sent_before, wire_before = run.transport.wan_bytes, tx_bytes(run._iface)
             if self.overlap is not None and self.elastic:
@@ -382,7 +382,7 @@ class RoundLoop(PlanLoop):
             else:
                 run._evaluate(run._now())
         if checkpoint_due:
-            self.hooks.at("checkpoint", self.names[self.me], run.rounds)
+            self.hooks.at("checkpoint", self.names[self.me], run.rounds, rank=run.rank)
             run._save_checkpoint(saver, keep)
         # the evaluation and the checkpoint are the round's "other" time, as in an overlapped round (unmarked, the
         # next round's quorum or barrier booked them as a wait: an evaluation at a slow region's speed read as WAN
@@ -689,7 +689,8 @@ class RoundLoop(PlanLoop):
             combined = None
         update = None
         if combined is not None:
-            self.hooks.at("step", self.names[self.me], self.run.rounds + (0 if self.overlap is not None else 1))
+            self.hooks.at("step", self.names[self.me], self.run.rounds + (0 if self.overlap is not None else 1),
+                          rank=self.run.rank)  # fmt: skip
             update = self.lay_out(combined)
             self.outer.step(update)
             self.exchange.theta_changed()
