@@ -535,7 +535,8 @@ def quorum_sharded_exchange(xc: Any, payload: bytes | None, info: dict[str, Any]
              for k, r in enumerate(regions)]  # fmt: skip
     mover = QuorumMover(m, tuple(regions), timeout_s)
     if xc.run.hooks.pending("slices", loop.names[xc.me], xc.exchange_round):
-        mover = _DiesAfterSlices(mover, lambda: xc.run.hooks.at("slices", loop.names[xc.me], xc.exchange_round, rank=xc.run.rank))
+        mover = _DiesAfterSlices(mover, lambda: xc.run.hooks.at("slices", loop.names[xc.me], xc.exchange_round,
+                                                                 rank=xc.run.rank))  # fmt: skip
     r = sharded_round(payload, layout_for(loop, size), mover=mover, device=run.device, names=names,
                       round_number=xc.exchange_round, key=m.key, run_id=m.run_id, exclude=exclude,
                       warn=quiet)  # fmt: skip
