@@ -122,6 +122,9 @@ def test_a_remainder_too_short_to_hide_the_exchange_joins_the_round():
     assert fold_remainder([10, 10], remaining_tokens=960, exchange_s=2.0, **full) == [10, 10]  # a whole round left
     assert fold_remainder([10, 10], remaining_tokens=480, exchange_s=2.0, **full) == [10, 10]  # nothing left
     assert fold_remainder([10, 10], remaining_tokens=600, exchange_s=2.0, **full) == [10, 10]  # 2.5 s left: hides it
+    # an exchange that outlasts several rounds' compute: the round at most doubles (no 3x round at once)
+    assert fold_remainder([10, 10], remaining_tokens=960, exchange_s=30.0, **full) == [20, 20]  # one round left
+    assert fold_remainder([10, 10], remaining_tokens=1440, exchange_s=30.0, **full) == [10, 10]  # two rounds left
 
 
 def test_merge_results_weights_the_two_parts():

@@ -145,10 +145,14 @@ def fold_remainder(steps: Sequence[int], batches: Sequence[int], seq_len: int, r
     than the exchange it must hide (it could only wait for it; the last rounds of a budget that is not a
     whole number of rounds), this round takes them: its steps are scaled up to cover ``remaining_tokens``
     (rounded up, so the run ends within one step per worker of the budget). ``plan_tokens`` and
-    ``compute_s`` are a full round's tokens and compute time in the plan. Otherwise ``steps`` unchanged."""
+    ``compute_s`` are a full round's tokens and compute time in the plan. Otherwise ``steps`` unchanged.
+    A round grows at most to twice its size: where the exchange outlasts several rounds' compute, the last
+    rounds stay whole and wait for it (one round of many times the planned tokens trained far past what the
+    last ones had, on one measurement of the WAN)."""
     tokens = sum(b * h for b, h in zip(batches, steps)) * seq_len
     left = remaining_tokens - tokens
-    if left <= 0 or tokens <= 0 or plan_tokens <= 0 or compute_s * left / plan_tokens >= exchange_s:
+    if left <= 0 or left > tokens or tokens <= 0 or plan_tokens <= 0 \
+            or compute_s * left / plan_tokens >= exchange_s:  # fmt: skip
         return list(steps)
     return [math.ceil(h * remaining_tokens / tokens) for h in steps]
 
