@@ -9,8 +9,10 @@ Three checks, one JSON file (``OUT/gpu_check.json``) and a table on stdout:
    ``llama-125m`` preset (Llama-shaped, ~102M parameters at the corpus's 4096-token vocabulary, sequence 512)
    as one region of this machine's GPUs, DiLoCo rounds, twice: with the region's ``strategy: fsdp``
    (FSDP2 ``fully_shard``, also over a single GPU), ``training.precision: bf16`` (autocast, fp32 master
-   weights) and activation checkpointing; then ``strategy: ddp`` in fp32 with no checkpointing. Reported:
-   tokens/s, peak GPU memory of rank 0, validation loss before and after, every rank's parameter checksum.
+   weights) and activation checkpointing; then ``strategy: ddp`` in fp32 with no checkpointing; on a GPU also
+   ``strategy: fsdp`` in ``fp16`` (autocast with dynamic loss scaling by FSDP2's ``ShardedGradScaler``: what a
+   V100 or T4 region trains in). Reported: tokens/s, peak GPU memory of rank 0, validation loss before and
+   after, every rank's parameter checksum, and for fp16 the steps the loss scaler skipped and its final scale.
 2. ``codec``: ``SignCodec`` encode and combine on the device (bench/codec.py's measurement) at 10M and 100M
    parameters, against a plain device copy; the wire ratio (~31.7x fewer bytes than fp32).
 3. ``profile``: ``geomesh profile --device cuda`` with the same model (step time per micro-batch, the memory
@@ -94,13 +96,17 @@ def write_scenario(path: Path, device: str, s: dict[str, Any], *, strategy: str,
     return path
 
 
+TRAIN_RUNS = [("fsdp-bf16-ckpt", "fsdp", "bf16", True), ("ddp-fp32", "ddp", "fp32", False)]
+GPU_ONLY_RUNS = [("fsdp-fp16", "fsdp", "fp16", False)]  # loss scaling (tests/test_precision.py: such a region on CPU)
+
+
 def train_check(out: Path, device: str, s: dict[str, Any], quiet: bool = True) -> list[dict[str, Any]]:
-    """The distributed runtime on one region: FSDP + bf16 + activation checkpointing, then DDP in fp32."""
+    """The distributed runtime on one region: FSDP + bf16 + activation checkpointing, then DDP in fp32; on a GPU
+    also FSDP in fp16 with dynamic loss scaling."""
     from geomesh.cli import launch as cli_launch
 
     rows = []
-    for label, strategy, precision, checkpointing in [("fsdp-bf16-ckpt", "fsdp", "bf16", True),
-                                                       ("ddp-fp32", "ddp", "fp32", False)]:  # fmt: skip
+    for label, strategy, precision, checkpointing in TRAIN_RUNS + (GPU_ONLY_RUNS if device == "cuda" else []):
         folder = out / label
         scenario = write_scenario(folder / "scenario.yaml", device, s, strategy=strategy, precision=precision,
                                   checkpointing=checkpointing)  # fmt: skip
@@ -115,6 +121,7 @@ def train_check(out: Path, device: str, s: dict[str, Any], quiet: bool = True) -
         if result.code != 0:
             raise RuntimeError(f"{label}: geomesh launch failed: {result.message}")
         summary = result.summary
+        scaler = (summary.get("precision") or {}).get("this-machine") or {}
         rows.append({
             "run": label, "strategy": strategy, "precision": precision, "activation_checkpointing": checkpointing,
             "ranks": s["ranks"], "backend": summary["backend"], "model": summary["model"],
@@ -126,6 +133,9 @@ def train_check(out: Path, device: str, s: dict[str, Any], quiet: bool = True) -
             "val_loss_start": summary["curve"][0][2], "val_loss_end": summary["final_val_loss"],
             "checksums_agree": len(set(summary["param_checksums"])) == 1,
             "launch_s": time.perf_counter() - started,
+            # what the region really trained in, and in fp16 the steps its loss scaler skipped and its last scale
+            "trained_precision": scaler.get("precision"), "skipped_steps": scaler.get("skipped_steps"),
+            "loss_scale": scaler.get("loss_scale"),
         })  # fmt: skip
     return rows
 
@@ -174,12 +184,14 @@ def run_checks(out: Path, device: str, smoke: bool, quiet: bool = True) -> dict[
 
 def table(results: dict[str, Any]) -> str:
     lines = ["| run | model | ranks | tokens/s | peak GiB (rank 0) | θ + momentum GiB (rank 0) | val loss start -> end "
-             "| checksums agree |", "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+             "| checksums agree | skipped steps (loss scale) |", "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in results["train"]:
         peak = f"{r['peak_gpu_memory_gib']:.2f}" if r["peak_gpu_memory_gib"] is not None else "-"
+        scaled = f"{r['skipped_steps']} ({r['loss_scale']:g})" if r.get("loss_scale") is not None else "-"
         lines.append(f"| {r['run']} | {r['model']}, {r['model_params'] / 1e6:.1f}M | {r['ranks']} ({r['backend']}) | "
                      f"{r['tokens_per_s']:,.0f} | {peak} | {r['outer_state_gib']:.3f} | "
-                     f"{r['val_loss_start']:.3f} -> {r['val_loss_end']:.3f} | {r['checksums_agree']} |")  # fmt: skip
+                     f"{r['val_loss_start']:.3f} -> {r['val_loss_end']:.3f} | {r['checksums_agree']} | "
+                     f"{scaled} |")  # fmt: skip
     lines += ["", "| codec params | wire ratio | encode GB/s | combine GB/s | copy GB/s |", "|---|---|---|---|---|"]
     for c in results["codec"]:
         lines.append(f"| {c['params']:,} | {c['wire_ratio']} | {c['encode_gbps']} | {c['combine_gbps']} | "

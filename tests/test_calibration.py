@@ -11,10 +11,9 @@ import torch
 from geomesh.hardware import WorkerProfile
 from geomesh.methods import get_method
 from geomesh.planner.settle import table_noise
-from geomesh.profiler import (CALIBRATION_STEP_LIMIT, DEFAULT_REPEATS, MAX_WINDOW_STEPS, UNTHROTTLED_WINDOW_S,
-                              WINDOW_S, Calibration, calibrate_worker, cpu_quota_period_s, default_micro_batches,
-                              linear_fit, next_micro_batch)
-from geomesh.profiler import timing_noise
+from geomesh.profiler import (CALIBRATION_BUDGET_S, CALIBRATION_STEP_LIMIT, DEFAULT_REPEATS, MAX_REMEASURES,
+                              MAX_WINDOW_STEPS, WARMUP_WINDOWS, WINDOW_S, Calibration, calibrate_worker,
+                              default_micro_batches, linear_fit, next_micro_batch, step_times_grow, timing_noise)
 from geomesh.runtime.distributed.region import RegionWorker, build_training
 
 STEPS = 4
@@ -42,16 +41,21 @@ def assert_same_training_state(a: RegionWorker, b: RegionWorker) -> None:
     assert a.stream.state_dict() == b.stream.state_dict()
 
 
-@pytest.mark.parametrize("trained_before", [0, 2], ids=["before round 0", "mid-training"])
-def test_calibration_leaves_training_bit_identical(tiny_scenario, trained_before):
+@pytest.mark.parametrize("trained_before, window_s", [(0, WINDOW_S), (2, 0.05)], ids=["before round 0", "mid-training"])
+def test_calibration_leaves_training_bit_identical(tiny_scenario, trained_before, window_s):
     sc = tiny_scenario()
     plain, calibrated = region_worker(sc), region_worker(sc)
     train(plain, trained_before), train(calibrated, trained_before)
-    result = calibrate_worker(calibrated)
-    # per candidate 1 warm-up + DEFAULT_REPEATS timed samples, each a window of steps
-    windows = result.profile.extra["window_steps"]
+    result = calibrate_worker(calibrated, window_s=window_s)
+    # a sustained warm-up (WARMUP_WINDOWS windows, or MAX_WINDOW_STEPS passes), then DEFAULT_REPEATS timed samples
+    # per candidate, each a window of steps (and, where the table did not grow, all of them again)
+    extra = result.profile.extra
+    windows = extra["window_steps"]
     assert sorted(int(m) for m in windows) == default_micro_batches(sc.training.batch)
-    assert result.steps == sum(1 + DEFAULT_REPEATS * n for n in windows.values())
+    assert extra["window_s"] == window_s and extra["calibration_steps"] == result.steps
+    assert extra["warmup_s"] >= WARMUP_WINDOWS * window_s or extra["warmup_passes"] == MAX_WINDOW_STEPS
+    assert result.steps == len(windows) * extra["warmup_passes"] + sum(extra["timed_steps"].values())
+    assert all(n >= DEFAULT_REPEATS * (1 + extra["remeasured"]) for n in extra["timed_steps"].values())
     assert calibrated.max_proxy_micro_batch == plain.max_proxy_micro_batch
     assert_same_training_state(plain, calibrated)
     torch.manual_seed(123)  # the same random state for both from here: calibration restored the generator too
@@ -64,14 +68,18 @@ def test_calibration_leaves_training_bit_identical(tiny_scenario, trained_before
 def test_the_measured_profile_plans_the_region(tiny_scenario):
     sc = tiny_scenario()
     worker = region_worker(sc, region=1)
-    result = calibrate_worker(worker, [1, 2, 4], warmup_steps=1, repeats=2, window_s=0)
+    # (one-step samples: no measurement again of a table they may leave uneven, the steps counted exactly)
+    result = calibrate_worker(worker, [1, 2, 4], warmup_steps=1, repeats=2, window_s=0, remeasures=0)
     assert isinstance(result, Calibration) and result.seconds > 0 and result.steps == 9
     profile = result.profile
     assert isinstance(profile, WorkerProfile) and profile.source == "measured"
     assert (profile.name, profile.gpu, profile.gpu_count) == (sc.regions[1].name, "cpu", 1)
     assert sorted(profile.table) == [1, 2, 4]
     assert all(math.isfinite(t) and t > 0 for t in profile.table.values()) and profile.step_overhead_s > 0
-    assert profile.max_micro_batch == worker.max_proxy_micro_batch  # on CPU the worker's own bound
+    # the plan's micro-batches are measured ones: at most the largest measured (on CPU the worker's own bound
+    # is what memory allows)
+    assert profile.max_micro_batch == 4
+    assert profile.extra["memory_max_micro_batch"] == worker.max_proxy_micro_batch
     assert profile.extra["seq_len"] == sc.model.seq_len and profile.extra["calibration_s"] == result.seconds
     assert "peak_memory_bytes" not in profile.extra  # CUDA only
     # how well the medians are known: the planner's measure of what the table can tell apart
@@ -102,8 +110,12 @@ def test_default_candidates_and_bad_arguments(tiny_scenario):
         calibrate_worker(worker, [1, 2, 4, 8, 16], repeats=4)
     with pytest.raises(ValueError, match="repeats=0"):
         calibrate_worker(worker, [1], repeats=0)
+    with pytest.raises(ValueError, match="remeasures=-1"):
+        calibrate_worker(worker, [1], remeasures=-1)
     with pytest.raises(ValueError, match="window_s=-1"):
         calibrate_worker(worker, [1], window_s=-1)
+    with pytest.raises(ValueError, match="budget_s=nan"):
+        calibrate_worker(worker, [1], budget_s=float("nan"))
 
 
 def test_the_planner_sees_the_measured_times_as_a_line():
@@ -159,20 +171,22 @@ def test_calibration_interleaves_the_candidates(tiny_scenario, monkeypatch):
         return real(worker, m, lr, device)
 
     monkeypatch.setattr(profiler, "_timed_training_step", spy)
-    result = calibrate_worker(region_worker(tiny_scenario()), [1, 2, 4], warmup_steps=1, repeats=2, window_s=0)
+    result = calibrate_worker(region_worker(tiny_scenario()), [1, 2, 4], warmup_steps=1, repeats=2, window_s=0,
+                              remeasures=0)  # fmt: skip
     assert order == [1, 2, 4, 4, 2, 1, 1, 2, 4] and result.steps == 9
     assert sorted(result.profile.extra["measured_table"]) == ["1", "2", "4"]
 
 
-def simulated(monkeypatch, step_s):
-    """Calibration's clock replaced: each training step really runs (and is undone), but takes ``step_s(m, k)``
-    seconds (forward + backward; the optimizer step a tenth of a millisecond), k counting every step of m."""
+def simulated(monkeypatch, step_s, run: bool = True):
+    """Calibration's clock replaced: each training step really runs (and is undone; with ``run`` False none runs),
+    but takes ``step_s(m, k)`` seconds (forward + backward; the optimizer step a tenth of a millisecond), k
+    counting every step of m."""
     import geomesh.profiler as profiler
 
     real, counts, order = profiler._timed_training_step, {}, []
 
     def fake(worker, m, lr, device):
-        _, _, tokens = real(worker, m, lr, device)
+        _, _, tokens = real(worker, m, lr, device) if run else (0, 0, 16 * m)
         k = counts[m] = counts.get(m, -1) + 1
         order.append(m)
         return step_s(m, k), 1e-4, tokens
@@ -181,57 +195,114 @@ def simulated(monkeypatch, step_s):
     return order
 
 
-def test_a_timed_sample_is_a_window_of_steps_that_averages_out_a_quota(tiny_scenario, monkeypatch):
-    """Under a CPU quota a short step either runs unthrottled or waits out the rest of the quota's period: its
-    times are bimodal (here 5 and 25 ms in turn). Each timed sample is the mean of the steps that fill
-    ``window_s`` (by the warm-up step's time), so the medians are the mean step time and their noise vanishes;
-    one step per sample sees the two modes."""
-    bimodal = lambda m, k: (0.005 if k % 2 else 0.025) * m  # noqa: E731
-    simulated(monkeypatch, bimodal)
+class Quota:
+    """A CPU quota simulated (CFS bandwidth control): ``share`` of a core in every ``period`` s, after ``burst_s``
+    seconds of CPU run unthrottled (a burst that ends). :meth:`run` is the wall time ``cpu_s`` of CPU takes from
+    now on the process's clock."""
+
+    def __init__(self, share: float, period: float = 0.1, burst_s: float = 0.0):
+        self.share, self.period, self.burst = share, period, burst_s
+        self.now = self.used = self.start = 0.0
+
+    def run(self, cpu_s: float) -> float:
+        began, left = self.now, cpu_s
+        free = min(self.burst, left)
+        self.burst, left, self.now = self.burst - free, left - free, self.now + free
+        while left > 1e-12:
+            start = math.floor(self.now / self.period + 1e-9) * self.period
+            if start != self.start:
+                self.start, self.used = start, 0.0
+            room = min(self.share * self.period - self.used, left, start + self.period - self.now)
+            if room <= 1e-12:  # the period's quota is spent: throttled until the next period
+                self.now = start + self.period
+                continue
+            self.used, left, self.now = self.used + room, left - room, self.now + room
+        return self.now - began
+
+
+def under_quota(monkeypatch, quota: Quota, cpu_s=lambda m: 0.005 * m, optimizer_s: float = 2e-4):
+    """Calibration's steps replaced by ``quota``'s clock: each takes the wall time its CPU (``cpu_s(m)`` forward +
+    backward, then the optimizer's) takes under the quota (no step runs: hundreds of them fill the windows)."""
+    import geomesh.profiler as profiler
+
+    def fake(worker, m, lr, device):
+        return quota.run(cpu_s(m)), quota.run(optimizer_s), m * 16  # (tokens: 16 a sequence)
+
+    monkeypatch.setattr(profiler, "_timed_training_step", fake)
+
+
+def test_a_timed_sample_is_a_window_that_measures_the_sustained_speed_under_a_quota(tiny_scenario, monkeypatch):
+    """A region held to a quarter of a core (100 ms periods) whose steps take 5-20 ms of CPU: a short step runs
+    unthrottled, or waits out the rest of the period, so one step's time says little of the region's speed
+    (the bed: 0.049 s at 1, 0.096 s at 4 and 0.102 s at 7 sequences, and the plan gave the slowest region the most
+    work). Each timed sample is the mean of the steps that fill WINDOW_S (five periods), after a warm-up that
+    kept the device busy for WARMUP_WINDOWS windows: the table is the sustained time, CPU / 0.25, within a few
+    percent, and grows with the micro-batch; one step per sample reads the unthrottled bursts instead. Nothing
+    detects the quota: the window is the same with or without one."""
     worker = region_worker(tiny_scenario())
-    result = calibrate_worker(worker, [1, 2, 4], warmup_steps=1, repeats=4, window_s=0.2)
-    extra = result.profile.extra
-    # the warm-up step took 25 ms x m: 8, 4 and 2 steps fill 0.2 s
-    assert extra["window_steps"] == {"1": 8, "2": 4, "4": 2}
-    assert result.steps == 3 + 4 * (8 + 4 + 2)
-    assert {m: t / int(m) for m, t in extra["measured_table"].items()} == pytest.approx({"1": 0.015, "2": 0.015, "4": 0.015})
-    assert extra["table_noise"] == 0.0
-    single = calibrate_worker(worker, [1, 2, 4], warmup_steps=1, repeats=4, window_s=0).profile.extra
-    assert single["window_steps"] == {} and single["table_noise"] > 0.5
+    sustained = {m: 0.005 * m / 0.25 for m in (1, 2, 4)}
+    under_quota(monkeypatch, Quota(0.25))
+    extra = calibrate_worker(worker, [1, 2, 4]).profile.extra
+    assert extra["window_s"] == WINDOW_S and extra["warmup_s"] >= WARMUP_WINDOWS * WINDOW_S
+    assert all(n * sustained[int(m)] >= 0.8 * WINDOW_S for m, n in extra["window_steps"].items())
+    measured = {int(m): t for m, t in extra["measured_table"].items()}
+    assert measured == pytest.approx(sustained, rel=0.1) and step_times_grow(measured)
+    under_quota(monkeypatch, Quota(0.25))
+    single = calibrate_worker(worker, [1, 2, 4], window_s=0, remeasures=0).profile.extra["measured_table"]
+    assert single["1"] < 0.5 * sustained[1]  # (a burst's speed, four times too fast)
+    # a burst that ends (the first 0.5 s of CPU unthrottled: a cgroup's burst, a GPU's boost) is spent in the warm-up
+    under_quota(monkeypatch, Quota(0.25, burst_s=0.5))
+    burst = calibrate_worker(worker, [1, 2, 4]).profile.extra["measured_table"]
+    assert {int(m): t for m, t in burst.items()} == pytest.approx(sustained, rel=0.1)
     # a window is never more than MAX_WINDOW_STEPS steps
     simulated(monkeypatch, lambda m, k: 1e-6)
-    assert set(calibrate_worker(worker, [1, 2], window_s=1.0).profile.extra["window_steps"].values()) == {MAX_WINDOW_STEPS}
+    windows = calibrate_worker(worker, [1, 2], window_s=1.0).profile.extra["window_steps"]
+    assert set(windows.values()) == {MAX_WINDOW_STEPS}
 
 
-def test_the_window_spans_quota_periods_only_where_a_quota_throttles_the_process(tiny_scenario, monkeypatch, tmp_path):
-    """The window is there for a quota's periods: by default a process under a CPU quota (its group's or an
-    ancestor's, cgroup v1 or v2) samples windows of WINDOW_S, one under none the short UNTHROTTLED_WINDOW_S."""
-    v1 = tmp_path / "v1"
-    for group, quota in (("", "-1"), ("bed", "2500"), ("bed/r1", "-1")):
-        (v1 / "cpu" / group).mkdir(parents=True, exist_ok=True)
-        (v1 / "cpu" / group / "cpu.cfs_quota_us").write_text(f"{quota}\n")
-        (v1 / "cpu" / group / "cpu.cfs_period_us").write_text("10000\n")
-    cgroup = tmp_path / "cgroup"
-    cgroup.write_text("4:memory:/x\n2:cpuacct:/\n1:cpu:/bed/r1\n0::/\n")  # the quota is the parent's
-    assert cpu_quota_period_s(str(cgroup), str(v1)) == 0.01
-    cgroup.write_text("1:cpu:/\n")
-    assert cpu_quota_period_s(str(cgroup), str(v1)) is None
-    v2 = tmp_path / "v2"
-    (v2 / "job").mkdir(parents=True)
-    (v2 / "cpu.max").write_text("max 100000\n")
-    (v2 / "job" / "cpu.max").write_text("50000 100000\n")
-    cgroup.write_text("0::/job\n")
-    assert cpu_quota_period_s(str(cgroup), str(v2)) == 0.1
-    (v2 / "job" / "cpu.max").write_text("max 100000\n")
-    assert cpu_quota_period_s(str(cgroup), str(v2)) is None
-    assert cpu_quota_period_s(str(tmp_path / "missing"), str(v2)) is None
-
-    simulated(monkeypatch, lambda m, k: 0.02 * m)  # (the warm-up step: 20.1 and 40.1 ms with the optimizer's)
+def test_a_table_that_does_not_grow_with_the_micro_batch_is_measured_again(tiny_scenario, monkeypatch):
+    """The first stage's samples of 4 sequences fall in a burst (measured faster than 2): the table does not grow
+    with the micro-batch, so every candidate is measured again, afresh; the second measurement grows and is the
+    profile. A table that never grows is measured again MAX_REMEASURES times, then kept as the monotone line
+    through its samples, never read beyond its largest micro-batch; the first stage's table is measured again
+    whatever the budget (every larger size is read against it)."""
     worker = region_worker(tiny_scenario())
-    for period, window, steps in ((0.01, WINDOW_S, {"1": 13, "2": 7}), (None, UNTHROTTLED_WINDOW_S, {"1": 3, "2": 2})):
-        monkeypatch.setattr("geomesh.profiler.cpu_quota_period_s", lambda period=period: period)
-        extra = calibrate_worker(worker, [1, 2], warmup_steps=1, repeats=2).profile.extra
-        assert extra["window_s"] == window and extra["window_steps"] == steps
+    first_stage = 1 + DEFAULT_REPEATS  # steps of each candidate before a measurement again (window_s 0)
+    simulated(monkeypatch, lambda m, k: 0.002 if m == 4 and k < first_stage else 0.001 + 0.002 * m, run=False)
+    profile = calibrate_worker(worker, [1, 2, 4], window_s=0).profile
+    assert profile.extra["remeasured"] == 1 and profile.extra["monotone"]
+    measured = {int(m): t for m, t in profile.extra["measured_table"].items()}
+    assert measured == pytest.approx({1: 0.003, 2: 0.005, 4: 0.009})
+    assert not step_times_grow({1: 0.003, 2: 0.005, 4: 0.002}) and step_times_grow({1: 0.003, 2: 0.00499, 4: 0.009})
+    order = simulated(monkeypatch, lambda m, k: 0.010 if m == 4 else 0.001 + 0.01 * m, run=False)
+    profile = calibrate_worker(worker, [1, 2, 4], window_s=0).profile
+    extra = profile.extra
+    assert extra["remeasured"] == MAX_REMEASURES and not extra["monotone"]
+    assert len(order) == 3 * first_stage + MAX_REMEASURES * 3 * DEFAULT_REPEATS
+    assert profile.max_micro_batch == 4 and profile.table[1] < profile.table[2] < profile.table[4]
+    simulated(monkeypatch, lambda m, k: 0.010 if m == 4 else 0.001 + 0.01 * m, run=False)
+    extra = calibrate_worker(worker, [1, 2, 4], window_s=0, budget_s=0).profile.extra
+    assert extra["remeasured"] == MAX_REMEASURES
+
+
+def test_calibration_time_is_bounded(tiny_scenario, monkeypatch):
+    """A GPU's curve (time barely grows: larger sizes pay) would grow to the largest candidate; each larger size is
+    measured only when what it is estimated to take fits within budget_s of the start (the simulated steps are
+    the clock here; CALIBRATION_BUDGET_S by default): with 60 s, every size; with 12 s, the sizes that fit; with
+    none left after the first stage, no larger one."""
+    worker = region_worker(tiny_scenario())
+    gpu = lambda m, k: 0.5 + 0.001 * m  # noqa: E731  (half a second a step: far above the real steps' time)
+    simulated(monkeypatch, gpu, run=False)
+    table = calibrate_worker(worker, [1, 4, 64], window_s=0, budget_s=60).profile.table
+    assert sorted(table) == [1, 4, 8, 16, 32, 64] and CALIBRATION_BUDGET_S < 60
+    simulated(monkeypatch, gpu, run=False)
+    # the first stage: 2 x 5 steps = 5 s; 8 beside 1: 9 steps, 4.5 s, fits in 12; 16 would end at 14 s
+    extra = calibrate_worker(worker, [1, 4, 64], window_s=0, budget_s=12).profile.extra
+    assert sorted(int(m) for m in extra["measured_table"]) == [1, 4, 8] and extra["budget_s"] == 12
+    assert extra["calibration_steps"] == 19
+    simulated(monkeypatch, gpu, run=False)
+    profile = calibrate_worker(worker, [1, 4, 64], window_s=0, budget_s=0).profile
+    assert sorted(profile.table) == [1, 4] and profile.max_micro_batch == 4
 
 
 def test_larger_micro_batches_are_measured_only_while_they_pay(tiny_scenario, monkeypatch):

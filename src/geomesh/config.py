@@ -26,7 +26,8 @@ from typing import Any
 import yaml
 
 from .errors import ConfigError
-from .hardware import GPU_CATALOG, STRATEGIES, GpuSpec, TimingModel, WorkerProfile, fit_advice, gpu_spec, model_profile
+from .hardware import (GPU_CATALOG, STRATEGIES, GpuSpec, TimingModel, WorkerProfile, fit_advice, gpu_spec,
+                       model_profile, planned_precision)
 from .model_presets import MODEL_PRESETS
 from .network import AZURE_REGIONS, WanModel, azure_rtt_ms
 
@@ -40,6 +41,9 @@ class RegionConfig:
     slowdown: float = 1.0  # multiplies this worker's compute time (CPU heterogeneity, what-if studies)
     strategy: str = "ddp"  # inside the region: ddp (a full replica per GPU) or fsdp (FSDP2: state sharded)
     activation_checkpointing: bool = False  # recompute each block's forward in backward: less memory, ~1/3 more FLOPs
+    # this region's training precision (one of PRECISIONS); null: training.precision. One run may train one region
+    # in fp16 with loss scaling (a GPU without bf16) and the others in bf16 (docs/distributed.md)
+    precision: str | None = None
 
 
 @dataclass
@@ -53,6 +57,8 @@ class GpuConfig:
     link_gbs: float = 32.0  # GPU-to-GPU bandwidth inside a server, GB/s per direction
     link: str = "user-defined"
     micro_overhead_s: float = 0.006
+    bf16: bool = True  # computes bf16 natively (false: precision auto plans and trains it in fp16 + loss scaling)
+    fp32_tflops: float | None = None  # dense FP32 TFLOP/s (precision fp32); null: tflops / 8
 
 
 @dataclass
@@ -150,7 +156,9 @@ class TrainingConfig:
     # (methods/budget.py); the distributed runtime trains for these wall-clock seconds (docs/distributed.md);
     # null: every method trains training.tokens
     time_budget_s: float | None = None
-    precision: str = "auto"  # auto: bf16 autocast on a GPU that has bf16, else fp32; bf16 (also on CPU); fp32
+    # auto: bf16 autocast on a GPU that has bf16 natively, fp16 autocast with dynamic loss scaling on one that does
+    # not (V100, T4), fp32 on CPU; bf16 / fp16 (also on CPU); fp32. A region may override it (regions[i].precision)
+    precision: str = "auto"
     zero_shot_items: int = 400  # multiple-choice items from held-out text, scored at the end (0: skip)
 
 
@@ -313,13 +321,26 @@ class ScenarioConfig:
 
     def gpu_specs(self) -> dict[str, GpuSpec]:
         """The scenario's own GPUs (``gpus:``) as catalog entries."""
-        return {name: GpuSpec(name, g.tflops, g.memory_gb, g.mem_bw_gbs, g.mfu, g.micro_overhead_s, g.link_gbs, g.link)
+        return {name: GpuSpec(name, g.tflops, g.memory_gb, g.mem_bw_gbs, g.mfu, g.micro_overhead_s, g.link_gbs, g.link,
+                              bf16=g.bf16, fp32_tflops=g.fp32_tflops)
                 for name, g in self.gpus.items()}  # fmt: skip
+
+    def region_precision(self, region: RegionConfig | int) -> str:
+        """The precision ``region`` asks for (its own ``precision``, else ``training.precision``): one of
+        :data:`PRECISIONS`, ``auto`` resolved only where it trains (:func:`geomesh.worker.resolve_precision`)."""
+        region = self.regions[region] if isinstance(region, int) else region
+        return region.precision if region.precision is not None else self.training.precision
+
+    def planned_precision(self, region: RegionConfig | int) -> str:
+        """The precision the cost model plans ``region`` at, on its declared GPU (:func:`planned_precision`)."""
+        region = self.regions[region] if isinstance(region, int) else region
+        return planned_precision(self.region_precision(region), gpu_spec(region.gpu, self.gpu_specs()))
 
     def region_profile(self, region: RegionConfig) -> WorkerProfile:
         """The cost-model profile of one region (one worker: its GPUs, strategy and checkpointing)."""
         profile = model_profile(region.name, gpu_spec(region.gpu, self.gpu_specs()), region.count, self.timing(),
-                                strategy=region.strategy, activation_checkpointing=region.activation_checkpointing)  # fmt: skip
+                                strategy=region.strategy, activation_checkpointing=region.activation_checkpointing,
+                                precision=self.planned_precision(region))  # fmt: skip
         profile.slowdown = region.slowdown
         return profile
 
@@ -339,7 +360,8 @@ class ScenarioConfig:
                 spec = gpu_spec(region.gpu, self.gpu_specs())
                 raise ConfigError(f"region {region.name}: the timing model does not fit a micro-batch of 1 on "
                                   f"{region.gpu} (x{region.count}, {region.strategy}): " + fit_advice(spec, region.count, self.timing(), region.strategy,
-                                                               region.activation_checkpointing))  # fmt: skip
+                                                               region.activation_checkpointing,
+                                                               self.region_precision(region)))  # fmt: skip
             profiles.append(profile)
         return profiles
 
@@ -496,6 +518,8 @@ def validate(cfg: ScenarioConfig) -> ScenarioConfig:
             _require(getattr(g, key) > 0, f"{w}.{key}", getattr(g, key), "expected a positive number")
         _require(0 < g.mfu <= 1, f"{w}.mfu", g.mfu, "expected a fraction in (0, 1]")
         _require(g.micro_overhead_s >= 0, f"{w}.micro_overhead_s", g.micro_overhead_s, "expected >= 0")
+        _require(g.fp32_tflops is None or g.fp32_tflops > 0, f"{w}.fp32_tflops", g.fp32_tflops,
+                 "expected null (tflops / 8) or a positive number")  # fmt: skip
     gpu_names = list({**GPU_CATALOG, **cfg.gpu_specs()})
     names = set()
     for i, r in enumerate(cfg.regions):
@@ -508,6 +532,8 @@ def validate(cfg: ScenarioConfig) -> ScenarioConfig:
         _require(1 <= r.count <= 4096, f"{w}.count", r.count, "expected 1..4096 GPUs")
         _require(r.strategy in STRATEGIES, f"{w}.strategy", r.strategy, f"expected one of {', '.join(STRATEGIES)}")
         _require(0 < r.slowdown <= 1000, f"{w}.slowdown", r.slowdown, "expected a factor in (0, 1000]")
+        _require(r.precision is None or r.precision in PRECISIONS, f"{w}.precision", r.precision,
+                 f"expected one of {', '.join(PRECISIONS)}, or null (training.precision)")  # fmt: skip
         if cfg.wan.rtt == "azure":
             known = {a.lower() for a in AZURE_REGIONS}
             _require(r.azure_region is not None and r.azure_region.lower() in known, f"{w}.azure_region",
@@ -677,7 +703,7 @@ def _number(v: object) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
-PRECISIONS = ("auto", "bf16", "fp32")
+PRECISIONS = ("auto", "bf16", "fp16", "fp32")
 DATA_FORMATS = ("auto", "text", "tokens", "hf")
 TOKEN_DTYPES = ("uint16", "uint32")
 

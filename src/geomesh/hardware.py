@@ -18,6 +18,10 @@ its memory model follows the region's strategy (``ddp``: a full replica per GPU;
 gradients and optimizer state sharded, one layer gathered at a time) and every inner step pays the
 region's collective at the catalog's GPU-to-GPU bandwidth (ring all-reduce of bf16 gradients for DDP;
 all-gather of parameters forward and backward plus reduce-scatter of gradients for FSDP).
+
+A region is planned at the precision it will train in (:func:`planned_precision`): 16-bit (bf16 where the
+GPU has it natively, ``GpuSpec.bf16``; fp16 with loss scaling where not, as on V100 and T4) at the tensor
+figure, fp32 at the datasheet's FP32 figure (``GpuSpec.fp32_tflops``) with 32-bit activations.
 """
 
 from __future__ import annotations
@@ -41,6 +45,19 @@ class GpuSpec:
     micro_overhead_s: float = 0.006  # fixed cost per micro-batch (kernel launches, small-batch inefficiency)
     link_gbs: float = 32.0  # GPU-to-GPU bandwidth inside a server, GB/s per direction (NVLink, or PCIe)
     link: str = "PCIe 4.0 x16"  # what link_gbs is
+    bf16: bool = True  # computes bf16 natively (Ampere, Ada, Hopper, Blackwell, CDNA3); V100 and T4 do not
+    # dense FP32 TFLOP/s (CUDA cores: PyTorch leaves TF32 off for matmuls by default), what precision fp32 runs at;
+    # None: tflops / 8 (about the ratio of the catalog's cards)
+    fp32_tflops: float | None = None
+
+    def tflops_at(self, precision: str) -> float:
+        """Dense TFLOP/s at a planned precision (``bf16``, ``fp16`` or ``fp32``, :func:`planned_precision`): the
+        16-bit tensor figure, or the FP32 one in ``fp32``. (bf16 asked on a GPU without it counts as 16-bit: the
+        distributed runtime refuses it on such a device, and the emulated runtime's bf16 on a CPU stands in for
+        the 16-bit training the GPU would do.)"""
+        if precision != "fp32":
+            return self.tflops
+        return self.fp32_tflops if self.fp32_tflops is not None else self.tflops / 8
 
 
 # Dense tensor throughput, memory and bandwidth from the vendors' datasheets (NVIDIA H200, H100, H800, H20,
@@ -50,31 +67,45 @@ class GpuSpec:
 # direction), else the card's PCIe slot (Gen3 x16 16 GB/s, Gen4 32 GB/s, Gen5 64 GB/s per direction).
 # MFU from public training reports (35-60% on A100/H100 for 0.1-7B models, lower on GDDR, consumer and
 # older cards); for B200, H800, A800, H20 and MI300X it is assumed from their closest measured sibling.
+# ``bf16``: native bf16 arithmetic (NVIDIA compute capability 8.0 and later, AMD CDNA3): V100 (7.0) and T4 (7.5)
+# have fp16 tensor cores only, so precision auto trains them in fp16 with loss scaling at the fp16 figure above.
+# ``fp32_tflops``: the datasheets' dense FP32 (non-tensor) figure (B200: HGX B200's 600 TFLOP/s over 8 GPUs;
+# MI300X: its FP32 vector figure), what a region trains at with precision fp32 (TF32 is off for matmuls by default).
 GPU_CATALOG: dict[str, GpuSpec] = {
     g.name: g
     for g in (
-        GpuSpec("B200", 2250.0, 180.0, 8000.0, 0.40, 0.004, 900.0, "NVLink 5"),
-        GpuSpec("H200", 989.0, 141.0, 4800.0, 0.45, 0.004, 450.0, "NVLink 4"),
-        GpuSpec("H100", 989.0, 80.0, 3350.0, 0.42, 0.004, 450.0, "NVLink 4"),
-        GpuSpec("H100-PCIe", 756.0, 80.0, 2000.0, 0.40, 0.004, 64.0, "PCIe 5.0 x16"),
-        GpuSpec("H800", 989.0, 80.0, 3350.0, 0.42, 0.004, 200.0, "NVLink 4 (400 GB/s)"),
-        GpuSpec("H20", 148.0, 96.0, 4000.0, 0.50, 0.004, 450.0, "NVLink 4"),
-        GpuSpec("A100", 312.0, 80.0, 2039.0, 0.50, 0.005, 300.0, "NVLink 3"),
-        GpuSpec("A100-40GB", 312.0, 40.0, 1555.0, 0.50, 0.005, 300.0, "NVLink 3"),
-        GpuSpec("A800", 312.0, 80.0, 2039.0, 0.50, 0.005, 200.0, "NVLink 3 (400 GB/s)"),
-        GpuSpec("MI300X", 1307.0, 192.0, 5300.0, 0.30, 0.005, 448.0, "Infinity Fabric"),
-        GpuSpec("L40S", 362.0, 48.0, 864.0, 0.35, 0.006, 32.0, "PCIe 4.0 x16"),
-        GpuSpec("A10G", 125.0, 24.0, 600.0, 0.35, 0.008, 32.0, "PCIe 4.0 x16"),
-        GpuSpec("L4", 121.0, 24.0, 300.0, 0.30, 0.008, 32.0, "PCIe 4.0 x16"),
-        GpuSpec("V100", 125.0, 32.0, 900.0, 0.40, 0.008, 150.0, "NVLink 2"),
-        GpuSpec("V100-16GB", 125.0, 16.0, 900.0, 0.40, 0.008, 150.0, "NVLink 2"),
-        GpuSpec("T4", 65.0, 16.0, 320.0, 0.30, 0.012, 16.0, "PCIe 3.0 x16"),
-        GpuSpec("RTX4090", 165.0, 24.0, 1008.0, 0.35, 0.006, 32.0, "PCIe 4.0 x16"),
-        GpuSpec("RTX3090", 71.0, 24.0, 936.0, 0.35, 0.008, 32.0, "PCIe 4.0 x16"),
+        GpuSpec("B200", 2250.0, 180.0, 8000.0, 0.40, 0.004, 900.0, "NVLink 5", fp32_tflops=75.0),
+        GpuSpec("H200", 989.0, 141.0, 4800.0, 0.45, 0.004, 450.0, "NVLink 4", fp32_tflops=67.0),
+        GpuSpec("H100", 989.0, 80.0, 3350.0, 0.42, 0.004, 450.0, "NVLink 4", fp32_tflops=67.0),
+        GpuSpec("H100-PCIe", 756.0, 80.0, 2000.0, 0.40, 0.004, 64.0, "PCIe 5.0 x16", fp32_tflops=51.0),
+        GpuSpec("H800", 989.0, 80.0, 3350.0, 0.42, 0.004, 200.0, "NVLink 4 (400 GB/s)", fp32_tflops=67.0),
+        GpuSpec("H20", 148.0, 96.0, 4000.0, 0.50, 0.004, 450.0, "NVLink 4", fp32_tflops=44.0),
+        GpuSpec("A100", 312.0, 80.0, 2039.0, 0.50, 0.005, 300.0, "NVLink 3", fp32_tflops=19.5),
+        GpuSpec("A100-40GB", 312.0, 40.0, 1555.0, 0.50, 0.005, 300.0, "NVLink 3", fp32_tflops=19.5),
+        GpuSpec("A800", 312.0, 80.0, 2039.0, 0.50, 0.005, 200.0, "NVLink 3 (400 GB/s)", fp32_tflops=19.5),
+        GpuSpec("MI300X", 1307.0, 192.0, 5300.0, 0.30, 0.005, 448.0, "Infinity Fabric", fp32_tflops=163.4),
+        GpuSpec("L40S", 362.0, 48.0, 864.0, 0.35, 0.006, 32.0, "PCIe 4.0 x16", fp32_tflops=91.6),
+        GpuSpec("A10G", 125.0, 24.0, 600.0, 0.35, 0.008, 32.0, "PCIe 4.0 x16", fp32_tflops=31.2),
+        GpuSpec("L4", 121.0, 24.0, 300.0, 0.30, 0.008, 32.0, "PCIe 4.0 x16", fp32_tflops=30.3),
+        GpuSpec("V100", 125.0, 32.0, 900.0, 0.40, 0.008, 150.0, "NVLink 2", bf16=False, fp32_tflops=15.7),
+        GpuSpec("V100-16GB", 125.0, 16.0, 900.0, 0.40, 0.008, 150.0, "NVLink 2", bf16=False, fp32_tflops=15.7),
+        GpuSpec("T4", 65.0, 16.0, 320.0, 0.30, 0.012, 16.0, "PCIe 3.0 x16", bf16=False, fp32_tflops=8.1),
+        GpuSpec("RTX4090", 165.0, 24.0, 1008.0, 0.35, 0.006, 32.0, "PCIe 4.0 x16", fp32_tflops=82.6),
+        GpuSpec("RTX3090", 71.0, 24.0, 936.0, 0.35, 0.008, 32.0, "PCIe 4.0 x16", fp32_tflops=35.6),
     )
 }
 
 STRATEGIES = ("ddp", "fsdp")  # inside a region: full replicas (DDP) or sharded state (FSDP2 fully_shard)
+
+
+def planned_precision(precision: str, gpu: GpuSpec) -> str:
+    """The precision a region asking for ``precision`` (``auto``, ``bf16``, ``fp16``, ``fp32``) trains at on
+    ``gpu``, as the cost model plans it: ``auto`` is bf16 where the GPU has it natively, fp16 (with loss
+    scaling) where it does not; the others as asked. (The runtimes resolve ``auto`` on the device they really
+    have: :func:`geomesh.worker.resolve_precision`.)"""
+    if precision == "auto":
+        return "bf16" if gpu.bf16 else "fp16"
+    return precision
 
 
 def gpu_spec(name: str, extra: dict[str, GpuSpec] | None = None) -> GpuSpec:
@@ -120,16 +151,18 @@ class TimingModel:
         factor = 8.0 / 6.0 if activation_checkpointing else 1.0
         return factor * (6 * self.params + 12 * self.n_layers * self.hidden * self.seq_len)
 
-    def activation_bytes(self, micro_batch: int, activation_checkpointing: bool = False) -> float:
-        """Activations (SDPA attention, 16-bit) plus logits for one micro-batch of ``micro_batch`` sequences
-        on one GPU; with checkpointing each layer keeps only its 2·s·b·h input, plus one layer's full A."""
+    def activation_bytes(self, micro_batch: int, activation_checkpointing: bool = False,
+                         precision: str = "bf16") -> float:  # fmt: skip
+        """Activations (SDPA attention, 16-bit; twice that in ``fp32``) plus logits for one micro-batch of
+        ``micro_batch`` sequences on one GPU; with checkpointing each layer keeps only its 2·s·b·h input, plus
+        one layer's full A."""
         full_layer = 34.0 * self.seq_len * micro_batch * self.hidden
         if activation_checkpointing:
             layers = self.n_layers * 2.0 * self.seq_len * micro_batch * self.hidden + full_layer
         else:
             layers = self.n_layers * full_layer
         logits = self.logits_bytes_per_elem * self.seq_len * micro_batch * self.vocab
-        return layers + logits
+        return layers * (2.0 if precision == "fp32" else 1.0) + logits
 
     def state_bytes(self, gpus: int = 1, strategy: str = "ddp") -> float:
         """Weights, gradients and AdamW state on one GPU of a region of ``gpus`` GPUs, plus the outer state.
@@ -149,21 +182,23 @@ class TimingModel:
         return (full + outer) / gpus + 2 * 2.0 * unit
 
     def max_micro_batch(self, gpu: GpuSpec, gpus: int = 1, strategy: str = "ddp",
-                        activation_checkpointing: bool = False) -> int:  # fmt: skip
+                        activation_checkpointing: bool = False, precision: str = "bf16") -> int:  # fmt: skip
         """Largest micro-batch per GPU that fits: 0 when not even the weights fit.
 
-        floor((0.9·M_gpu − M_ctx − state on one GPU) / (activations at b=1)).
+        floor((0.9·M_gpu − M_ctx − state on one GPU) / (activations at b=1, at ``precision``)).
         """
         free = 0.9 * gpu.memory_gb * 1e9 - self.context_gib * GIB - self.state_bytes(gpus, strategy)
         if free <= 0:
             return 0
-        return int(free // self.activation_bytes(1, activation_checkpointing))
+        return int(free // self.activation_bytes(1, activation_checkpointing, precision))
 
-    def micro_step_s(self, gpu: GpuSpec, micro_batch: int, activation_checkpointing: bool = False) -> float:
-        """Forward + backward of one micro-batch of ``micro_batch`` sequences on one GPU."""
+    def micro_step_s(self, gpu: GpuSpec, micro_batch: int, activation_checkpointing: bool = False,
+                     precision: str = "bf16") -> float:  # fmt: skip
+        """Forward + backward of one micro-batch of ``micro_batch`` sequences on one GPU, at the throughput of
+        ``precision`` (:meth:`GpuSpec.tflops_at`)."""
         mfu = self.mfu if self.mfu is not None else gpu.mfu
         flops = self.train_flops_per_token(activation_checkpointing) * self.seq_len * micro_batch
-        return gpu.micro_overhead_s + flops / (gpu.tflops * 1e12 * mfu)
+        return gpu.micro_overhead_s + flops / (gpu.tflops_at(precision) * 1e12 * mfu)
 
     def region_collective_s(self, gpu: GpuSpec, gpus: int, strategy: str = "ddp") -> float:
         """The collective one inner step costs inside a region of ``gpus`` GPUs (0 for one GPU).
@@ -178,11 +213,12 @@ class TimingModel:
         passes = 3 if strategy == "fsdp" else 2
         return passes * (gpus - 1) / gpus * self.params * 2 / bytes_per_s
 
-    def min_fsdp_gpus(self, gpu: GpuSpec, activation_checkpointing: bool = False, limit: int = 4096) -> int | None:
+    def min_fsdp_gpus(self, gpu: GpuSpec, activation_checkpointing: bool = False, limit: int = 4096,
+                      precision: str = "bf16") -> int | None:  # fmt: skip
         """The fewest GPUs of this kind over which FSDP fits a micro-batch of one per GPU (None: none do)."""
         g = 1
         while g <= limit:
-            if self.max_micro_batch(gpu, g, "fsdp", activation_checkpointing) >= 1:
+            if self.max_micro_batch(gpu, g, "fsdp", activation_checkpointing, precision) >= 1:
                 return g
             g *= 2
         return None
@@ -277,19 +313,22 @@ def _round_overhead(value) -> float:
 
 
 def model_profile(name: str, gpu: str | GpuSpec, gpu_count: int, timing: TimingModel, *, strategy: str = "ddp",
-                  activation_checkpointing: bool = False) -> WorkerProfile:  # fmt: skip
+                  activation_checkpointing: bool = False, precision: str = "auto") -> WorkerProfile:  # fmt: skip
     """A worker profile from the cost model: a region of ``gpu_count`` GPUs (a catalog name or a spec).
 
     The worker's micro-batch m is split over the GPUs (ceil(m/g) on the busiest one); the memory model
     follows ``strategy`` (see :meth:`TimingModel.state_bytes`) and ``activation_checkpointing`` (less
-    memory, a second forward); every inner step also pays :meth:`TimingModel.region_collective_s`.
+    memory, a second forward); every inner step also pays :meth:`TimingModel.region_collective_s`. The
+    throughput is the GPU's at the precision the region will train in (:func:`planned_precision` of
+    ``precision``: ``auto`` is the 16-bit tensor figure, bf16 or fp16 by the GPU; ``fp32`` the FP32 figure).
     """
     spec = gpu if isinstance(gpu, GpuSpec) else gpu_spec(gpu)
     ckpt = activation_checkpointing
-    per_gpu_cap = timing.max_micro_batch(spec, gpu_count, strategy, ckpt)
+    prec = planned_precision(precision, spec)
+    per_gpu_cap = timing.max_micro_batch(spec, gpu_count, strategy, ckpt, prec)
     cap = per_gpu_cap * gpu_count
     points = sorted({1, 2, 4, 8, 16, 32, 64, 128, 256, 512, max(cap, 1)})
-    table = {m: timing.micro_step_s(spec, math.ceil(m / gpu_count), ckpt) for m in points if m <= max(cap, 1)}
+    table = {m: timing.micro_step_s(spec, math.ceil(m / gpu_count), ckpt, prec) for m in points if m <= max(cap, 1)}
     return WorkerProfile(
         name=name,
         gpu=spec.name,
@@ -302,14 +341,18 @@ def model_profile(name: str, gpu: str | GpuSpec, gpu_count: int, timing: TimingM
     )
 
 
-def fit_advice(gpu: GpuSpec, gpu_count: int, timing: TimingModel, strategy: str, activation_checkpointing: bool) -> str:
+def fit_advice(gpu: GpuSpec, gpu_count: int, timing: TimingModel, strategy: str, activation_checkpointing: bool,
+               precision: str = "auto") -> str:  # fmt: skip
     """What would make the timing model fit a region that fits no micro-batch (for error messages)."""
     need = timing.state_bytes(gpu_count, strategy) + timing.context_gib * GIB
     have = 0.9 * gpu.memory_gb * 1e9
     ways = []
-    if not activation_checkpointing and timing.max_micro_batch(gpu, gpu_count, strategy, True) >= 1:
+    prec = planned_precision(precision, gpu)
+    if not activation_checkpointing and timing.max_micro_batch(gpu, gpu_count, strategy, True, prec) >= 1:
         ways.append("activation_checkpointing: true")
-    shards = timing.min_fsdp_gpus(gpu, activation_checkpointing)
+    if prec == "fp32" and timing.max_micro_batch(gpu, gpu_count, strategy, activation_checkpointing, "bf16") >= 1:
+        ways.append("precision: auto (16-bit activations)")
+    shards = timing.min_fsdp_gpus(gpu, activation_checkpointing, precision=prec)
     if shards is not None and (strategy != "fsdp" or shards > gpu_count):
         ways.append(f"strategy: fsdp over at least {max(shards, 2)} {gpu.name} GPUs")
     ways.append("a GPU with more memory or a smaller timing model")

@@ -1,10 +1,14 @@
 """Measure this device with the model the run will train: the scenario's ``model`` (a built-in preset or a
-``transformers`` model), at its sequence length, in the precision the run uses (bf16 autocast on a GPU that
-has it), with the run's AdamW. Each micro-batch size is warmed up (allocator, kernels, optimizer state),
+``transformers`` model), at its sequence length, in the precision the run uses (the region's when the profile
+is named after one, else ``training.precision``: with ``auto`` bf16 autocast on a GPU that has it, fp16 on one
+that does not, fp32 on a CPU), with the run's AdamW. Each micro-batch size is warmed up (allocator, kernels, optimizer state),
 then forward + backward and the optimizer step are each timed ``repeats`` times (the median counts). On
 CUDA the largest micro-batch that fits is probed with ``torch.cuda.max_memory_allocated``. The result is a
 :class:`~geomesh.hardware.WorkerProfile` with ``source="measured"``, accepted by ``geomesh plan --profile``
 and both runtimes in place of the cost model.
+
+This file is long because measuring a device is one procedure in two settings (a standalone profile and the
+calibration of a live worker), whose windows, monotonicity checks and bounds must stay the same.
 
 :func:`calibrate_worker` makes the same measurement in place, on a live worker (a region's
 :class:`~geomesh.worker.Worker` or :class:`~geomesh.runtime.distributed.region.RegionWorker`) before it
@@ -22,7 +26,6 @@ import statistics
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path, PurePosixPath
 from typing import Any
 
 import torch
@@ -31,22 +34,33 @@ from .config import ScenarioConfig
 from .errors import RunError
 from .hardware import WorkerProfile
 from .models import build_proxy_model, enable_activation_checkpointing, model_name
-from .worker import Worker, autocast_dtype, make_inner_optimizer
+from .worker import PRECISION_DTYPES, Worker, make_inner_optimizer, resolve_precision
 
 WARMUP_STEPS = 2  # full steps per micro-batch before timing: kernels chosen, AdamW state allocated
 CALIBRATION_STEP_LIMIT = 24  # warm-ups and timed samples the given candidates may take in all (start-up stays short)
 DEFAULT_CANDIDATES = 3  # micro-batches a calibration measures by default (fewer, each timed more often)
 DEFAULT_REPEATS = 4  # timed samples per candidate (the median and the robust line count)
 MEMORY_HEADROOM = 0.9  # the share of the device's memory a micro-batch may fill (as the memory model counts)
-# a timed sample lasts at least this long: the mean of several steps where one step is shorter. A process under a
-# CPU quota (CFS bandwidth control, 10-100 ms periods) runs a short step unthrottled or waits out the rest of a
-# period, so one short step's time is bimodal; a window of many periods averages that out
-WINDOW_S = 0.25
-# without a quota over the process a step's time is not bimodal: a sample only evens out step-to-step jitter (the
-# timer, the allocator, Python), which a few steps do; a window of quota periods there only makes start-up longer
-UNTHROTTLED_WINDOW_S = 0.05
-MAX_WINDOW_STEPS = 16  # at most this many steps in one timed sample
+# a timed sample lasts at least this long: the mean of the steps that fill it where one step is shorter. A process
+# under a CPU quota (CFS bandwidth control: 100 ms periods in containers and batch systems) runs a short step
+# unthrottled or waits out the rest of a period, so one short step's time is bimodal; a window of five periods
+# averages that out (simulated quotas of 0.1-0.6 of a core, steps of 2-120 ms: every candidate's median within 8%
+# of its sustained time, 6% in nine cases of ten; windows of three periods: 15%, 9%).
+# Always this long: a quota is not always visible to the process (inside `ip netns exec`, which mounts a /sys of
+# its own, a container, a neighbour's load), and a GPU's clocks announce nothing either
+WINDOW_S = 0.5
+# the first stage's warm-up keeps the device busy for at least this many windows before anything is timed: a
+# quota's first unthrottled period, a GPU's boost before its power limit holds the clock, spent untimed
+WARMUP_WINDOWS = 2
+MAX_WINDOW_STEPS = 256  # at most this many steps in one timed sample (and warm-up passes in the first stage)
 KNEE = 0.9  # the planner's knee (PlanConstraints.knee): larger micro-batches are measured while they still pay
+# a larger micro-batch measured faster than a smaller one by more than this (relative) is a table that does not
+# grow with the micro-batch: measured again (a dip within it is the timer's noise on a flat GPU curve)
+MONOTONE_SLACK = 0.02
+MAX_REMEASURES = 2  # times a table that does not grow with the micro-batch is measured again
+# a stage after the first (a larger size, a measurement again) starts only when what it is estimated to take fits
+# within this many seconds of the calibration's start
+CALIBRATION_BUDGET_S = 10.0
 
 
 def _device_name(device: str) -> str:
@@ -71,7 +85,11 @@ def profile_device(scenario: ScenarioConfig, device: str, batches: list[int], *,
         enable_activation_checkpointing(model)
     model = model.to(device)
     opt = make_inner_optimizer(model, scenario.training)
-    dtype = autocast_dtype(getattr(scenario.training, "precision", "auto"), torch.device(device))
+    # the precision the region of this name trains at (else the run's): the plan reads this profile for it
+    regions = [i for i, r in enumerate(scenario.regions) if r.name == name]
+    asked = scenario.region_precision(regions[0]) if regions else getattr(scenario.training, "precision", "auto")
+    precision = resolve_precision(asked, torch.device(device))
+    dtype = PRECISION_DTYPES.get(precision)
     gen = torch.Generator().manual_seed(0)
 
     def forward_backward(x: torch.Tensor) -> None:
@@ -110,6 +128,7 @@ def profile_device(scenario: ScenarioConfig, device: str, batches: list[int], *,
         step_overhead_s=statistics.median(opt_times), source="measured",
         extra={"device": device, "model": model_name(scenario.model, model), "seq_len": seq,
                "params": sum(p.numel() for p in model.parameters()), "precision": str(dtype or torch.float32),
+               "precision_name": precision,
                "activation_checkpointing": activation_checkpointing, "repeats": repeats, "warmup": WARMUP_STEPS,
                "table_noise": timing_noise(samples)},
     )  # fmt: skip
@@ -166,33 +185,65 @@ def default_micro_batches(batch: int, cap: int | None = None, reference: int | N
 
 
 def calibrate_worker(worker: Worker, micro_batches: Sequence[int] | None = None, *, warmup_steps: int = 1,
-                     repeats: int = DEFAULT_REPEATS, window_s: float | None = None) -> Calibration:  # fmt: skip
-    """Measure ``worker``'s step time in place, for the model it really trains, and leave it as it was.
+                     repeats: int = DEFAULT_REPEATS, window_s: float = WINDOW_S,
+                     budget_s: float = CALIBRATION_BUDGET_S,
+                     remeasures: int = MAX_REMEASURES) -> Calibration:  # fmt: skip
+    """Measure ``worker``'s sustained step time in place, for the model it really trains, and leave it as it was.
 
     The candidates are micro-batches ``m`` (the region's micro-batch: a region of ``size`` ranks splits it over
     them; default :func:`default_micro_batches` of ``training.batch``). Those up to the reference batch
     (``training.batch``: the planning rule's round is made of it; at least the two smallest) are always
-    measured; larger ones only while they still pay: after each stage :func:`next_micro_batch` says whether the
-    next size up (twice the largest measured, or the next candidate given if nearer, up to the largest given)
-    is worth measuring, i.e. whether the throughput of the largest measured is still below :data:`KNEE` of what
-    the measured line promises. A plan uses micro-batches near the knee of its throughput, so a slow region is
-    not held for minutes at the micro-batches a fast GPU's datasheet would use. Each candidate runs
-    ``warmup_steps`` untimed steps, then ``repeats`` timed samples, each the mean of ``n`` consecutive full
-    training steps (forward + backward of ``m`` sequences from the worker's own stream in one pass per rank,
-    ``accumulate_grad``, then the optimizer step, ``apply_step``), ``n`` the steps that fill ``window_s`` by the
-    first warm-up step (at most :data:`MAX_WINDOW_STEPS`; 1 without warm-up or with ``window_s`` 0; by default
-    :data:`WINDOW_S` where the process runs under a CPU quota, :func:`cpu_quota_period_s`, else
-    :data:`UNTHROTTLED_WINDOW_S`; the longest of the region's ranks'). The
-    candidates of a stage are interleaved: each pass over them runs one sample of every candidate (ascending,
-    then descending, and so on), so a busy spell of the host falls on all of them alike. The profile's ``table``
-    is the robust line through every timed sample (:func:`linear_fit`: Theil-Sen, monotone in the micro-batch),
-    the median optimizer step its ``step_overhead_s``, the medians per candidate kept as
-    ``extra["measured_table"]`` and their uncertainty as ``extra["table_noise"]`` (:func:`timing_noise`). On
-    CUDA the peak memory of each micro-batch (``torch.cuda.max_memory_allocated``) is recorded
-    (``extra["peak_memory_bytes"]``) and bounds ``max_micro_batch``: the micro-batch at which the line through
-    the two largest candidates' peaks reaches 90% of the device (a candidate that runs out of memory is dropped
-    with every larger one, and no larger one is grown to); on CPU it is the worker's own bound
-    (``max_proxy_micro_batch`` per rank).
+    measured, in the first stage; larger ones only while they still pay: after each stage
+    :func:`next_micro_batch` says whether the next size up (twice the largest measured, or the next candidate
+    given if nearer, up to the largest given) is worth measuring, i.e. whether the throughput of the largest
+    measured is still below :data:`KNEE` of what the measured line promises. A plan uses micro-batches near the
+    knee of its throughput, so a slow region is not held for minutes at the micro-batches a fast GPU's
+    datasheet would use.
+
+    **Sustained speed, not a burst.** A step is a full training step (forward + backward of ``m`` sequences from
+    the worker's own stream in one pass per rank, ``accumulate_grad``, then the optimizer step, ``apply_step``).
+    The first stage's warm-up runs passes over its candidates (one step of each) until the device has been busy
+    for :data:`WARMUP_WINDOWS` × ``window_s`` (at least ``warmup_steps`` passes, at most
+    :data:`MAX_WINDOW_STEPS`), so what a CPU quota's first period or a GPU's boost clock allows is spent before
+    anything is timed; a larger size's stage warms it up for ``warmup_steps`` steps (the device is busy by
+    then). Then ``repeats`` timed samples per candidate, each the mean of the ``n`` consecutive steps that fill
+    ``window_s`` (default :data:`WINDOW_S`, five periods of a 100 ms CPU quota) at the warm-up's mean step
+    time (its second half), then at the mean step of the candidate's last sample (at most
+    :data:`MAX_WINDOW_STEPS`; 1 without warm-up or with ``window_s`` 0; the longest of the region's ranks'). The
+    window does not depend on detecting a quota: a
+    quota is not always visible to the process (inside ``ip netns exec``, in a container), and a GPU announces
+    nothing of its clocks. The candidates of a stage are interleaved: each pass over them runs one sample of
+    every candidate (ascending, then descending, and so on), so a busy spell of the host falls on all of them
+    alike; a larger size is measured beside the smallest (``anchor``), scaled onto the first stage.
+
+    **Step times grow with the micro-batch.** A table in which a larger micro-batch is faster than a smaller one
+    by more than :data:`MONOTONE_SLACK` (:func:`step_times_grow`: a burst, a busy spell) is measured again,
+    every candidate afresh, interleaved (at most ``remeasures`` times in all, :data:`MAX_REMEASURES` by default;
+    ``extra["remeasured"]``,
+    ``extra["monotone"]``): the first stage's table before any larger size is read against it, the table with
+    the larger sizes while the budget allows; the profile's ``table`` is the robust line through every timed
+    sample
+    (:func:`linear_fit`: Theil-Sen, never falling with the micro-batch), the median optimizer step its
+    ``step_overhead_s``, the medians per candidate kept as ``extra["measured_table"]`` and their uncertainty
+    as ``extra["table_noise"]`` (:func:`timing_noise`).
+
+    **The plan's sizes are measured.** ``max_micro_batch`` is the largest micro-batch measured (a larger batch
+    the plan gives is made of measured micro-batches by accumulation, never read off the line far beyond its
+    points), at most what memory allows: on CUDA the peak memory of each micro-batch
+    (``torch.cuda.max_memory_allocated``, ``extra["peak_memory_bytes"]``) gives the micro-batch at which the line
+    through the two largest candidates' peaks reaches 90% of the device (a candidate that runs out of memory is
+    dropped with every larger one, and no larger one is grown to); on CPU the worker's own bound
+    (``max_proxy_micro_batch`` per rank). That bound is kept as ``extra["memory_max_micro_batch"]``.
+
+    **Bounded wall time.** The first stage takes its warm-up (about :data:`WARMUP_WINDOWS` × ``window_s``, or
+    ``warmup_steps`` passes when they are longer) and ``repeats`` samples per candidate of max(``window_s``,
+    one step) each: with the defaults and steps shorter than the window, 1 + 3 × 4 × 0.5 = 7 s (two
+    candidates: 5 s), and as much again for each measurement again of it (at most ``remeasures``).
+    Every later stage (a larger size: about 4 s, its samples beside the anchor's; a measurement again of the
+    whole table) starts only when what it is estimated to take (from the steps measured) fits within
+    ``budget_s`` (:data:`CALIBRATION_BUDGET_S`, 10 s) of the start. So a calibration takes at most about
+    max(``budget_s``, its first stage with its measurements again: 7 s, 19 s at worst), plus saving and
+    restoring the worker's state.
 
     Afterwards parameters, buffers, gradients, the optimizer's state and settings, the stream's position,
     the random generators' states and the micro-batch bound are restored exactly. The worker's declared
@@ -200,10 +251,11 @@ def calibrate_worker(worker: Worker, micro_batches: Sequence[int] | None = None,
 
     In a region of several ranks every rank calls it with the same arguments (the steps run the region's
     gradient reduction, which is part of its step time; each rank measures its own device); its own
-    communication is only what keeps the ranks' steps alike: the window's steps and whether to grow are agreed
-    (the largest over the region's ranks). At most :data:`CALIBRATION_STEP_LIMIT` warm-ups and samples for the
-    candidates given (the sizes grown to between them come on top, one doubling each); bad arguments raise
-    ValueError, a smallest candidate that does not fit in memory :class:`~geomesh.errors.RunError`.
+    communication is only what keeps the ranks' steps alike: the warm-up's passes, the window's steps and
+    whether to grow or measure again are agreed (the largest over the region's ranks). At most
+    :data:`CALIBRATION_STEP_LIMIT` warm-ups and samples for the candidates given (the sizes grown to between
+    them come on top, one doubling each); bad arguments raise ValueError, a smallest candidate that does not fit
+    in memory :class:`~geomesh.errors.RunError`.
     """
     started = time.perf_counter()
     device = next(worker.model.parameters()).device
@@ -211,35 +263,52 @@ def calibrate_worker(worker: Worker, micro_batches: Sequence[int] | None = None,
     size = int(getattr(worker, "size", 1))  # a RegionWorker's ranks share each micro-batch
     cpu_cap = worker.max_proxy_micro_batch * size
     candidates = _candidates(micro_batches, worker.cfg.batch, None if on_cuda else cpu_cap)
-    for label, value, least in (("warmup_steps", warmup_steps, 0), ("repeats", repeats, 1)):
+    counts = (("warmup_steps", warmup_steps, 0), ("repeats", repeats, 1), ("remeasures", remeasures, 0))
+    for label, value, least in counts:
         if isinstance(value, bool) or not isinstance(value, int) or value < least:
             raise ValueError(f"{label}={value!r}: expected an integer >= {least}")
-    if window_s is None:
-        window_s = WINDOW_S if cpu_quota_period_s() is not None else UNTHROTTLED_WINDOW_S
-    elif isinstance(window_s, bool) or not isinstance(window_s, (int, float)) or not 0 <= window_s < math.inf:
-        raise ValueError(f"window_s={window_s!r}: expected seconds >= 0")
+    for label, value in (("window_s", window_s), ("budget_s", budget_s)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
+            raise ValueError(f"{label}={value!r}: expected seconds >= 0")
     steps_needed = len(candidates) * (warmup_steps + repeats)
     if steps_needed > CALIBRATION_STEP_LIMIT:
         raise ValueError(f"calibration of {len(candidates)} micro-batches x {warmup_steps + repeats} steps = "
                          f"{steps_needed} steps; at most {CALIBRATION_STEP_LIMIT}: fewer candidates or repeats")  # fmt: skip
 
     saved = _save_training_state(worker, device)
-    run = _Measurement(worker, device, size, worker.optimizer.param_groups[0]["lr"], warmup_steps, repeats, window_s)
+    run = _Measurement(worker, device, size, worker.optimizer.param_groups[0]["lr"], warmup_steps, repeats,
+                       float(window_s), started)  # fmt: skip
+    remeasured = 0
     try:
         worker.model.train()
         base = torch.cuda.memory_allocated(device) if on_cuda else 0
         stage = [m for m in candidates if m <= worker.cfg.batch]
         stage = stage if len(stage) >= 2 else candidates[:2]  # (a line needs two)
-        anchor = None
-        while stage:
-            run.measure(stage, anchor)
-            if not run.active or run.active[-1] != stage[-1]:  # (the largest ran out of memory: no larger one)
-                break
-            anchor = run.active[0]  # a larger size is measured beside the smallest, on the first stage's scale
-            medians = {m: statistics.median(run.samples[m]) for m in run.active}
+        run.measure(stage, sustain_s=WARMUP_WINDOWS * float(window_s) if warmup_steps else 0.0)
+
+        def measure_again(budgeted: bool) -> None:  # while the table does not grow with the micro-batch
+            nonlocal remeasured
+            while remeasured < remeasures and len(run.active) >= 2:
+                again = not step_times_grow(run.medians()) and (not budgeted or run.fits(run.remeasure_s(), budget_s))
+                if _agreed_max(worker, device, [float(again)])[0] <= 0:
+                    break
+                run.remeasure()
+                remeasured += 1
+
+        measure_again(budgeted=False)  # (the first stage's: what every larger size is read against)
+        while run.active and run.active[-1] == stage[-1]:  # (the largest ran out of memory: no larger one)
+            medians = run.medians()
             wanted = next_micro_batch(medians, candidates) is not None
             larger = _larger(max(medians), candidates)  # (the same on every rank: the same candidates measured)
-            stage = [larger] if larger is not None and _agreed_max(worker, device, [float(wanted)])[0] > 0 else []
+            if larger is None:
+                break
+            anchor = run.active[0]  # a larger size is measured beside the smallest, on the first stage's scale
+            fits = run.fits(run.growth_s(larger, anchor), budget_s)
+            if _agreed_max(worker, device, [float(wanted and fits)])[0] <= 0:
+                break
+            stage = [larger]
+            run.measure(stage, anchor)
+        measure_again(budgeted=True)
     finally:
         _restore_training_state(worker, saved, device)
     samples = {m: ts for m, ts in run.samples.items() if m in run.active and ts}
@@ -256,27 +325,44 @@ def calibrate_worker(worker: Worker, micro_batches: Sequence[int] | None = None,
         "precision": str(worker.autocast_dtype or torch.float32), "warmup": warmup_steps, "repeats": repeats,
         "calibrated_in_place": True, "calibration_s": seconds, "calibration_steps": run.steps,
         "window_s": window_s, "window_steps": {str(m): n for m, n in run.window.items() if m in table},
+        "timed_steps": {str(m): n for m, n in run.timed_steps.items()},
+        "warmup_s": run.warmup_s, "warmup_passes": run.warmup_passes, "budget_s": budget_s,
         "stage_scale": {str(m): f for m, f in run.scale.items() if m in table},
+        "remeasured": remeasured, "monotone": step_times_grow(table), "memory_max_micro_batch": cap,
     }  # fmt: skip
     if on_cuda:
         extra["peak_memory_bytes"] = {str(m): b for m, b in peaks.items()}
     extra["measured_table"] = {str(m): s for m, s in table.items()}
     extra["table_noise"] = timing_noise(samples)
     profile = WorkerProfile(name=worker.name, gpu=torch.cuda.get_device_name(device) if on_cuda else "cpu",
-                            gpu_count=size, max_micro_batch=cap, table=linear_fit(samples),
+                            gpu_count=size, max_micro_batch=max(1, min(cap, max(table))), table=linear_fit(samples),
                             step_overhead_s=statistics.median(run.step_times), source="measured", extra=extra)  # fmt: skip
     return Calibration(profile=profile, seconds=seconds, steps=run.steps)
+
+
+def step_times_grow(medians: Mapping[int, float], slack: float = MONOTONE_SLACK) -> bool:
+    """Whether measured step times (micro-batch -> seconds) grow with the micro-batch: no micro-batch is faster
+    than a smaller one by more than ``slack`` (relative). A table that does not (a burst, a busy spell during one
+    candidate's samples) is measured again, never read as a free larger micro-batch."""
+    top = 0.0
+    for m in sorted(medians):
+        t = medians[m]
+        if t < top * (1.0 - slack):
+            return False
+        top = max(top, t)
+    return True
 
 
 class _Measurement:
     """What one calibration measured so far (its samples, peaks and steps); :meth:`measure` runs one stage."""
 
     def __init__(self, worker: Worker, device: torch.device, size: int, lr: float, warmup_steps: int, repeats: int,
-                 window_s: float) -> None:  # fmt: skip
+                 window_s: float, started: float) -> None:  # fmt: skip
         self.worker, self.device, self.size, self.lr = worker, device, size, lr  # (any rate: the steps are undone)
-        self.warmup_steps, self.repeats, self.window_s = warmup_steps, repeats, window_s
+        self.warmup_steps, self.repeats, self.window_s, self.started = warmup_steps, repeats, window_s, started
         self.samples: dict[int, list[float]] = {}  # timed forward + backward per candidate (a window's mean each)
         self.window: dict[int, int] = {}  # steps per timed sample
+        self.timed_steps: dict[int, int] = {}  # steps per candidate in its timed samples (the anchor's included)
         self.scale: dict[int, float] = {}  # a grown size's samples: the factor onto the first stage's scale
         self.peaks: dict[int, int] = {}
         self.step_times: list[float] = []
@@ -284,57 +370,132 @@ class _Measurement:
         self.out_of_memory_at: int | None = None
         self.steps = 0
         self.seq_len = 0
+        self.clock = 0.0  # seconds of every step run so far (the budget's clock where steps are simulated)
+        self.warmup_s = 0.0  # the first stage's warm-up: seconds and passes
+        self.warmup_passes = 0
 
-    def measure(self, stage: list[int], anchor: int | None = None) -> None:
-        """``warmup_steps`` then ``repeats`` timed samples of every micro-batch of ``stage``, interleaved; with
-        ``anchor`` (a micro-batch measured before), its timed samples too, interleaved with the stage's, and the
-        stage's samples scaled by its median before over its median now: a busy spell of the host that lasts
-        the stage (a larger size alone takes many seconds on a slow region) moves the anchor as much as the
-        stage, and cancels, so every size is on the first stage's scale (``scale`` records the factors)."""
+    # ---- what the measurements say ---------------------------------------------------------------------
+    def medians(self) -> dict[int, float]:
+        return {m: statistics.median(self.samples[m]) for m in self.active if self.samples.get(m)}
+
+    def elapsed(self) -> float:
+        return max(time.perf_counter() - self.started, self.clock)
+
+    def fits(self, seconds: float, budget_s: float) -> bool:
+        """Whether a stage estimated at ``seconds`` ends within ``budget_s`` of the calibration's start."""
+        return self.elapsed() + seconds <= budget_s
+
+    def _sample_s(self, m: int) -> float:
+        """One timed sample of ``m``, as measured: its window's steps at its median step."""
+        return self.window.get(m, 1) * (statistics.median(self.samples[m]) + self._optimizer_s())
+
+    def _optimizer_s(self) -> float:
+        return statistics.median(self.step_times) if self.step_times else 0.0
+
+    def growth_s(self, larger: int, anchor: int) -> float:
+        """What measuring ``larger`` beside ``anchor`` is estimated to take: its step read off the line through
+        the measured medians (the next size up: at most twice the largest), its warm-up and timed samples."""
+        fit = linear_fit(self.medians())
+        lo, hi = min(fit), max(fit)
+        slope = (fit[hi] - fit[lo]) / (hi - lo) if hi > lo else fit[hi] / hi
+        step = max(fit[hi] + slope * (larger - hi), 0.0) + self._optimizer_s()
+        window = step * _window_steps(self.window_s, step) if self.window_s > 0 and self.warmup_steps else step
+        return self.warmup_steps * step + self.repeats * (window + self._sample_s(anchor))
+
+    def remeasure_s(self) -> float:
+        """What measuring every active candidate again is estimated to take (its timed samples)."""
+        return self.repeats * math.fsum(self._sample_s(m) for m in self.active)
+
+    # ---- measuring ---------------------------------------------------------------------------------------
+    def _run(self, m: int, n: int) -> tuple[float, float] | None:
+        """``n`` consecutive training steps of ``m``: (forward + backward s, optimizer s), summed; None when ``m``
+        ran out of memory (it and every larger candidate dropped)."""
+        self.worker.max_proxy_micro_batch = -(-m // self.size)  # one forward/backward per rank
+        fb_total = opt_total = 0.0
         on_cuda = self.device.type == "cuda"
+        try:
+            if on_cuda:
+                torch.cuda.reset_peak_memory_stats(self.device)
+            for _ in range(n):
+                fb_s, opt_s, tokens = _timed_training_step(self.worker, m, self.lr, self.device)
+                fb_total, opt_total = fb_total + fb_s, opt_total + opt_s
+                self.clock += fb_s + opt_s
+                self.steps += 1
+            if on_cuda:
+                self.peaks[m] = max(self.peaks.get(m, 0), int(torch.cuda.max_memory_allocated(self.device)))
+        except torch.cuda.OutOfMemoryError:
+            self.worker.optimizer.zero_grad(set_to_none=True)
+            torch.cuda.empty_cache()
+            if m == self.active[0]:
+                raise RunError(f"calibration of {self.worker.name}: a micro-batch of {m} does not fit in "
+                               f"{torch.cuda.get_device_name(self.device)}'s memory; give smaller micro-batches") from None  # fmt: skip
+            self.out_of_memory_at = m if self.out_of_memory_at is None else min(self.out_of_memory_at, m)
+            self.active = [x for x in self.active if x < m]
+            return None
+        self.seq_len = tokens // m
+        return fb_total, opt_total
+
+    def measure(self, stage: list[int], anchor: int | None = None, *, sustain_s: float = 0.0,
+                warm_up: bool = True) -> None:  # fmt: skip
+        """Warm ``stage`` up (``warmup_steps`` passes over it, one step of each, and more while the passes took
+        less than ``sustain_s`` in all), then ``repeats`` timed samples of every micro-batch of ``stage``,
+        interleaved; with ``anchor`` (a micro-batch measured before), its timed samples too, interleaved with
+        the stage's, and the stage's samples scaled by its median before over its median now: a busy spell of the
+        host that lasts the stage (a larger size alone takes many seconds on a slow region) moves the anchor as
+        much as the stage, and cancels, so every size is on the first stage's scale (``scale`` records the
+        factors). ``warm_up`` False: no warm-up, the windows known (a measurement again)."""
         self.active = sorted({*self.active, *stage})
+        k = 0  # passes so far: each runs the candidates ascending, the next descending
         first: dict[int, float] = {}
-        now: list[float] = []  # the anchor's samples in this stage
-        for k in range(self.warmup_steps + self.repeats):
-            if k == 1 and first and self.window_s > 0:  # after the first warm-up pass: the window's steps, agreed
-                firsts = [first.get(m, 0.0) for m in stage]
-                window_s, *longest = _agreed_max(self.worker, self.device, [self.window_s, *firsts])
-                self.window = {**self.window, **{m: _window_steps(window_s, t) for m, t in zip(stage, longest)}}
-            timed = k >= self.warmup_steps
-            order = [anchor, *stage] if anchor is not None and timed else stage
-            for m in order if k % 2 == 0 else order[::-1]:
+        later: dict[int, list[float]] = {}  # the warm-up's steps after its first pass
+        warm_s = 0.0
+        while warm_up and (k < self.warmup_steps or (sustain_s > 0 and k < MAX_WINDOW_STEPS and _agreed_max(
+                self.worker, self.device, [float(warm_s < sustain_s)])[0] > 0)):  # fmt: skip
+            for m in stage if k % 2 == 0 else stage[::-1]:
                 if m not in self.active:  # (dropped in this pass: a smaller one ran out of memory)
                     continue
-                n = self.window.get(m, 1) if timed else 1
-                self.worker.max_proxy_micro_batch = -(-m // self.size)  # one forward/backward per rank
-                fb_total = opt_total = 0.0
-                try:
-                    if on_cuda:
-                        torch.cuda.reset_peak_memory_stats(self.device)
-                    for _ in range(n):
-                        fb_s, opt_s, tokens = _timed_training_step(self.worker, m, self.lr, self.device)
-                        fb_total, opt_total = fb_total + fb_s, opt_total + opt_s
-                        self.steps += 1
-                    if on_cuda:
-                        self.peaks[m] = max(self.peaks.get(m, 0), int(torch.cuda.max_memory_allocated(self.device)))
-                except torch.cuda.OutOfMemoryError:
-                    self.worker.optimizer.zero_grad(set_to_none=True)
-                    torch.cuda.empty_cache()
-                    if m == self.active[0]:
-                        raise RunError(f"calibration of {self.worker.name}: a micro-batch of {m} does not fit in "
-                                       f"{torch.cuda.get_device_name(self.device)}'s memory; give smaller micro-batches") from None  # fmt: skip
-                    self.out_of_memory_at = m if self.out_of_memory_at is None else min(self.out_of_memory_at, m)
-                    self.active = [x for x in self.active if x < m]
+                took = self._run(m, 1)
+                if took is None:
                     continue
-                self.seq_len = tokens // m
-                if not timed:
-                    first.setdefault(m, fb_total + opt_total)
+                warm_s += sum(took)
+                if k == 0:
+                    first[m] = sum(took)
+                else:
+                    later.setdefault(m, []).append(sum(took))
+            k += 1
+        if sustain_s > 0:
+            self.warmup_s, self.warmup_passes = warm_s, k
+        ms = [m for m in stage if m in first]
+        if ms and self.window_s > 0:  # the window's steps at the warm-up's mean step, agreed over the ranks
+            # (the warm-up's second half: a burst at its start spent)
+            mean = [statistics.fmean(later[m][len(later[m]) // 2 :]) if later.get(m) else first[m] for m in ms]
+            longest = _agreed_max(self.worker, self.device, mean)
+            self.window.update({m: _window_steps(self.window_s, t) for m, t in zip(ms, longest)})
+        now: list[float] = []  # the anchor's samples in this stage
+        for _ in range(self.repeats):
+            order = [anchor, *stage] if anchor is not None else stage
+            steps: dict[int, float] = {}  # this pass's mean full step per candidate: the next windows' unit
+            for m in order if k % 2 == 0 else order[::-1]:
+                if m not in self.active:
                     continue
+                n = self.window.get(m, 1)
+                took = self._run(m, n)
+                if took is None:
+                    continue
+                self.timed_steps[m] = self.timed_steps.get(m, 0) + n
+                steps[m] = sum(took) / n
                 if m == anchor and m not in stage:
-                    now.append(fb_total / n)
+                    now.append(took[0] / n)
                     continue
-                self.samples.setdefault(m, []).append(fb_total / n)
-                self.step_times.append(opt_total / n)
+                self.samples.setdefault(m, []).append(took[0] / n)
+                self.step_times.append(took[1] / n)
+            k += 1
+            # a window follows the steps as sampled (a warm-up in a burst gave too short a step: its first window
+            # was long), agreed over the ranks
+            ms = [m for m in steps if m in self.window]
+            if ms:
+                longest = _agreed_max(self.worker, self.device, [steps[m] for m in ms])
+                self.window.update({m: _window_steps(self.window_s, t) for m, t in zip(ms, longest)})
         if anchor is not None and now and anchor in self.samples:
             f = statistics.median(self.samples[anchor]) / statistics.median(now)
             for m in stage:
@@ -342,39 +503,13 @@ class _Measurement:
                     self.samples[m] = [t * f for t in self.samples[m]]
                     self.scale[m] = f
 
-
-def cpu_quota_period_s(proc_cgroup: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup") -> float | None:
-    """The longest CFS period of a CPU quota over this process (its control group's, or an ancestor's: cgroup v1's
-    ``cpu.cfs_quota_us`` / ``cpu.cfs_period_us``, cgroup v2's ``cpu.max``), in seconds; None under no quota, or
-    where control groups cannot be read. A container's ``--cpus``, a batch system's CPU limit and the hosts test
-    bed's ``--cpu`` are such quotas."""
-    try:
-        lines = Path(proc_cgroup).read_text().splitlines()
-    except OSError:
-        return None
-    periods: list[float] = []
-    for line in lines:
-        _, controllers, path = (line.split(":", 2) + ["", ""])[:3]
-        v2 = controllers == ""
-        if not v2 and "cpu" not in controllers.split(","):
-            continue
-        mounts = [Path(root)] if v2 else [Path(root) / "cpu", Path(root) / controllers]
-        mount = next((m for m in mounts if m.is_dir()), None)
-        if mount is None:
-            continue
-        group = PurePosixPath(path if path.startswith("/") else "/" + path)
-        for ancestor in [group, *group.parents]:
-            where = mount / str(ancestor).lstrip("/")
-            try:
-                if v2:
-                    quota, period = (where / "cpu.max").read_text().split()[:2]
-                else:
-                    quota, period = (where / "cpu.cfs_quota_us").read_text(), (where / "cpu.cfs_period_us").read_text()
-                if quota.strip() not in ("max", "-1"):
-                    periods.append(int(period) / 1e6)
-            except (OSError, ValueError):
-                continue
-    return max(periods) if periods else None
+    def remeasure(self) -> None:
+        """Every active candidate measured afresh, interleaved, its earlier samples dropped (a table that did not
+        grow with the micro-batch: which of its samples a burst or a busy spell moved is not known)."""
+        for m in self.active:
+            self.samples[m] = []
+            self.scale.pop(m, None)
+        self.measure(list(self.active), warm_up=False)
 
 
 def _window_steps(window_s: float, step_s: float) -> int:
@@ -534,6 +669,7 @@ def _save_training_state(worker: Worker, device: torch.device) -> dict[str, Any]
         "grads": {n: None if p.grad is None else p.grad.detach().clone() for n, p in model.named_parameters()},
         # Optimizer.state_dict() hands out the live state tensors, which the next step changes in place
         "optimizer": _cloned(worker.optimizer.state_dict()),
+        "precision": worker.precision_state(),  # (fp16: the loss scaler's scale and growth tracker)
         "stream": copy.deepcopy(worker.stream.state_dict()),
         "max_proxy_micro_batch": worker.max_proxy_micro_batch,
         "training": model.training,
@@ -551,6 +687,7 @@ def _restore_training_state(worker: Worker, saved: dict[str, Any], device: torch
     for name, p in model.named_parameters():
         p.grad = saved["grads"][name]
     worker.optimizer.load_state_dict(saved["optimizer"])
+    worker.load_precision_state(saved["precision"])
     worker.stream.load_state_dict(saved["stream"])
     worker.max_proxy_micro_batch = saved["max_proxy_micro_batch"]
     model.train(saved["training"])

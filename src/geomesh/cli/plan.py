@@ -1,10 +1,12 @@
 """``geomesh plan`` and ``geomesh profile``: the planner's faces.
 
-``geomesh plan SCENARIO`` prints GeoMesh's per-worker plan beside DiLoCo's uniform one on the same cluster
-(``--json``: one JSON object on stdout, nothing else). ``geomesh plan RUN_FOLDER`` reads a run's records
-instead: every plan it made and why (the start, a member that left or joined, compute or the WAN measured
-against what the plan assumed), the WAN as declared against as measured, and the exchange kind the run took
-(chosen over the WAN measured before round 0, with each kind's modeled seconds there). ``geomesh profile`` measures this machine's device
+``geomesh plan SCENARIO`` prints GeoMesh's per-worker plan beside DiLoCo's uniform one on the same cluster,
+each region at the precision it will train in on its GPU (bf16, fp16 with loss scaling, fp32), which sets its
+modeled throughput (``--json``: one JSON object on stdout, nothing else). ``geomesh plan RUN_FOLDER`` reads a
+run's records instead: every plan it made and why (the start, a member that left or joined, compute or the WAN
+measured against what the plan assumed), the WAN as declared against as measured, the exchange kind the run took
+(chosen over the WAN measured before round 0, with each kind's modeled seconds there), and each region's
+precision with the steps its fp16 loss scaler skipped. ``geomesh profile`` measures this machine's device
 with the scenario's model and writes a profile that ``plan`` (``--profile REGION=FILE``) and the runtimes
 accept in place of the cost model.
 """
@@ -93,8 +95,10 @@ def run_plans(folder: Path) -> dict[str, Any]:
         events = read_events(folder / "events.jsonl")
     except (OSError, ValueError) as exc:
         raise RunError(f"{folder}: no readable run records (events.jsonl): {exc}") from None
-    plans, rounds, measured, exchange = [], [], None, None
+    plans, rounds, measured, exchange, precision = [], [], None, None, None
     for e in events:
+        if e.get("type") == "run" and isinstance(e.get("precision"), dict):
+            precision = {k: {"precision": v} for k, v in e["precision"].items()}
         if e.get("type") == "plan" and isinstance(e.get("plan"), dict):
             p = e["plan"]
             why = e.get("reason") or ("compute measured against planned" if e.get("replan") else
@@ -116,15 +120,26 @@ def run_plans(folder: Path) -> dict[str, Any]:
             measured = fields.get("wan_measured") or measured
             if exchange is None and fields.get("exchange"):  # (chosen once, over the declared WAN)
                 exchange = {"exchange": fields["exchange"], "wan": "declared", "reason": None, "seconds": None}
+            if isinstance(fields.get("precision"), dict):  # (with the steps each region's loss scaler skipped)
+                precision = fields["precision"]
         except (OSError, ValueError, AttributeError):
             pass
     if not plans:
         raise RunError(f"{folder}: its records hold no plan (a run of a method that plans, started at least)")
-    return {"folder": str(folder), "plans": plans, "wan_measured": measured, "rounds": rounds, "exchange": exchange}
+    return {"folder": str(folder), "plans": plans, "wan_measured": measured, "rounds": rounds, "exchange": exchange,
+            "precision": precision}
 
 
 def print_run_plans(out: dict[str, Any]) -> None:
     print(f"plans of the run in {out['folder']}:")
+    if out.get("precision"):
+        parts = []
+        for name, p in out["precision"].items():
+            p = p if isinstance(p, dict) else {"precision": p}
+            skipped = p.get("skipped_steps") if p.get("precision") == "fp16" else None
+            parts.append(f"{name} {p.get('precision')}"
+                         + (f" ({skipped} steps skipped by its loss scaler)" if skipped is not None else ""))
+        print(f"  precision: {', '.join(parts)}")
     for p in out["plans"]:
         regions = "  ".join(f"{n} {b}x{h}" for n, (b, h) in p["workers"].items())
         ex = f"exchange {p['exchange_s']:.3g} s" if isinstance(p["exchange_s"], (int, float)) else ""
@@ -172,11 +187,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
             raise ConfigError(f"--profile {region}: {exc}") from None
     plans = cluster_plans(scenario, profiles, allow_drop=args.allow_drop)
     exchanges = cluster_exchanges(scenario)
+    precisions = region_precisions(scenario, profiles)
     exchange, sparse = exchanges["geomesh"], exchanges["geomesh-sparse"]
     tail = last_exchange(scenario, plans["geomesh"]) if plans["geomesh"].overlap else None
     if args.json:
         out = plans["geomesh"].to_json()
         out["scenario"] = scenario.name
+        out["precision"] = precisions  # per region: what it trains in (the cost model plans its throughput at it)
         out["exchange"] = exchange.to_json()
         out["sparse_exchange"] = sparse.to_json()  # geomesh-sparse's (its sparse payloads)
         out["sparse_overlap_exchange"] = exchanges["geomesh-sparse-overlap"].to_json()  # (overlapped rounds)
@@ -187,7 +204,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         return 0
     for name, plan in plans.items():
         print(f"\n{name} on {scenario.name}:")
-        print(format_plan(plan))
+        print(format_plan(plan, precisions))
     g, d = plans["geomesh"], plans["diloco"]
 
     def wan(p) -> float:  # the round's WAN wait; overlapped, only the part of the exchange longer than the compute
@@ -244,11 +261,26 @@ def last_exchange(scenario, plan) -> dict[str, Any]:
     return {"fragments": split.fragments, "wait_s": wait, "dropped_s": dropped, "whole_s": whole}
 
 
-def format_plan(plan) -> str:
-    head = f"{'worker':<16}{'gpu':<10}{'micro':>6}{'accum':>6}{'batch':>6}{'H':>5}{'compute':>10}{'waits':>9}"
+def region_precisions(scenario, profiles: dict[str, Any] | None = None) -> dict[str, str]:
+    """Each region's precision as the plan counts it: the cost model's on the region's declared GPU
+    (:meth:`~geomesh.config.ScenarioConfig.planned_precision`: ``auto`` is bf16 where the GPU has it, fp16 with loss
+    scaling where not), or what a measured profile (``--profile``) was measured at."""
+    out = {}
+    for region in scenario.regions:
+        given = (profiles or {}).get(region.name)
+        measured = given.extra.get("precision_name") if given is not None else None
+        out[region.name] = measured or scenario.planned_precision(region)
+    return out
+
+
+def format_plan(plan, precisions: dict[str, str] | None = None) -> str:
+    """A plan as a table, one row per worker (with its precision when ``precisions`` names it)."""
+    head = (f"{'worker':<16}{'gpu':<10}{'prec':<6}{'micro':>6}{'accum':>6}{'batch':>6}{'H':>5}{'compute':>10}"
+            f"{'waits':>9}")  # fmt: skip
     lines = [f"rule: {plan.rule}", head] if plan.rule else [head]
     for w in plan.workers:
-        lines.append(f"{w.name:<16}{w.gpu:<10}{w.micro_batch:>6}{w.accum:>6}{w.batch:>6}{w.inner_steps:>5}"
+        prec = (precisions or {}).get(w.name, "")
+        lines.append(f"{w.name:<16}{w.gpu:<10}{prec:<6}{w.micro_batch:>6}{w.accum:>6}{w.batch:>6}{w.inner_steps:>5}"
                      f"{w.compute_s:>9.1f}s{w.straggler_wait_s:>8.1f}s")  # fmt: skip
     lines.append(f"round {plan.round_s:.1f} s (exchange {plan.exchange_s:.1f} s, {human_bytes(plan.exchange_bytes)} "
                  f"per worker); straggler idle {plan.straggler_idle_frac:.1%}; utilisation {plan.utilization:.1%}")  # fmt: skip

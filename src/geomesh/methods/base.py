@@ -142,9 +142,12 @@ class OuterLoopMethod(Method):
     def _payload(worker: Worker, global_params: Tensors, codec: Codec, result: InnerResult,
                  names: tuple[str, ...] | None = None) -> bytes | None:  # fmt: skip
         """The worker's pseudo-gradient against θ (only the tensors ``names``: a fragment), encoded with the
-        steps' tokens; None (warned) when the steps or the pseudo-gradient are not finite."""
+        tokens of the steps that applied (an fp16 step its loss scaler skipped trained none); None (warned) when
+        the steps or the pseudo-gradient are not finite, or when no step applied."""
         if not result.finite:
             warnings.warn(f"worker {worker.name}: non-finite loss or parameters; its update is dropped this round")
+            return None
+        if not applied_any(worker, result):
             return None
         delta = worker.pseudo_gradient(global_params, names)
         try:
@@ -199,6 +202,16 @@ class OuterLoopMethod(Method):
             return False
         outer.step(codec.combine(payloads))
         return True
+
+
+def applied_any(worker: Worker, result: InnerResult) -> bool:
+    """Whether any of the round's steps applied; False (warned) when they ran but every one overflowed in fp16 and
+    its loss scaler skipped it: the worker has nothing to send (its pseudo-gradient is zero, its token count 0)."""
+    if result.tokens > 0 or result.steps == 0:
+        return True
+    warnings.warn(f"worker {worker.name}: all {result.steps} inner steps overflowed in fp16 and were skipped by the "
+                  "loss scaler (it halves its scale each time); no update this round")  # fmt: skip
+    return False
 
 
 @dataclass

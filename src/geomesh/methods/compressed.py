@@ -42,7 +42,7 @@ from typing import Literal
 from ..codec import Manifest, QuantCodec, SparseSignCodec
 from ..codec.sharded_sparse import EXACT_BITS
 from ..config import CompressionConfig, ScenarioConfig
-from .base import OuterLoopMethod
+from .base import OuterLoopMethod, applied_any
 
 
 def _compression(scenario: ScenarioConfig) -> CompressionConfig:
@@ -143,6 +143,8 @@ class CompressedMethod(OuterLoopMethod):
         result = worker.train(steps, batch, lr_at_step)
         if not result.finite:
             warnings.warn(f"worker {worker.name}: non-finite loss or parameters; its update is dropped this round")
+            return None, result
+        if not applied_any(worker, result):
             return None, result
         delta = worker.pseudo_gradient(global_params)
         try:

@@ -128,10 +128,11 @@ def merge_results(first: InnerResult | None, rest: InnerResult) -> InnerResult:
     if first is None or first.steps == 0:
         return rest
     if rest.steps == 0:
-        return InnerResult(first.steps, first.tokens, first.mean_loss, first.finite and rest.finite)
+        return InnerResult(first.steps, first.tokens, first.mean_loss, first.finite and rest.finite, first.skipped)
     steps = first.steps + rest.steps
     mean = (first.mean_loss * first.steps + rest.mean_loss * rest.steps) / steps
-    return InnerResult(steps, first.tokens + rest.tokens, mean, first.finite and rest.finite)
+    return InnerResult(steps, first.tokens + rest.tokens, mean, first.finite and rest.finite,
+                       first.skipped + rest.skipped)
 
 
 def planned_tokens(plan_workers: Sequence, steps: Sequence[int]) -> dict[str, int]:

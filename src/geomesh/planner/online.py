@@ -74,6 +74,19 @@ SPREAD_MIN_ROUNDS = 3  # rounds since the plan a worker needs before its drift i
 DEADBAND_FLOOR = 0.01  # (noise-aware) a re-plan that gains less than this (straggler idle, round length) is none
 SHAPE_BATCHES = 8  # (noise-aware) the batches a worker's table is corrected at (the most recently measured)
 OVERHEAD_WINDOW = 5  # recent rounds whose median is a worker's round overhead (an evaluation's outlier is one)
+# (noise-aware) a round whose measured compute is further than this factor from its plan (either way; more once
+# the rounds' noise is known: OnlinePlanner._far) is a miss far beyond the noise: re-planned for at the next round
+# (at a batch the worker's rounds measured, taken as its speed at once, no round of confirmation), a warm-up round
+# included when it was that much faster
+MISS_FACTOR = 1.5
+# (noise-aware) ... while the worker's speed level rests on fewer rounds than this: the plan is then the
+# calibration's or a few rounds', and a far miss is its error. Against a level of this many rounds one far round
+# is likelier a moment (a descheduled process) than a new speed: it waits for one round's confirmation
+SETTLED_ROUNDS = 4
+# (noise-aware) one re-plan changes the round's length by at most this factor, and gives a worker at most this
+# factor more work than the plan in force gave it for its time then: a wrong single measurement (a descheduled
+# process, a burst that ended) cannot make the next round many times longer; the plan steps on at the next round
+ROUND_STEP = 2.0
 
 
 class OnlinePlanner:
@@ -128,6 +141,17 @@ class OnlinePlanner:
       whatever GPU each declared;
     - workers that a plan made apart and that now measure alike are planned as one again when their work per
       round differs by more than ``threshold`` (in log);
+    - a round that misses its plan far beyond the noise (:data:`MISS_FACTOR` while the noise is unknown;
+      :meth:`_far`), while the worker's level rests on fewer than :data:`SETTLED_ROUNDS` rounds (the plan is the
+      calibration's or a few rounds'), re-plans at the next :meth:`maybe_replan`, and at a batch the level
+      measured is taken at once (a new level from it, no round of confirmation); a warm-up round counts when it
+      was that far *faster* than planned (a start-up only slows a round). Against a settled level a far round
+      waits for confirmation, as one at a batch the level never measured does (the table's error there);
+    - a re-plan changes the round's length (the longest work) by at most :data:`ROUND_STEP` either way, every
+      worker filling the round so held at its measured speed, and gives a worker at most ROUND_STEP times the
+      work its time was worth by the plan in force (:meth:`_guarded`, :meth:`_bounded_round`): a wrong single
+      measurement makes the next round at most that much longer. A plan so held (:attr:`limited`) is stepped on
+      at the next call. A datasheet profile's first measurement (``first_measurement_sets_factor``) is not held;
     - and a new plan that those rules ask for is adopted only when it moves the work (:meth:`settles`): under
       the current estimates its straggler idle is lower than the plan in force's, or its round's compute
       differs, by more than :data:`DEADBAND_FLOOR`. Otherwise (the same plan, a speed every worker shares,
@@ -164,6 +188,8 @@ class OnlinePlanner:
         first_measurement_sets_factor: bool = False,
         noise_k: float = 0.0,
         warmup_rounds: int = 0,
+        miss_factor: float = MISS_FACTOR,
+        round_step: float = ROUND_STEP,
     ):
         if not 0.0 <= smoothing < 1.0:
             raise ValueError(f"smoothing={smoothing!r}: must be in [0, 1)")
@@ -173,6 +199,9 @@ class OnlinePlanner:
             raise ValueError(f"noise_k={noise_k!r}: must be >= 0")
         if isinstance(warmup_rounds, bool) or not isinstance(warmup_rounds, int) or warmup_rounds < 0:
             raise ValueError(f"warmup_rounds={warmup_rounds!r}: must be an integer >= 0")
+        for label, value in (("miss_factor", miss_factor), ("round_step", round_step)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 1.0:
+                raise ValueError(f"{label}={value!r}: must be a factor > 1 (inf: none)")
         constraints.validate()
         self.profiles = scaled_profiles(profiles, {})
         self.constraints = constraints
@@ -197,8 +226,15 @@ class OnlinePlanner:
         self.groups: list[list[str]] = []  # (noise-aware) the workers the plan in force planned as one
         self.fresh: set[str] = set()  # (noise-aware) run by the plan in force at a batch their level never measured
         self._candidate_groups: list[list[str]] = []
+        self._candidate_limited = False
         self.overheads: dict[str, list[float]] = {p.name: [] for p in self.profiles}  # recent round overheads
         self.overhead_assumed: dict[str, float] = {p.name: 0.0 for p in self.profiles}  # the plan in force's
+        self.miss_factor, self.round_step = float(miss_factor), float(round_step)
+        self.missed: set[str] = set()  # (noise-aware) their last round missed the plan in force far: re-plan now
+        self.limited = False  # (noise-aware) the plan in force was held to ROUND_STEP: the next round steps on
+        # (noise-aware) whose assumption in the plan in force rests on evidence (a measurement, or a calibrated
+        # profile): the bounds of ROUND_STEP hold for them; a datasheet profile's first measurement is taken whole
+        self.grounded: set[str] = set() if first_measurement_sets_factor else {p.name for p in self.profiles}
 
     # ---- planning ---------------------------------------------------------------------------------------
     def plan(self, exchange_bytes: int = 0, exchange_s: float = 0.0) -> Plan:
@@ -215,15 +251,74 @@ class OnlinePlanner:
             return self.current
         return self._put_in_force(self._candidate(exchange_bytes, exchange_s))
 
-    def _candidate(self, exchange_bytes: int, exchange_s: float) -> Plan:
-        """(noise-aware) The plan the current estimates give: workers that measure alike planned as one."""
+    def _candidate(self, exchange_bytes: int, exchange_s: float, bounded: bool = False) -> Plan:
+        """(noise-aware) The plan the current estimates give: workers that measure alike planned as one;
+        ``bounded``: held to :data:`ROUND_STEP` from the plan in force (:meth:`_guarded`, :meth:`_bounded_round`;
+        :attr:`_candidate_limited` says whether that changed it)."""
         estimates = self.estimates()
         groups = self._groups(estimates)
-        plan = plan_balanced(pooled(estimates, groups), self.constraints, exchange_bytes, exchange_s)
+        guarded = self._guarded(estimates) if bounded else estimates
+        profiles = pooled(guarded, groups)
+        plan = plan_balanced(profiles, self.constraints, exchange_bytes, exchange_s)
+        limited = guarded is not estimates
+        if bounded:
+            plan, held = self._bounded_round(plan, profiles, exchange_bytes, exchange_s)
+            limited = limited or held
+        self._candidate_limited = limited
         plan_names = {w.name for w in plan.workers}
         self._candidate_groups = sorted(sorted(estimates[i].name for i in g if estimates[i].name in plan_names)
                                         for g in groups if any(estimates[i].name in plan_names for i in g))  # fmt: skip
         return plan
+
+    def _bounds_hold(self) -> bool:
+        """(noise-aware) Whether a re-plan is held to :data:`ROUND_STEP` from the plan in force: there is one, of
+        these workers, and the bound is finite."""
+        current = self.current
+        return (current is not None and math.isfinite(self.round_step)
+                and {w.name for w in current.workers} == set(self.factors))  # fmt: skip
+
+    def _guarded(self, estimates: list[WorkerProfile]) -> list[WorkerProfile]:
+        """(noise-aware) ``estimates`` (:meth:`estimates`), each grounded worker (:attr:`grounded`) at most
+        :data:`ROUND_STEP` times faster, at the (micro-batch, accumulation) the plan in force gives it, than that
+        plan assumed: a worker measured 7 times faster than planned gets twice the work this re-plan (and its
+        round shows whether the rest is true), so a measurement that was wrong makes its next round at most twice
+        the round in force. ``estimates`` itself when nothing is held."""
+        if not self._bounds_hold():
+            return estimates
+        out, held = [], False
+        for p in estimates:
+            w = self.current.worker(p.name)
+            planned = w.compute_s / w.inner_steps  # the step the plan in force assumed (its group's)
+            now = p.step_s(w.micro_batch, w.accum)
+            if p.name in self.grounded and now * self.round_step < planned:
+                p = dataclasses.replace(p, slowdown=p.slowdown * planned / (self.round_step * now))
+                held = True
+            out.append(p)
+        return out if held else estimates
+
+    def _bounded_round(self, plan: Plan, profiles: list[WorkerProfile], exchange_bytes: int,
+                       exchange_s: float) -> tuple[Plan, bool]:  # fmt: skip
+        """(noise-aware) ``plan``, or, when its round (the longest work: compute and round overhead) is more than
+        :data:`ROUND_STEP` times longer or shorter than the plan in force's, the plan that fills the round held
+        to that factor (``profiles``, as planned: every worker fills it at its measured speed, so a slower one
+        does less than the reference work this round, and none waits for it); whether it was held. Only where
+        every worker's assumption is grounded (a datasheet profile's first measurement is taken whole)."""
+        if not self._bounds_hold() or self.grounded != set(self.factors):
+            return plan, False
+        before = max(w.compute_s + w.overhead_s for w in self.current.workers)
+        after = max(w.compute_s + w.overhead_s for w in plan.workers)
+        target = min(max(after, before / self.round_step), before * self.round_step)
+        overhead = max(p.round_overhead_s for p in profiles)
+        if math.isclose(target, after, rel_tol=1e-9) or target <= overhead:
+            return plan, False
+        held = dataclasses.replace(self.constraints, fill=False, target_sequences=None,
+                                   round_compute_s=target - overhead)  # fmt: skip
+        out = plan_balanced(profiles, held, exchange_bytes, exchange_s)
+        how = "longer" if after > before else "shorter"
+        out.rule = (f"the round held to {target:.3g} s, {self.round_step:g}x {how} than the round in force "
+                    f"({before:.3g} s; one re-plan changes it at most {self.round_step:g}x); the rule's round: "
+                    f"{after:.3g} s ({plan.rule})")  # fmt: skip
+        return out, True
 
     def _groups(self, estimates: list[WorkerProfile]) -> list[list[int]]:
         """(noise-aware) The workers that measure alike (indices of ``estimates``, :meth:`estimates`), under
@@ -262,9 +357,10 @@ class OnlinePlanner:
                     return True
         return False
 
-    def _put_in_force(self, plan: Plan) -> Plan:
+    def _put_in_force(self, plan: Plan, limited: bool = False) -> Plan:
         self.current = plan
         self.groups = self._candidate_groups
+        self.limited = limited
         self._rebase()
         return plan
 
@@ -276,6 +372,9 @@ class OnlinePlanner:
         self.overhead_assumed = {k: self.round_overhead(k) for k in self.factors}
         self.assumed_n = {k: len(v) for k, v in self.level.items()}
         self.since = {k: [] for k in self.factors}
+        self.missed = set()
+        if self.first_measurement_sets_factor:
+            self.grounded = set(self.measured)
         # the workers the plan runs at a batch their level never measured (their factor there is the table's
         # shape read elsewhere): their measurements there are held to the noise alone (:meth:`_floor`)
         self.fresh = {k for k, b in batches.items() if self.level[k] and b not in self.level_at[k]
@@ -392,9 +491,14 @@ class OnlinePlanner:
             raise ValueError(f"unknown worker {name!r}; workers: {', '.join(self.factors)}")
         entry = _entry(plan, name)
         observed = _implied_factor(profile, entry, measured_compute_s)
+        # how far the round missed its plan (log); a miss far beyond the noise is re-planned for at once
+        miss = math.log(measured_compute_s / entry.compute_s) if entry.compute_s > 0 else 0.0
+        far_s = self._far(name, self.assumed_n[name])
+        far = far_s is not None and abs(miss) > far_s
         if self.warmed[name] < self.warmup_rounds:  # start-up, not the worker's speed
             self.warmed[name] += 1
-            return self.factors[name]
+            if not (far and miss < 0):  # (a start-up only ever slows a round: one far faster is a speed)
+                return self.factors[name]
         if self.noise_k > 0:
             f = self._fold_noise_aware(name, observed, first=self.first_measurement_sets_factor
                                        and name not in self.measured, batch=entry.batch)  # fmt: skip
@@ -405,11 +509,41 @@ class OnlinePlanner:
         self.factors[name] = f
         self.measured.add(name)
         self.history[name] = [*self.history[name], observed][-NOISE_WINDOW:]
+        if far and self.noise_k > 0 and (self.current is None or plan.digest() == self.current.digest()):
+            self.missed.add(name)
         return f
+
+    def _far(self, name: str, n: int) -> float | None:
+        """(noise-aware) How far (log) a round may be from what ``n`` observations predicted (its plan, the
+        worker's factor) before it is a miss far beyond the noise, or None: no miss is, the worker's level rests
+        on :data:`SETTLED_ROUNDS` rounds or more (a far round waits for confirmation as any other). While the
+        rounds' noise is unknown (the first measured rounds: the plan rests on the calibration, whose error a
+        measured round shows), log(``miss_factor``); once it is known (from a few changes, often far too low),
+        ``miss_factor`` squared, or twice the noise band of the difference, 2·``noise_k``·σ·√(1 + 1/n), where
+        that is wider (a host whose rounds scatter by 25% misses 1.5x by noise alone; a prediction from one noisy
+        round is that round's noise off)."""
+        if self.noise_k <= 0 or len(self.level[name]) >= SETTLED_ROUNDS:
+            return None
+        sigma = self.noise(name)
+        if sigma is None:
+            return math.log(self.miss_factor)
+        return max(2.0 * math.log(self.miss_factor), 2.0 * self.noise_k * sigma * math.sqrt(1.0 + 1.0 / max(n, 1)))
 
     def _fold_noise_aware(self, name: str, observed: float, first: bool, batch: int) -> float:
         expected, held = self.factor_at(name, batch), self.held[name]
         sigma = self.noise(name)  # from the observations before this one
+        far = self._far(name, len(self.level[name]))
+        if (not first and far is not None and batch in self.level_at[name]
+                and abs(math.log(observed / expected)) > far):  # fmt: skip
+            # far beyond the noise at a batch the level measured: the speed changed, a new level from this round
+            # at once (no round of confirmation). At a batch it never measured, the rules below hold as before
+            # (two rounds there are the table's error at that batch, which stays with the table: one wild round
+            # is not made that)
+            self.held[name], self.held_at[name] = [], []
+            self.level[name], self.level_at[name] = [observed], [batch]
+            self.since[name] = [observed]
+            self.assumed_n[name] = 0  # what the plan assumed was another speed: no evidence for it
+            return self.factor_at(name, batch)
         if first or sigma is None or abs(math.log(observed / expected)) <= max(
                 self._floor(name), self.noise_k * sigma):
             self.held[name], self.held_at[name] = [], []  # an earlier held-back observation was an outlier
@@ -478,6 +612,9 @@ class OnlinePlanner:
         if self.noise_k <= 0:
             drifted = max(self.drift().values()) > self.threshold or overhead
             return self.plan(exchange_bytes, exchange_s) if drifted else None
+        # a round far off its plan (:meth:`observe`), or a plan in force held to ROUND_STEP: re-planned now
+        missed, limited = sorted(self.missed), self.limited
+        self.missed = set()
         moved = [k for k, xs in self.since.items()
                  if xs and abs(math.log(geomean(xs) / self.assumed[k])) > self.band(k)]  # fmt: skip
         # twice the evidence the plan was made from, and it says otherwise by more than the threshold: the
@@ -486,19 +623,21 @@ class OnlinePlanner:
                      and abs(math.log(self.factors[k] / self.assumed[k])) > self.threshold]  # fmt: skip
         drifts = self._drifts()
         apart = self.spread(drifts) > self._spread_band(drifts)
-        merged = not (moved or refreshed or apart or overhead) and self._merged()
-        if not (moved or refreshed or apart or merged or overhead):
+        merged = not (moved or refreshed or apart or overhead or missed or limited) and self._merged()
+        if not (moved or refreshed or apart or merged or overhead or missed or limited):
             return None
         if apart:  # every worker's time at the plan it runs now: the next plan corrects their differences
             moved = [k for k, xs in self.since.items() if len(xs) >= SPREAD_MIN_ROUNDS]
         for k in moved:  # a new level, from what the rounds since the plan measured
-            self._remeasure(k)
-        candidate = self._candidate(exchange_bytes, exchange_s)
+            if k not in missed:  # (a far miss started its level from that round already)
+                self._remeasure(k)
+        candidate = self._candidate(exchange_bytes, exchange_s, bounded=True)
         if self.settles(candidate, merged):  # no change worth a re-plan: the plan in force stays
             if not merged:
                 self._rebase()
+            self.limited = False
             return None
-        return self._put_in_force(candidate)
+        return self._put_in_force(candidate, limited=self._candidate_limited)
 
     def settles(self, candidate: Plan, merged: bool = False) -> bool:
         """(noise-aware) Whether ``candidate`` changes nothing worth a re-plan from the plan in force: it is the
@@ -577,6 +716,7 @@ class OnlinePlanner:
                 "fresh": sorted(self.fresh),
                 "overheads": {k: list(v) for k, v in self.overheads.items()},
                 "overhead_assumed": dict(self.overhead_assumed),
+                "missed": sorted(self.missed), "limited": self.limited, "grounded": sorted(self.grounded),
                 "current": self.current.to_json() if self.current is not None else None}  # fmt: skip
 
     def load_state_dict(self, state: Mapping) -> None:
@@ -614,6 +754,12 @@ class OnlinePlanner:
         self.overheads = {k: [float(x) for x in given[k] if _overhead(x)][-OVERHEAD_WINDOW:]
                           if isinstance(given.get(k), list) else [] for k in self.factors}  # fmt: skip
         self.overhead_assumed = {k: float(assumed[k]) if _overhead(assumed.get(k)) else 0.0 for k in self.factors}
+        # (older states: no far miss pending, no plan held, the measured workers' assumptions grounded)
+        self.missed = set(state.get("missed", ())) & names
+        self.limited = bool(state.get("limited", False))
+        grounded = state.get("grounded")
+        self.grounded = (set(grounded) & names if isinstance(grounded, (list, tuple))
+                         else set(self.measured) if self.first_measurement_sets_factor else set(names))  # fmt: skip
 
 
 def _overhead(value) -> bool:

@@ -39,11 +39,20 @@ it took. The model is measured ≈ a·latency_s + b·transfer_s.
   Three, not two as for compute: with σ measured from a few exchanges, two in a row past a 2σ band on one
   side come from noise alone too often. A probe is always folded in: probes are deliberate, and their sizes
   differ on purpose.
+- **Probes that a burst cannot fool, and a first exchange that corrects them.** A token bucket lets a burst
+  through at line rate (tens of KB), so a probe that fits in one measures the line, not the rate: the large
+  probe is at least :data:`PROBE_BURST_TIMES` plausible bursts (:func:`probe_sizes`). Where the probes were
+  fooled anyway (a shaper that holds only longer transfers, a bucket larger than thought), the first exchanges
+  say so: with ``noise_k`` > 0, an exchange more than :data:`FAR_FACTOR` off its prediction (and than twice
+  the noise band of the probes' own scatter) while σ is still unknown starts a new level from itself at once
+  (the a:b split as known), and :meth:`WanEstimator.should_replan` re-plans for it without waiting for the
+  noise.
 - **A deadband.** :meth:`WanEstimator.drift` is the log-ratio of the latest exchange as predicted at the
   factors now and at those the plan in force assumed (:meth:`WanEstimator.assume`).
   :meth:`WanEstimator.should_replan` gives a one-line reason when that drift is past ``threshold`` and past
   ``noise_k``·σ, else None: a change smaller than the measurements' noise is no change. With ``noise_k`` > 0
-  there is no re-plan while σ is unknown (the first six exchanges, probes included); with
+  there is no re-plan while σ is unknown (the first six exchanges, probes included) but for an exchange
+  :data:`FAR_FACTOR` off (above); with
   ``noise_k`` 0, ``threshold`` alone. Simulated (noise lognormal with σ equal to the 10% threshold, 40
   exchanges of one size around an accurately declared link, 200 seeds), 5% of the runs re-plan on noise
   alone, where the plain threshold rule re-plans 6.5 times per run.
@@ -67,13 +76,24 @@ NOISE_WINDOW = 16  # recent observations (held-back ones included) whose residua
 SPAN_MIN = 0.1  # transfer shares at least this far apart separate latency from bandwidth
 SIZES_APART = 4.0  # transfer parts per latency part this many times apart are two sizes (the probes: >= 4x)
 SCATTER_APART = 4.0  # measured shares this many times their scatter apart are a split, not noise
-FACTOR_MIN, FACTOR_MAX = 1 / 64, 64.0  # the factors' sane range
+# the factors' sane range (a link held to 400 kbit/s and declared 1 Gbit/s is 2500 times slower than declared)
+FACTOR_MIN, FACTOR_MAX = 1 / 4096, 4096.0
 NOISE_MIN_CHANGES = 5  # successive changes of the prediction errors before their dispersion is trusted
 CONFIRM = 3  # exchanges in a row outside the noise, on one side, that are a change of the link (fewer: outliers)
 
 PROBE_SMALL = 512  # bytes per region of the small WAN probe (latency), before round 0
-PROBE_LARGE_MAX = 4 << 20  # the large probe (bandwidth) is the exchange's payload, up to this
+# what a token bucket plausibly lets through at line rate before it holds a link to its rate: Linux tbf's and most
+# shapers' bursts are tens of KB (tbf needs at least rate / HZ; 32-64 KB is the common setting), and a probe that
+# fits in one measures the line, not the rate (the bed, declared 1 Gbit/s and held to 400 kbit/s: "transfer x2.49")
+PROBE_BURST = 64 << 10
+PROBE_BURST_TIMES = 4  # the large probe is at least this many plausible bursts: its time is mostly the held rate
+PROBE_LARGE_MAX = 4 << 20  # the large probe (bandwidth) is the exchange's payload, up to this (at least the above)
 PROBE_REPEATS = 2  # each size this many times: the probes' scatter is what tells a split from jitter
+# (noise_k > 0) an exchange whose wire time is more than this factor off the prediction (either way) before the
+# noise is known (the first exchanges after the probes) corrects the factors at once: the probes before round 0
+# were fooled (a burst let them through at line rate, a shaper that holds only longer transfers), and the plan
+# made from them is re-made at once, not after the exchanges that measure the noise
+FAR_FACTOR = 2.0
 
 _STATE_VERSION = 1
 _SAME = 1e-9  # factors this close to 1 are 1 (float rounding of a latency part plus a transfer part)
@@ -89,9 +109,13 @@ def exchange_parts(method: Any, wan: WanModel, nbytes: float) -> tuple[float, fl
 
 def probe_sizes(payload_nbytes: float) -> list[int]:
     """The WAN probes before round 0, in the order both runtimes send them: :data:`PROBE_REPEATS` times a
-    :data:`PROBE_SMALL`-byte all-gather and one of the exchange's payload (at least 4x the small one, at most
-    :data:`PROBE_LARGE_MAX`). Two sizes separate latency from bandwidth (the module docstring)."""
-    large = max(PROBE_SMALL * 4, min(int(payload_nbytes), PROBE_LARGE_MAX))
+    :data:`PROBE_SMALL`-byte all-gather and one of the exchange's payload, at most :data:`PROBE_LARGE_MAX` and at
+    least :data:`PROBE_BURST_TIMES` × :data:`PROBE_BURST` (256 KiB): a probe that a token bucket's burst lets
+    through at line rate measures the line, not the rate the link is held to, so the large probe is several
+    plausible bursts (its time is then mostly the held rate: within 4/3 of it). Two sizes separate latency from
+    bandwidth (the module docstring). What they cost: 2 × 256 KiB on a link held to 400 kbit/s takes about 11 s
+    (each ring step of the all-gather carries it once), on one at 20 Mbit/s a quarter of a second."""
+    large = max(PROBE_BURST * PROBE_BURST_TIMES, min(int(payload_nbytes), PROBE_LARGE_MAX))
     return [PROBE_SMALL, large] * PROBE_REPEATS
 
 
@@ -159,6 +183,7 @@ class WanEstimator:
         self._held: list[tuple[float, float, float]] = []  # outside the noise on one side, not yet CONFIRM of them
         self._last: tuple[float, float] | None = None  # the latest exchange's declared parts: what drift() predicts
         self._since = 0  # observations folded in since the plan in force
+        self._corrected = False  # FAR_FACTOR corrected the factors since the plan in force (a re-plan, noise unknown)
         self.observations = 0
         self.probes = 0
         self.held_back = 0
@@ -205,7 +230,15 @@ class WanEstimator:
         self._last = (obs[0], obs[1])
         sigma = self.noise()  # from the observations before this one
         residual = self._residual(obs)
-        if probe or self.noise_k <= 0 or sigma is None or abs(residual) <= max(self.threshold, self.noise_k * sigma):
+        if not probe and self.noise_k > 0 and sigma is None and self._level and abs(residual) > self._far():
+            # an exchange far from what the probes (or the first exchanges) predicted, before the noise is known:
+            # they were fooled, the link is what this exchange measured; a new level from it at once (the a:b
+            # split as known), and a re-plan without waiting for the noise (should_replan)
+            self._held = []
+            self._level = [obs]
+            self._since += 1
+            self._corrected = True
+        elif probe or self.noise_k <= 0 or sigma is None or abs(residual) <= max(self.threshold, self.noise_k * sigma):
             self._held = []  # an earlier held-back exchange was an outlier
             self._level = [*self._level, obs][-WINDOW:]
             self._since += 1
@@ -229,6 +262,18 @@ class WanEstimator:
         latency, transfer = time_parts(lambda wan: wan.allgather_s(nbytes), declared)
         if latency + transfer > 0 and measured_s > 0:
             self.observe(latency, transfer, measured_s, probe=True)
+
+    def _far(self) -> float:
+        """(noise_k > 0, σ unknown) How far (log) an exchange may be from the prediction before it corrects the
+        factors at once: log(:data:`FAR_FACTOR`), or twice the noise band of the level's own scatter around its
+        fit (2·``noise_k``·its relative RMS, n − 2 degrees of freedom: the probes repeat each size, and on
+        loopback or a busy host their times scatter by a factor of three) where that is wider."""
+        n = len(self._level)
+        far = math.log(FAR_FACTOR)
+        if n < 3:
+            return far
+        squares = math.fsum(math.log(m / self.predict(lat, t)) ** 2 for lat, t, m in self._level)
+        return max(far, 2.0 * self.noise_k * math.sqrt(squares / (n - 2)))
 
     def _residual(self, obs: tuple[float, float, float]) -> float:
         return math.log(obs[2] / self.predict(obs[0], obs[1]))
@@ -296,8 +341,8 @@ class WanEstimator:
             return None
         if self.noise_k > 0:
             sigma = self.noise()
-            if sigma is None or abs(d) <= self.noise_k * sigma:
-                return None  # (no noise known yet: no change is known to be more than noise)
+            if (sigma is None and not self._corrected) or (sigma is not None and abs(d) <= self.noise_k * sigma):
+                return None  # (no noise known yet: no change is known to be more than noise, but a far one)
         lat, t = self._last
         a0, b0 = self._assumed
         how = f"{math.exp(d):.1f}x slower" if d > 0 else f"{math.exp(-d):.1f}x faster"
@@ -308,6 +353,7 @@ class WanEstimator:
         """The plan in force now assumes the factors now."""
         self._assumed = (self._a, self._b)
         self._since = 0
+        self._corrected = False
 
     # ---- state ------------------------------------------------------------------------------------------------
     def summary(self) -> dict[str, Any]:
@@ -321,6 +367,7 @@ class WanEstimator:
                 "ratio": self._ratio, "assumed": list(self._assumed), "level": [list(o) for o in self._level],
                 "history": list(self._history), "held": [list(o) for o in self._held],
                 "last": list(self._last) if self._last is not None else None, "since": self._since,
+                "corrected": self._corrected,
                 "observations": self.observations, "probes": self.probes, "held_back": self.held_back}  # fmt: skip
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -348,8 +395,10 @@ class WanEstimator:
             if last is not None and len(last) != 2:
                 raise ValueError("last")
             counts = [int(state[k]) for k in ("since", "observations", "probes", "held_back")]
+            corrected = bool(state.get("corrected", False))  # (older states: none pending)
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise ValueError(f"not a WanEstimator state ({exc})") from None
         self._a, self._b, self._ratio, self._assumed = a, b, ratio, assumed  # type: ignore[assignment]
         self._level, self._history, self._held, self._last = level, history, held, last  # type: ignore[assignment]
         self._since, self.observations, self.probes, self.held_back = counts
+        self._corrected = corrected

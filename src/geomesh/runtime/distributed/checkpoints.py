@@ -1,4 +1,6 @@
 """Checkpoints of the distributed runtime, written and read with ``torch.distributed.checkpoint`` (DCP).
+This file is long because writing, verifying and reading a checkpoint are one format: what is written, what is
+checked before anything is read, and what is restored sit together so that none of them drifts from the others.
 
 A checkpoint is a folder ``<run folder>/checkpoints/round-NNNNNN/`` that holds the tensors, written by DCP
 (its ``.metadata`` and one or more ``__<rank>_<k>.distcp`` files), every rank's other state as JSON
@@ -33,7 +35,8 @@ What a rank contributes (flat keys; DCP flattens nested dicts and lists of plain
 - ``region.<name>.model`` / ``.optim``: the region's replica and inner AdamW state, through
   ``torch.distributed.checkpoint.state_dict`` (``get_model_state_dict`` / ``get_optimizer_state_dict``,
   which also cover DDP and FSDP2), ``.codec.<tensor>`` the error-feedback residual, ``.stream`` the data
-  position;
+  position, ``.precision`` the region's precision, its skipped steps and its fp16 loss scaler's state (scale,
+  growth tracker, settings: JSON, so a resumed fp16 region scales its losses as the uninterrupted one would);
 - ``rank.<r>``: the rank's RNG states and its clock (span cursor and spans not yet sent);
 - ``run.loop``: rounds, tokens, plans, the time budget's state (whether it is spent, the elapsed time the
   regions agreed on), byte totals (JSON, the same on every rank); ``run.rank0``: the
@@ -489,6 +492,7 @@ class RunCheckpointer:
         if self.owners is not None:
             self.owners.save_into(state, f"{reg}.owners.")
         state[f"{reg}.stream"] = json.dumps(worker.stream.state_dict())
+        state[f"{reg}.precision"] = json.dumps(worker.precision_state())
         state[f"rank.{run.rank}"] = {"rng": rng_state(), "clock": json.dumps(
             {"cursor": run._cursor, "spans": run._spans})}  # fmt: skip
         state["run.loop"] = json.dumps({"rounds": run.rounds, "tokens_done": run.tokens_done,
@@ -551,6 +555,8 @@ class RunCheckpointer:
         except ValueError as exc:
             raise RunError(f"--resume: checkpoint {path}: {exc}") from None
         state[f"{reg}.stream"] = ""
+        if f"{reg}.precision" in keys:  # (a checkpoint of an older version has none: the scaler starts afresh)
+            state[f"{reg}.precision"] = ""
         state[f"rank.{run.rank}"] = {"rng": rng_state(), "clock": ""}
         state["run.loop"] = ""
         if run.rank == 0:
@@ -575,6 +581,8 @@ class RunCheckpointer:
         if residual and hasattr(self.codec, "load_state_dict"):
             self.codec.load_state_dict({"residual": residual})
         worker.stream.load_state_dict(json.loads(state[f"{reg}.stream"]))
+        if state.get(f"{reg}.precision"):
+            worker.load_precision_state(json.loads(state[f"{reg}.precision"]))
         mine = state[f"rank.{run.rank}"]
         set_rng_state(mine["rng"])
         clock = json.loads(mine["clock"])

@@ -4,6 +4,9 @@ records and summary, checkpoint and resume bookkeeping, the checks that every ra
 holds the same θ. The loops are in :mod:`.rounds` (round-based methods), :mod:`.ddp` (the DDP
 baseline) and :mod:`.elastic` (elastic regions); :class:`~geomesh.runtime.distributed.DistributedRun` picks
 one. See :mod:`geomesh.runtime.distributed` for ranks, regions, time and telemetry.
+
+This file is long because it is what every loop shares and nothing else: each loop calls these helpers, so
+splitting them would only make every loop import from several places the one run they all extend.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from ...hardware import WorkerProfile, load_profile
 from ...methods.base import Method, OuterLoopMethod
 from ...planner import Plan
 from ...telemetry import Telemetry, write_json_atomic
+from ...worker import resolve_precision
 from ..checkpoint_state import truncate_events
 from ..hooks import HOOKS_ENV, LEGACY, FaultHooks, HooksError
 from .clock import WallClock, record_spans
@@ -73,6 +77,11 @@ def check_distributed_support(scenario: ScenarioConfig, method: Method, elastic:
         if elastic:
             raise ConfigError("--method ddp: not with elastic regions (reliability.min_regions / --min-regions): "
                               "ddp all-reduces every step across every region")  # fmt: skip
+        fp16 = [r.name for r in scenario.regions if scenario.region_precision(r) == "fp16"]
+        if fp16:
+            raise ConfigError(f"--method ddp: regions {', '.join(fp16)} train in fp16, whose loss scaling is each "
+                              "region's own; the ddp baseline all-reduces every step's gradients across regions "
+                              "(give them precision bf16, fp32 or auto)")  # fmt: skip
     if not elastic and any(f.kind in MEMBERSHIP_FAULTS for f in scenario.faults):
         raise ConfigError("the scenario's leave/join faults need elastic regions: set reliability.min_regions (or "
                           "--min-regions N) to at least 1; a static run keeps every region in every round")  # fmt: skip
@@ -216,10 +225,17 @@ class RankRun(StoppingRule):
         check_distributed_support(sc, self.method, elastic=self.options.elastic_region is not None)
         mine = _fingerprint(sc.to_dict(), self.method.name, self.seed, self.budget, self.layout.counts,
                             self.options.wan)  # fmt: skip
-        prints = self.transport.all_gather_framed(mine, what="checking that all ranks run the same job")
-        odd = [r for r, f in enumerate(prints) if f != prints[0]]
+        # the ddp baseline all-reduces raw gradients across regions every step: no region scales its losses
+        # (auto is fp32 where it would be fp16; fp16 itself is refused, check_distributed_support)
+        precision = resolve_precision(sc.region_precision(self.region), self.device,
+                                      loss_scaling=self.method.kind != "ddp")  # fmt: skip
+        prints = self.transport.all_gather_framed({"job": mine, "region": self.region, "precision": precision},
+                                                  what="checking that all ranks run the same job")  # fmt: skip
+        odd = [r for r, f in enumerate(prints) if f["job"] != prints[0]["job"]]
         if odd:
             raise RunError(f"ranks {odd} run a different scenario, method, seed, budget or layout than rank 0")
+        # every region's precision as it resolved on its own device (the run record and the summary say them)
+        self.region_precisions = {sc.regions[p["region"]].name: p["precision"] for p in prints}
         if self.out_dir is not None:  # (rank 0 prepares it; a rank that does not see it stops them all)
             prepare_shared_run_dir(self)
         # groups: every rank creates every group, in the same order
@@ -245,7 +261,7 @@ class RankRun(StoppingRule):
         self.worker = RegionWorker(region.name, built.replica, built.stream, tr, device=self.device,
                                    group=self.shard_group, size=len(self.region_ranks),
                                    index=self.region_ranks.index(self.rank), slowdown=region.slowdown,
-                                   strategy=region.strategy)  # fmt: skip
+                                   strategy=region.strategy, precision=precision)  # fmt: skip
         # θ sharded like the replica in fsdp regions; a checkpoint holds one layout of θ: the whole one where a
         # region has it, else region 0's (with elastic regions each region writes its own checkpoint)
         sharded = [r.strategy == "fsdp" for r in sc.regions]
@@ -354,6 +370,7 @@ class RankRun(StoppingRule):
             "model": self.model_name, "model_params": model.num_params(),
             "timing_params": sc.timing().params, "workers": [r.name for r in sc.regions], "world_size": self.world,
             "backend": self.backend, "ranks_per_region": self.layout.to_json(), "wan": self.options.wan,
+            "precision": self.region_precisions,
         })  # fmt: skip
         self.telemetry.emit({"type": "plan", "round": 0, "time": 0.0, "plan": plan.to_json()})
         self._evaluate(0.0)
@@ -426,7 +443,8 @@ class RankRun(StoppingRule):
         it holds to rank 0, which records them."""
         self._mark("other")
         final = {"spans": self.clock.take_spans(), "crc": params_checksum(params),
-                 "outer_bytes": None if outer_buf is None else local_bytes(params) + local_bytes(outer_buf)}  # fmt: skip
+                 "outer_bytes": None if outer_buf is None else local_bytes(params) + local_bytes(outer_buf),
+                 "precision": self._precision_record()}  # fmt: skip
         region = self._gather_in_region(final, what="the region's final telemetry")
         regions = self._gather_leaders({"ranks": region}, what="the final telemetry")
         if self.rank == 0:
@@ -434,6 +452,8 @@ class RankRun(StoppingRule):
             names = [r.name for r in self.scenario.regions]
             for r, i in enumerate(infos):
                 record_spans(self.telemetry, names[self.layout.region_of(r)], i["spans"])
+            self.precision_records = {names[self.layout.region_of(r)]: i["precision"] for r, i in enumerate(infos)
+                                      if r in self.layout.leaders}  # fmt: skip
             self._end_s = self._now()
             self.final_checksums = [i["crc"] for i in infos]
             self.outer_state_bytes = [i["outer_bytes"] for i in infos] if outer_buf is not None else None
@@ -547,6 +567,12 @@ class RankRun(StoppingRule):
                   f"t={at:.1f}s val_loss {loss:.4f}")  # fmt: skip
         return loss
 
+    def _precision_record(self) -> dict[str, Any]:
+        """This region's precision, the inner steps its loss scaler skipped over the run and its loss scale now
+        (None without one), for the summary."""
+        w = self.worker
+        return {"precision": w.precision, "skipped_steps": int(w.skipped_steps), "loss_scale": w.loss_scale}
+
     def _summary(self, extra: dict[str, Any], wall_s: float) -> dict[str, Any]:
         t = self.totals
         modeled = []
@@ -580,6 +606,9 @@ class RankRun(StoppingRule):
                 "intra_region_bytes": t["intra_region_bytes"],
                 "control_bytes": self.transport.control_bytes,
                 "param_checksums": self.final_checksums,  # per rank: crc32 of strided samples of θ at the end
+                # per region: its precision, the inner steps its fp16 loss scaler skipped, its loss scale at the end
+                "precision": getattr(self, "precision_records", None) or {
+                    n: {"precision": p} for n, p in self.region_precisions.items()},
                 # per rank: bytes of θ and the outer momentum it holds (1/size of them in an fsdp region)
                 "outer_state_bytes_per_rank": self.outer_state_bytes,
                 **self._stopping_fields(),  # what ended the run (stopped_by, the time budget)

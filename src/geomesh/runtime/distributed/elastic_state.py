@@ -113,7 +113,7 @@ class ElasticState:
             run.telemetry.load_state_dict(s)
             run.totals.update(s["run_totals"])
         # a restarted process: fresh AdamW, empty residual; the data stream goes on where it last reported
-        run.worker.optimizer.state.clear()
+        run.worker.reset_inner_state()  # (fresh AdamW and loss scaler)
         if hasattr(self.codec, "reset_residual"):
             self.codec.reset_residual()
         mine = self.streams.get(self.names[self.me])

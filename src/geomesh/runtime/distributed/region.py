@@ -37,7 +37,7 @@ import torch.distributed as dist
 from ...config import ConfigError, ScenarioConfig
 from ...data import BatchStream, load_corpus, worker_stream
 from ...models import build_proxy_model, enable_activation_checkpointing, model_name, transformer_blocks
-from ...worker import InnerResult, Worker, autocast_dtype, bf16_native
+from ...worker import PRECISION_DTYPES, InnerResult, Worker, bf16_native, resolve_precision
 
 Tensors = dict[str, torch.Tensor]
 
@@ -59,9 +59,11 @@ def build_training(scenario: ScenarioConfig, region: int, seed: int, device: tor
     """The model and data of ``region`` on this rank, as :func:`~geomesh.runtime.emulated.build_cluster`
     builds them. ``load_corpus_once(load)`` runs ``load`` where the cache should be filled first (rank 0)."""
     sc = scenario
-    if sc.training.precision == "bf16" and device.type == "cuda" and not bf16_native(device):
-        raise ConfigError(f"training.precision: 'bf16' is not allowed on {torch.cuda.get_device_name(device)}, which "
-                          "has no native bf16 (before Ampere); use auto (fp32 there) or fp32")  # fmt: skip
+    if sc.region_precision(region) == "bf16" and device.type == "cuda" and not bf16_native(device):
+        field = f"regions[{region}].precision" if sc.regions[region].precision is not None else "training.precision"
+        raise ConfigError(f"{field}: 'bf16' is not allowed on {torch.cuda.get_device_name(device)} (region "
+                          f"{sc.regions[region].name}), which has no native bf16 (before Ampere); use auto (fp16 "
+                          "with loss scaling there), fp16 or fp32")  # fmt: skip
     load = lambda: load_corpus(sc.data, cache_dir=cache_dir)  # noqa: E731
     corpus = load_corpus_once(load) if load_corpus_once is not None else load()
     global_model = build_proxy_model(sc.model, corpus.vocab_size, seed)
@@ -88,8 +90,8 @@ def region_mesh(group: Any, device: torch.device) -> Any:
 def shard_region(model: torch.nn.Module, mesh: Any, param_dtype: torch.dtype | None = None) -> None:
     """FSDP2 over the region's ranks: each transformer block is its own unit (all-gathered for its forward
     and backward, resharded after), the rest (embeddings, final norm) the root unit. With ``param_dtype``
-    (bf16 training) the gathers move and hold that dtype and gradients are reduced in fp32, as the memory
-    and intra-region models count them; without it (fp32 training) everything stays fp32."""
+    (bf16 or fp16 training) the gathers move and hold that dtype and gradients are reduced in fp32, as the
+    memory and intra-region models count them; without it (fp32 training) everything stays fp32."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
@@ -211,21 +213,27 @@ def lay_out_like(tensors: Tensors, like: Tensors) -> Tensors:
 
 class RegionWorker(Worker):
     """A :class:`Worker` whose region may span ``size`` ranks (``strategy`` ddp or fsdp over ``group``), on
-    ``device``, whose inner steps are padded with sleep to ``slowdown`` × their measured time."""
+    ``device``, whose inner steps are padded with sleep to ``slowdown`` × their measured time, at its region's
+    ``precision`` (None: ``cfg.precision``). In fp16 an ``fsdp`` region scales its losses with FSDP2's
+    ``ShardedGradScaler`` (its ranks agree on an overflow over the region's group); a ``ddp`` region's ranks
+    all-reduce their gradients before the check, so each rank's own scaler decides alike. A region that heals
+    or rejoins starts with a fresh scaler, as with a fresh AdamW (:meth:`Worker.reset_inner_state`)."""
 
     def __init__(self, name, model, stream, cfg, *, device: torch.device, group=None, size: int = 1,
-                 index: int = 0, slowdown: float = 1.0, strategy: str = "ddp"):  # fmt: skip
+                 index: int = 0, slowdown: float = 1.0, strategy: str = "ddp",
+                 precision: str | None = None):  # fmt: skip
         # FSDP needs the group it shards over; a region of one rank may shard too (sharding over one GPU still
         # runs FSDP2's bf16/DTensor code path, as a single-GPU check does)
         self.strategy = strategy if group is not None else "ddp"
+        self.group = group
         self.mesh = None
+        resolved = resolve_precision(precision if precision is not None else getattr(cfg, "precision", "fp32"), device)
         if self.strategy == "fsdp":
             self.mesh = region_mesh(group, device)
             # before the optimizer is made: it holds the shards' state
-            shard_region(model, self.mesh, autocast_dtype(getattr(cfg, "precision", "fp32"), device))
-        super().__init__(name, model, stream, cfg)
+            shard_region(model, self.mesh, PRECISION_DTYPES.get(resolved))
+        super().__init__(name, model, stream, cfg, precision=resolved)
         self.device = device
-        self.group = group
         self.size = size
         self.index = index
         self.slowdown = slowdown
@@ -246,6 +254,15 @@ class RegionWorker(Worker):
     @property
     def sharded(self) -> bool:
         return self.strategy == "fsdp"
+
+    def make_scaler(self) -> torch.amp.GradScaler:
+        """FSDP2's sharded scaler in an ``fsdp`` region (each rank checks its own shards' gradients and the
+        region's ranks agree on an overflow), else the plain one."""
+        if self.strategy != "fsdp":
+            return super().make_scaler()
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+        return ShardedGradScaler(self._device_type, process_group=self.group)
 
     def load_global(self, global_params: Tensors) -> None:
         if not self.sharded:
@@ -290,7 +307,7 @@ class RegionWorker(Worker):
                 with self.autocast():
                     _, loss = model(xs, ys)
                 # DDP and FSDP average over the region's ranks: each slice weighs its share of the whole batch
-                (loss * (scale * weight * self.size * xs.shape[0] / batch)).backward()
+                self.scaled(loss * (scale * weight * self.size * xs.shape[0] / batch)).backward()
             total += loss.item() * xs.shape[0]
         return total / (hi - lo), x.numel()
 

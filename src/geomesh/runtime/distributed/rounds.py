@@ -222,7 +222,7 @@ class RoundLoop(PlanLoop):
             for record in new_faults:
                 self.emit({"type": "fault", **{k: v for k, v in record.items() if k != "tokens_lost"}})
             if self.me in effects.joined:  # back as a restarted process would be: fresh AdamW, empty residual
-                run.worker.optimizer.state.clear()
+                run.worker.reset_inner_state()  # (fresh AdamW and loss scaler)
                 if hasattr(self.codec, "reset_residual"):
                     self.codec.reset_residual()
             run.worker.slowdown = (self.sc.regions[self.me].slowdown * self.faults.speed(self.me)

@@ -66,7 +66,7 @@ def build_cluster(scenario: ScenarioConfig, seed: int, budget: int, cache_dir: P
         replica = (copy.deepcopy(global_model) if scenario.model.hf_pretrained
                    else build_proxy_model(scenario.model, corpus.vocab_size, seed)).to(device)  # fmt: skip
         stream = worker_stream(corpus, i, n, scenario.model.seq_len, seed * 1009 + i)
-        workers.append(Worker(region.name, replica, stream, scenario.training))
+        workers.append(Worker(region.name, replica, stream, scenario.training, precision=scenario.region_precision(i)))
     profiles = scenario.worker_profiles()
     val_x, val_y = corpus.val_batches(scenario.model.seq_len, scenario.training.eval_sequences)
     val_x, val_y = val_x.to(device), val_y.to(device)

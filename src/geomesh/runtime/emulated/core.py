@@ -167,6 +167,7 @@ class EmulatedCore(EmulatedCheckpoints):
                         "scenario": self.scenario.name, "seed": self.seed, "tokens_budget": self.budget,
                         "proxy_params": cluster.global_model.num_params(),
                         "timing_params": self.scenario.timing().params, "workers": self._names(),
+                        "precision": {w.name: w.precision for w in cluster.workers},
                     })  # fmt: skip
                 if self.options.progress:
                     from tqdm import tqdm
@@ -308,5 +309,9 @@ class EmulatedCore(EmulatedCheckpoints):
             modeled=["compute time (timing model on each GPU)", "WAN time (latency + bytes/bandwidth)"
                      + (" on wan.actual, not the declared WAN" if self.scenario.wan.actual is not None else ""),
                      "bytes on the wire (scaled to the timing model)"],
-            wall_s=wall_s, tail={"setup_s": self.setup_s, "device": str(self.device)}, extra=extra,
+            wall_s=wall_s, tail={"setup_s": self.setup_s, "device": str(self.device),
+                                 # per worker: its precision, the steps its fp16 loss scaler skipped, its loss scale
+                                 "precision": {w.name: {"precision": w.precision, "skipped_steps": w.skipped_steps,
+                                                        "loss_scale": w.loss_scale} for w in cluster.workers}},
+            extra=extra,
         )  # fmt: skip

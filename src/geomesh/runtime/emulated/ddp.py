@@ -85,7 +85,8 @@ class DdpLoop(EmulatedCore):
                 return [shared.accumulate_grad(tr.batch, stream=cluster.workers[i].stream, weight=weight)[0]
                         for i in live]  # fmt: skip
 
-        if processes <= 1 or tr.batch > shared.max_proxy_micro_batch:
+        # (fp16: the loss scale lives in this process's scaler, which the gradients must be scaled by)
+        if processes <= 1 or tr.batch > shared.max_proxy_micro_batch or shared.scaler is not None:
             return None, in_process
         from .parallel import WorkerPool, assign_owners
 
@@ -152,7 +153,8 @@ class DdpLoop(EmulatedCore):
                     loss = poison_grads(shared.model)
                 if not math.isfinite(loss):
                     bad[i] = "non-finite loss"
-            if not bad and not grads_finite(shared.model):
+            # fp16: an overflowed gradient is the loss scaler's to skip (it halves its scale), not a bad step
+            if not bad and shared.scaler is None and not grads_finite(shared.model):
                 bad = dict.fromkeys(live, "non-finite gradient")
             step_tokens = len(live) * tr.batch * seq
             if bad:

@@ -400,9 +400,9 @@ class RoundsLoop(EmulatedCore):
 
     def _rejoin(self, i: int, worker: Worker, codec: Any, params: dict[str, torch.Tensor]) -> None:
         """A worker that comes back is a restarted process: it receives the current global parameters (the
-        outer optimizer's state lives with the global model), starts a fresh AdamW and an empty
-        error-feedback residual; its data stream continues where it stopped."""
-        worker.optimizer.state.clear()
+        outer optimizer's state lives with the global model), starts a fresh AdamW (and a fresh fp16 loss
+        scaler) and an empty error-feedback residual; its data stream continues where it stopped."""
+        worker.reset_inner_state()
         if hasattr(codec, "reset_residual"):
             codec.reset_residual()
         worker.load_global(params)
