@@ -65,7 +65,7 @@ def fixed_profiles(folder: Path, path: Path) -> list[str]:
     return args
 
 
-# every run measures the same WAN and the same compute (the test hooks of plan_loop.py): the probes find it 4x
+# every run measures the same WAN and the same compute (the fault hooks' stand-ins, runtime/hooks.py): the probes find it 4x
 # slower than declared (a re-plan before round 0), and from round 2's exchange on 32x (re-planned for as the
 # exchanges at 32x are folded in, within the noise the probes' prediction errors set: after rounds 3 and 6)
 MEASURED_ENV = {"GEOMESH_TEST_WAN": "4:1:32", "GEOMESH_TEST_COMPUTE_AS_PLANNED": "1"}

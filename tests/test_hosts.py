@@ -300,7 +300,7 @@ def error_lines(out: Path, host: str) -> list[str]:
 @pytest.mark.skipif(REASON is not None, reason=f"the hosts test bed cannot run here: {REASON}")
 def test_a_link_quartered_mid_run_is_measured_and_replanned_for(tmp_path, small_corpus):
     """The WAN measured in place: links shaped in the kernel at the declared 2 Mbit/s (so the exchange is
-    mostly transfer), then r2's links quartered after round 6. Every round's exchange is measured (each leader's
+    mostly transfer), then r2's links quartered after round 4. Every round's exchange is measured (each leader's
     wire time, the members' median) against the declared WAN; within a few rounds of the drop the plan is made
     again over the measured WAN, with its reason, on every host alike (one checksum)."""
     path = bed_scenario(tmp_path, small_corpus, rtt_ms=50)
@@ -308,7 +308,8 @@ def test_a_link_quartered_mid_run_is_measured_and_replanned_for(tmp_path, small_
     data["wan"]["bandwidth_gbps"] = 0.002
     path.write_text(yaml.safe_dump(data))
     out = tmp_path / "bed"
-    result = run_bed(path, out, "geomesh", "--tokens", "30000", "--bandwidth", "r2-t4@6:0.25")
+    # (tokens for ~20 rounds alone; a loaded machine plans fewer, larger rounds and must still reach the drop)
+    result = run_bed(path, out, "geomesh", "--tokens", "45000", "--bandwidth", "r2-t4@4:0.25")
     one_checksum(result)
     at = next(f["after_round"] for f in result["faults"] if f["kind"] == "bandwidth")
     replans = [(e["round"], e["reason"]) for e in records(out, "r0-h100") if e["type"] == "plan"
