@@ -5,7 +5,7 @@ Usage:  python bench/calibration_noise.py [--quotas 0.5,0.25,0.15] [--repeats 3]
         [--preset micro] [--seq-len 64] [--batch 8] [--inner-steps 10] [--vocab 4096] [--sequential]
 
 One process per quota, each in a control group of its own at that share of a core (the hosts test bed's quotas:
-:class:`~geomesh.runtime.distributed.quotas.CpuQuotas`, weighted as the bed weighs them, ``OMP_NUM_THREADS=1``),
+:class:`~geomesh.testbed.quotas.CpuQuotas`, weighted as the bed weighs them, ``OMP_NUM_THREADS=1``),
 all at once as the bed's regions calibrate (``--sequential``: one after another). Each builds region i's worker of
 the bed's scenario (``bench/wallclock.py``'s: the ``micro`` model on the bundled corpus, DiLoCo's b = 8, H = 10;
 region names r0-h100, r1-a100, r2-t4 so the datasheet plan is the bed's) as the distributed runtime builds it and
@@ -186,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from wallclock import scenario
 
-    from geomesh.runtime.distributed.quotas import CpuQuotas, quota_unavailable_reason
+    from geomesh.testbed.quotas import CpuQuotas, quota_unavailable_reason
 
     quotas = [float(x) for x in args.quotas.split(",")]
     if len(quotas) != len(NAMES) or args.repeats < 1:

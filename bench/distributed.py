@@ -64,7 +64,7 @@ import yaml
 
 from geomesh.cli import launch as cli_launch
 from geomesh.network import WanModel
-from geomesh.runtime.distributed.quotas import CpuQuotas
+from geomesh.testbed.quotas import CpuQuotas
 
 
 def scenario(preset: str, mbps: float, rtt_ms: float, batch: int, inner_steps: int, tokens: int) -> dict:

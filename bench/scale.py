@@ -111,7 +111,7 @@ def real(args: argparse.Namespace) -> list[dict]:
     import yaml
 
     from geomesh.cli import launch as cli_launch
-    from geomesh.runtime.distributed.transport import netns_unavailable_reason
+    from geomesh.testbed.netns import netns_unavailable_reason
 
     wan = args.wan
     if wan == "netns" and netns_unavailable_reason():

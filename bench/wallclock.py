@@ -458,8 +458,8 @@ def report(args: argparse.Namespace) -> int:
 def run(args: argparse.Namespace) -> int:
     from geomesh.config import ConfigError, load_scenario, parse_overrides
     from geomesh.data import load_corpus
-    from geomesh.runtime.distributed.quotas import quota_unavailable_reason
-    from geomesh.runtime.distributed.transport import netns_unavailable_reason
+    from geomesh.testbed.quotas import quota_unavailable_reason
+    from geomesh.testbed.netns import netns_unavailable_reason
 
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     unknown = [m for m in methods if m not in KNOWN]

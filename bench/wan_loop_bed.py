@@ -127,8 +127,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(args: argparse.Namespace, out: Path) -> int:
-    from geomesh.runtime.distributed.quotas import quota_unavailable_reason
-    from geomesh.runtime.distributed.transport import netns_unavailable_reason
+    from geomesh.testbed.quotas import quota_unavailable_reason
+    from geomesh.testbed.netns import netns_unavailable_reason
 
     cpu = wallclock.parse_cpu(args.cpu)
     if not cpu or not 0 < args.factor <= 1 or args.mbps <= 0 or args.tokens <= 0 or args.repeats < 1:

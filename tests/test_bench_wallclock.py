@@ -11,7 +11,7 @@ import json
 import pytest
 from conftest import bench_script
 
-from geomesh.runtime.distributed.transport import netns_unavailable_reason
+from geomesh.testbed.netns import netns_unavailable_reason
 
 bench = bench_script("wallclock")
 NAMES = ["r0-h100", "r1-a100", "r2-t4"]

@@ -20,8 +20,8 @@ import yaml
 from conftest import FIXED_PLAN, healed_in_place, tiny_scenario_dict
 
 from geomesh.cli import launch as cli_launch
-from geomesh.runtime.distributed.quotas import quota_unavailable_reason
-from geomesh.runtime.distributed.transport import netns_unavailable_reason
+from geomesh.testbed.quotas import quota_unavailable_reason
+from geomesh.testbed.netns import netns_unavailable_reason
 from geomesh.telemetry import read_events
 
 pytestmark = pytest.mark.bed

@@ -13,9 +13,10 @@ import yaml
 from conftest import tiny_scenario_dict
 
 from geomesh.network import WanModel
-from geomesh.runtime.distributed.hosts import HostsBed, namespace_pids
-from geomesh.runtime.distributed.quotas import quota_unavailable_reason
-from geomesh.runtime.distributed.transport import netns_unavailable_reason
+from geomesh.testbed.hosts import HostsBed
+from geomesh.testbed.netns import namespace_pids
+from geomesh.testbed.quotas import quota_unavailable_reason
+from geomesh.testbed.netns import netns_unavailable_reason
 
 REASON = netns_unavailable_reason() or quota_unavailable_reason()
 NAMES = ["r0-h100", "r1-a100", "r2-t4"]

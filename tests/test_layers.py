@@ -17,7 +17,7 @@ import geomesh
 PACKAGE = "geomesh"
 ROOT = Path(geomesh.__file__).resolve().parent
 
-LAYERS = ["faces", "runtimes", "methods", "algorithms", "training", "facts"]  # top to bottom
+LAYERS = ["faces", "beds", "runtimes", "methods", "algorithms", "training", "facts"]  # top to bottom
 
 # (module or package, layer): a name matches itself and every module under it; first match wins.
 LAYER_OF: list[tuple[str, str]] = [
@@ -28,6 +28,9 @@ LAYER_OF: list[tuple[str, str]] = [
     ("compare", "faces"),  # methods side by side (`geomesh bench | demo`)
     ("report", "faces"),  # tables and plots
     ("integrations.lm_eval_adapter", "faces"),  # `geomesh eval`, lm-evaluation-harness
+    # beds: regions on one machine as a team deploys them (geomesh hosts, launch --wan netns, tests, benches);
+    # no runtime imports them
+    ("testbed", "beds"),
     # runtimes: when things happen and how bytes move
     ("runtime", "runtimes"),
     # methods: what happens in a round

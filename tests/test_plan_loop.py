@@ -24,7 +24,7 @@ from conftest import tiny_scenario_dict
 from test_elastic import MEASURED_ENV, fixed_profiles, processes, start, wait_for_round
 
 from geomesh.cli import launch as cli_launch
-from geomesh.runtime.distributed.quotas import CpuQuotas, quota_unavailable_reason
+from geomesh.testbed.quotas import CpuQuotas, quota_unavailable_reason
 from geomesh.telemetry import read_events
 
 QUOTA_REASON = quota_unavailable_reason()

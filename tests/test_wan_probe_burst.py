@@ -153,7 +153,7 @@ def test_the_correction_is_in_the_state():
 
 # ---- on the hosts test bed ---------------------------------------------------------------------------------
 
-from geomesh.runtime.distributed.transport import netns_unavailable_reason  # noqa: E402
+from geomesh.testbed.netns import netns_unavailable_reason  # noqa: E402
 
 BED_REASON = netns_unavailable_reason()
 

@@ -1,6 +1,6 @@
 """``geomesh hosts SCENARIO --method NAME --out DIR``: a scenario on the hosts test bed (one host per region).
 
-Every region runs as a team deploys it (:mod:`geomesh.runtime.distributed.hosts`): its own network namespace,
+Every region runs as a team deploys it (:mod:`geomesh.testbed.hosts`): its own network namespace,
 address and folder (``DIR/<region>/``), its own ``torchrun ... -m geomesh.run`` command, the quorum service
 alone on a host of its own, links shaped in the kernel from the scenario's WAN. Host-level faults, each at the
 end of a round (as a live host's records count them), or ``ROUND+SECONDS`` that long after it (inside the
@@ -102,7 +102,7 @@ def parse_host_env(text: str, names: list[str]) -> tuple[str, str, str]:
 
 
 def parse_cpu(text: str, names: list[str]) -> tuple[str, float]:
-    from ..runtime.distributed.quotas import CpuQuotas
+    from ..testbed.quotas import CpuQuotas
 
     region, sep, cores = text.partition(":")
     top = os.cpu_count() or 1
@@ -190,10 +190,10 @@ def _rounds(folder: Path) -> int:
 def cmd_hosts(args: argparse.Namespace) -> int:
     from ..config import load_scenario, parse_overrides
     from ..methods import get_method
-    from ..runtime.distributed.hosts import HostsBed, wait_all
+    from ..testbed.hosts import HostsBed, wait_all
     from ..runtime.distributed.membership import join_timeout_s
-    from ..runtime.distributed.quotas import QuotaError, quota_unavailable_reason
-    from ..runtime.distributed.transport import NetnsError, netns_unavailable_reason
+    from ..testbed.quotas import QuotaError, quota_unavailable_reason
+    from ..testbed.netns import NetnsError, netns_unavailable_reason
 
     sc = load_scenario(args.scenario, parse_overrides(args.set))
     if args.method not in PEERS:

@@ -75,7 +75,7 @@ def _check(args: argparse.Namespace):
         if region not in layout.names or not path:
             raise ConfigError(f"--profile {pair!r}: expected REGION=FILE with REGION one of {', '.join(layout.names)}")
     if args.wan == "netns":
-        from ..runtime.distributed.transport import netns_unavailable_reason
+        from ..testbed.netns import netns_unavailable_reason
 
         reason = netns_unavailable_reason()
         if reason:
@@ -162,7 +162,7 @@ def _launch(args, extra_env, scenario, layout, backend) -> LaunchResult:
         env.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())})
         return _spawn_and_wait(args, env, rank_argv(args, "shaper" if args.wan == "shaper" else "none"), None, layout)
     from ..runtime.emulated import RunError
-    from ..runtime.distributed.transport import NetnsError, NetnsWan
+    from ..testbed.netns import NetnsError, NetnsWan
 
     net = NetnsWan(scenario.wan_model(), [layout.region_of(r) for r in range(args.nproc)])
     try:

@@ -1,5 +1,5 @@
-"""How bytes move in the distributed runtime: the collectives with byte accounting, the WAN shaper, wire
-counters, and Linux network namespaces that put a real (rate-limited, delayed) link between local ranks.
+"""How bytes move in the distributed runtime: the collectives with byte accounting, the WAN shaper and wire
+counters.
 
 - :class:`Transport` wraps ``torch.distributed`` for the few collectives a round needs (the leaders'
   straggler barrier, the all-gather of equal-size payloads, the all-reduce of a flat fp32 buffer, the
@@ -20,10 +20,7 @@ slot for its sender and round, "no update" included (:func:`split_gathered`'s fo
   bytes / bandwidth of the ring collective, :class:`~geomesh.network.WanModel`), so heterogeneous-link
   experiments run on one machine over loopback (``--wan shaper``). ``latency`` mode adds only the latency
   part, for links whose rate is already limited by the kernel.
-- :class:`NetnsWan` gives each local rank its own network namespace, joined through a bridge in a hub
-  namespace, with per-destination ``htb`` rate limits and (where the kernel has ``sch_netem``) ``netem``
-  delays from the WAN model (``--wan netns``). Every address lives inside namespaces it creates
-  (``10.213.0.0/24``), and everything is deleted afterwards.
+(Real links between local ranks, Linux network namespaces: :mod:`geomesh.testbed.netns`.)
 """
 
 from __future__ import annotations
@@ -33,13 +30,10 @@ import hashlib
 import hmac
 import os
 import random
-import shutil
 import socket
 import struct
-import subprocess
 import sys
 import time
-import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -420,155 +414,3 @@ def tx_bytes(iface: str | None) -> int | None:
         return int(Path(f"/sys/class/net/{iface}/statistics/tx_bytes").read_text())
     except (OSError, ValueError):
         return None
-
-
-# ---- network namespaces ---------------------------------------------------------------------------
-
-
-class NetnsError(RuntimeError):
-    """Network namespaces (or a qdisc) cannot be set up here; the message says why."""
-
-
-def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    proc = subprocess.run(["ip", *args], capture_output=True, text=True, check=False)
-    if check and proc.returncode != 0:
-        raise NetnsError(f"`ip {' '.join(args)}` failed: {proc.stderr.strip() or proc.returncode}")
-    return proc
-
-
-def _tc(ns: str, *args: str, check: bool = True) -> subprocess.CompletedProcess:
-    proc = subprocess.run(["ip", "netns", "exec", ns, "tc", *args], capture_output=True, text=True, check=False)
-    if check and proc.returncode != 0:
-        raise NetnsError(f"`tc {' '.join(args)}` in {ns} failed: {proc.stderr.strip() or proc.returncode}")
-    return proc
-
-
-def netns_unavailable_reason() -> str | None:
-    """Why namespaces cannot be made here (``None``: they can)."""
-    if os.name != "posix" or not Path("/proc/self/ns/net").exists():
-        return "network namespaces need Linux"
-    if os.geteuid() != 0:
-        return "network namespaces need root"
-    if shutil.which("ip") is None or shutil.which("tc") is None:
-        return "iproute2 (ip, tc) is not installed"
-    probe = f"gmprobe{os.getpid() % 100000}"
-    made = _ip("netns", "add", probe, check=False)
-    if made.returncode != 0:
-        return f"cannot create a network namespace: {made.stderr.strip()}"
-    try:
-        veth = _ip("-n", probe, "link", "add", "a0", "type", "veth", "peer", "name", "b0", check=False)
-        if veth.returncode != 0:
-            return f"cannot create a veth pair: {veth.stderr.strip()}"
-        htb = _tc(probe, "qdisc", "add", "dev", "a0", "root", "handle", "1:", "htb", check=False)
-        if htb.returncode != 0:
-            return f"the kernel has no htb qdisc: {htb.stderr.strip()}"
-    finally:
-        _ip("netns", "del", probe, check=False)
-    return None
-
-
-def attach_to_bridge(hub: str, ns: str, dev: str, port: str, address: str) -> None:
-    """Namespace ``ns`` joined to the bridge ``br0`` of namespace ``hub``: a veth pair (``dev`` in ``ns`` at
-    ``address``/24, ``port`` on the bridge), both ends up, and ``ns``'s loopback up."""
-    _ip("-n", ns, "link", "add", dev, "type", "veth", "peer", "name", port, "netns", hub)
-    _ip("-n", hub, "link", "set", port, "master", "br0")
-    _ip("-n", hub, "link", "set", port, "up")
-    _ip("-n", ns, "addr", "add", f"{address}/24", "dev", dev)
-    _ip("-n", ns, "link", "set", dev, "up")
-    _ip("-n", ns, "link", "set", "lo", "up")
-
-
-def netem_available(ns: str, dev: str) -> bool:
-    """Whether this kernel has ``sch_netem`` (delay); probed on a device of our own namespace."""
-    ok = _tc(ns, "qdisc", "add", "dev", dev, "root", "handle", "9:", "netem", "delay", "1ms", check=False)
-    if ok.returncode == 0:
-        _tc(ns, "qdisc", "del", "dev", dev, "root", check=False)
-        return True
-    return False
-
-
-@dataclass
-class NetnsWan:
-    """One namespace per rank (``wan0`` at 10.213.0.<rank+1>), all joined by a bridge in a hub namespace.
-
-    Rank i's egress to rank j is limited to the bandwidth of the link between their regions (``htb``
-    class per destination) and delayed by half its RTT (``netem``, when the kernel has it; otherwise
-    ``delay_in_kernel`` is False and the launcher asks the ranks' shaper for the latency part). Ranks of
-    one region talk at ``lan_gbps`` with no delay. Use as a context manager; ``close`` deletes everything.
-    """
-
-    wan: WanModel
-    region_of_rank: list[int]
-    lan_gbps: float = 10.0
-    iface: str = "wan0"
-    tag: str = field(default_factory=lambda: uuid.uuid4().hex[:6])
-    namespaces: list[str] = field(default_factory=list)
-    delay_in_kernel: bool = False
-
-    @property
-    def hub(self) -> str:
-        return f"gm{self.tag}hub"
-
-    def ns(self, rank: int) -> str:
-        return f"gm{self.tag}r{rank}"
-
-    @staticmethod
-    def address(rank: int) -> str:
-        return f"10.213.0.{rank + 1}"
-
-    def __enter__(self) -> NetnsWan:
-        try:
-            self.setup()
-        except BaseException:
-            self.close()
-            raise
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def setup(self) -> None:
-        n = len(self.region_of_rank)
-        if n > 250:
-            raise NetnsError(f"{n} ranks: at most 250 namespaces on one machine")
-        _ip("netns", "add", self.hub)
-        self.namespaces.append(self.hub)
-        _ip("-n", self.hub, "link", "add", "br0", "type", "bridge")
-        _ip("-n", self.hub, "link", "set", "br0", "up")
-        for r in range(n):
-            ns = self.ns(r)
-            _ip("netns", "add", ns)
-            self.namespaces.append(ns)
-            attach_to_bridge(self.hub, ns, self.iface, f"p{r}", self.address(r))
-        self.delay_in_kernel = netem_available(self.ns(0), self.iface)
-        for r in range(n):
-            self._shape(r)
-
-    def _shape(self, r: int) -> None:
-        ns, dev = self.ns(r), self.iface
-        _tc(ns, "qdisc", "add", "dev", dev, "root", "handle", "1:", "htb", "default", "1")
-        _tc(ns, "class", "add", "dev", dev, "parent", "1:", "classid", "1:1", "htb", "rate", f"{self.lan_gbps}gbit")
-        a = self.region_of_rank[r]
-        for s in range(len(self.region_of_rank)):
-            b = self.region_of_rank[s]
-            if s == r or a == b:
-                continue  # same region: the default class (LAN speed, no delay)
-            cls = f"1:{s + 10:x}"
-            rate_bit = max(int(self.wan.bandwidth_Bps[a][b] * 8), 8000)
-            _tc(ns, "class", "add", "dev", dev, "parent", "1:", "classid", cls, "htb", "rate", f"{rate_bit}bit",
-                "burst", "15k")  # fmt: skip
-            if self.delay_in_kernel:
-                delay_ms = self.wan.rtt_s[a][b] / 2 * 1000
-                _tc(ns, "qdisc", "add", "dev", dev, "parent", cls, "netem", "delay", f"{delay_ms:.3f}ms",
-                    "limit", "100000")  # fmt: skip
-            _tc(ns, "filter", "add", "dev", dev, "protocol", "ip", "parent", "1:", "prio", "1", "u32", "match",
-                "ip", "dst", f"{self.address(s)}/32", "flowid", cls)  # fmt: skip
-
-    def command(self, rank: int, argv: list[str]) -> list[str]:
-        """``argv`` run inside rank ``rank``'s namespace."""
-        return ["ip", "netns", "exec", self.ns(rank), *argv]
-
-    def close(self) -> None:
-        for ns in reversed(self.namespaces):
-            _ip("netns", "del", ns, check=False)
-        self.namespaces.clear()

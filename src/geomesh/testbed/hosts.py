@@ -18,7 +18,8 @@ too, is held to it, and the regions' speeds differ as their GPUs' would.
 Host-level faults: a host lost (every process of it killed, SIGKILL to its process group), started again with
 its folder kept or deleted; a link partitioned for a while (the host's port on the bridge down: every packet
 to and from it dropped); a host's link bandwidth changed mid-run. :mod:`geomesh.cli.hosts` is the face
-(``geomesh hosts``). Needs root and iproute2 (:func:`~.transport.netns_unavailable_reason` says why not).
+(``geomesh hosts``). The network is a :class:`~geomesh.testbed.netns.Bridge`. Needs root and iproute2
+(:func:`~geomesh.testbed.netns.netns_unavailable_reason` says why not).
 """
 
 from __future__ import annotations
@@ -31,14 +32,13 @@ import subprocess
 import sys
 import threading
 import time
-import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ...network import WanModel
-from .membership import ADVERTISE_ENV, LIGHTHOUSE_ENV
+from ..network import WanModel
+from ..runtime.distributed.membership import ADVERTISE_ENV, LIGHTHOUSE_ENV
+from .netns import Bridge, NetnsError, ip, namespace_pids, rate_bit
 from .quotas import CpuQuotas
-from .transport import NetnsError, _ip, _tc, attach_to_bridge, netem_available
 
 QUORUM_PORT = 29510
 RDZV_PORT = 29500
@@ -108,12 +108,6 @@ class Host:
             self.proc.wait()
 
 
-def namespace_pids(ns: str) -> set[int]:
-    """The processes in network namespace ``ns`` (``ip netns pids``); none once it is gone."""
-    done = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True)
-    return {int(p) for p in done.stdout.split() if p.isdigit()} if done.returncode == 0 else set()
-
-
 @dataclass
 class HostsBed:
     """Namespaces, links and hosts for one run (a context manager; ``close`` removes everything)."""
@@ -127,17 +121,15 @@ class HostsBed:
     cpu: dict[int, float] = field(default_factory=dict)  # region -> its CPU quota in cores (none: unlimited)
     clock: dict[int, int] = field(default_factory=dict)  # region -> its host's clocks' offset in seconds
     twins: list[int] = field(default_factory=list)  # regions a second host is started as (a misdeployment)
-    tag: str = field(default_factory=lambda: uuid.uuid4().hex[:6])
-    namespaces: list[str] = field(default_factory=list)
-    delay_in_kernel: bool = False
+    bridge: Bridge = field(default_factory=Bridge)
     hosts: list[Host] = field(default_factory=list)
     quorum: subprocess.Popen | None = None
     quotas: CpuQuotas | None = None
     _timers: list[threading.Timer] = field(default_factory=list)
 
     @property
-    def hub(self) -> str:
-        return f"gm{self.tag}hub"
+    def tag(self) -> str:
+        return self.bridge.tag
 
     def ns(self, slot: int) -> str:
         return f"gm{self.tag}h{slot}"
@@ -162,56 +154,34 @@ class HostsBed:
 
     # ---- the network --------------------------------------------------------------------------------
     def setup(self) -> None:
-        if len(self.names) > 250:
-            raise NetnsError(f"{len(self.names)} regions: at most 250 hosts on one machine")
-        _ip("netns", "add", self.hub)
-        self.namespaces.append(self.hub)
-        _ip("-n", self.hub, "link", "add", "br0", "type", "bridge")
-        _ip("-n", self.hub, "link", "set", "br0", "up")
+        self.bridge.lan_gbps = self.lan_gbps
+        slots = len(self.names) + 1 + len(self.twins)
+        self.bridge.open(slots)
         if self.clock and (reason := time_namespace_unavailable_reason()):
             raise NetnsError(f"a host's clock cannot be set apart here: {reason}")
-        for slot in range(len(self.names) + 1 + len(self.twins)):
-            ns = self.ns(slot)
-            _ip("netns", "add", ns)
-            self.namespaces.append(ns)
-            attach_to_bridge(self.hub, ns, "eth0", self.port(slot), host_address(slot))
-        self.delay_in_kernel = netem_available(self.ns(1), "eth0")
-        for i in range(len(self.names)):
-            self._shape(i)
+        for slot in range(slots):
+            self.bridge.join(self.ns(slot), self.port(slot), host_address(slot))
+        self.bridge.probe_netem(self.ns(1))
+        for a in range(len(self.names)):  # (the quorum host and twins: the default class, LAN speed)
+            self.bridge.shape(self.ns(a + 1), [(b, host_address(b + 1), rate_bit(self.wan, a, b), self.wan.rtt_s[a][b])
+                                               for b in range(len(self.names)) if b != a])  # fmt: skip
         if self.cpu:  # (QuotaError where control groups cannot be made)
             self.quotas = CpuQuotas(self.tag, weight=self.CPU_WEIGHT)
             for i, cores in sorted(self.cpu.items()):
                 self.quotas.set(self.names[i], cores)
 
+    @property
+    def delay_in_kernel(self) -> bool:
+        return self.bridge.delay_in_kernel
+
     def tx_bytes(self, region: int) -> int | None:
         """The bytes region ``region``'s host has sent on its interface so far (every peer and the quorum
         service), as the kernel counts them; None once its namespace is gone."""
-        done = _ip("-n", self.ns(region + 1), "-j", "-s", "link", "show", "eth0", check=False)
+        done = ip("-n", self.ns(region + 1), "-j", "-s", "link", "show", "eth0", check=False)
         try:
             return int(json.loads(done.stdout)[0]["stats64"]["tx"]["bytes"])
         except (ValueError, LookupError, TypeError):
             return None
-
-    def _rate(self, a: int, b: int, factor: float = 1.0) -> str:
-        return f"{max(int(self.wan.bandwidth_Bps[a][b] * 8 * factor), 8000)}bit"
-
-    def _shape(self, a: int) -> None:
-        """Region ``a``'s egress: the quorum host at LAN speed (the default class), every other region's host
-        at the link's bandwidth (and half its RTT where netem exists)."""
-        ns = self.ns(a + 1)
-        _tc(ns, "qdisc", "add", "dev", "eth0", "root", "handle", "1:", "htb", "default", "1")
-        _tc(ns, "class", "add", "dev", "eth0", "parent", "1:", "classid", "1:1", "htb", "rate", f"{self.lan_gbps}gbit")
-        for b in range(len(self.names)):
-            if b == a:
-                continue
-            cls = f"1:{b + 10:x}"
-            _tc(ns, "class", "add", "dev", "eth0", "parent", "1:", "classid", cls, "htb", "rate", self._rate(a, b),
-                "burst", "15k")  # fmt: skip
-            if self.delay_in_kernel:
-                _tc(ns, "qdisc", "add", "dev", "eth0", "parent", cls, "netem", "delay",
-                    f"{self.wan.rtt_s[a][b] / 2 * 1000:.3f}ms", "limit", "100000")  # fmt: skip
-            _tc(ns, "filter", "add", "dev", "eth0", "protocol", "ip", "parent", "1:", "prio", "1", "u32", "match",
-                "ip", "dst", f"{host_address(b + 1)}/32", "flowid", cls)  # fmt: skip
 
     def set_bandwidth(self, region: int, factor: float) -> None:
         """Region ``region``'s links to every other region at ``factor`` × the scenario's bandwidth (egress of
@@ -219,13 +189,12 @@ class HostsBed:
         for a in range(len(self.names)):
             for b in range(len(self.names)):
                 if a != b and region in (a, b):
-                    _tc(self.ns(a + 1), "class", "change", "dev", "eth0", "parent", "1:", "classid", f"1:{b + 10:x}",
-                        "htb", "rate", self._rate(a, b, factor), "burst", "15k")  # fmt: skip
+                    self.bridge.set_rate(self.ns(a + 1), b, rate_bit(self.wan, a, b, factor))
 
     def partition(self, region: int, up: bool) -> None:
         """Cut region ``region``'s host off (its port on the bridge down: every packet to or from it is dropped),
         or join it again."""
-        _ip("-n", self.hub, "link", "set", self.port(region + 1), "up" if up else "down")
+        ip("-n", self.bridge.hub, "link", "set", self.port(region + 1), "up" if up else "down")
 
     def partition_for(self, region: int, seconds: float) -> None:
         self.partition(region, up=False)
@@ -287,9 +256,7 @@ class HostsBed:
         if self.quotas is not None:
             self.quotas.close()
             self.quotas = None
-        for ns in reversed(self.namespaces):
-            _ip("netns", "del", ns, check=False)
-        self.namespaces.clear()
+        self.bridge.close()
 
 
 def time_namespace_unavailable_reason() -> str | None:
