@@ -497,7 +497,7 @@ class RunCheckpointer:
             {"cursor": run._cursor, "spans": run._spans})}  # fmt: skip
         state["run.loop"] = json.dumps({"rounds": run.rounds, "tokens_done": run.tokens_done,
                                         "plans": [p.to_json() for p in run.plans],
-                                        "time_budget": run.time_state()})  # fmt: skip
+                                        "time_budget": run.stopping.state_dict()})  # fmt: skip
         if self.extra is not None:
             extra = self.extra()
             state["run.extra"] = json.dumps(extra["common"])
@@ -593,7 +593,7 @@ class RunCheckpointer:
 
         run.rounds, run.tokens_done = int(loop["rounds"]), int(loop["tokens_done"])
         run.plans = [Plan.from_json(p) for p in loop["plans"]]
-        run.load_time_state(loop.get("time_budget"))  # a resumed run keeps the time its budget has spent
+        run.stopping.load_state_dict(loop.get("time_budget"))  # a resumed run keeps the time its budget has spent
         if run.rank == 0:
             r0 = json.loads(state["run.rank0"])
             run.telemetry.load_state_dict(r0)

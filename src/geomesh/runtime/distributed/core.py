@@ -94,7 +94,7 @@ def _fingerprint(*parts: Any) -> str:
 # ---- the run --------------------------------------------------------------------------------------
 
 
-class RankRun(StoppingRule):
+class RankRun:
     """One method on one scenario, on this rank of an initialised process group, with a wall clock: all but
     the loop (:meth:`_run_loop`, which the run's class picks, see
     :class:`~geomesh.runtime.distributed.DistributedRun`)."""
@@ -107,7 +107,6 @@ class RankRun(StoppingRule):
         self.method = method
         self.options = options or DistOptions()
         self.seed, self.budget, self.target = resolve_run(self.options, scenario)
-        self._init_stopping(scenario)  # the token or wall-clock time budget (.stopping)
         self.rank = dist.get_rank()
         self.world = dist.get_world_size()
         self.backend = dist.get_backend()
@@ -128,6 +127,8 @@ class RankRun(StoppingRule):
         self.region_ranks = self.layout.ranks_of(self.region)
         self.leader = self.region_ranks[0]
         self.is_leader = self.rank == self.leader
+        # what ends the run: the token budget, or the regions' agreed clocks at the time budget
+        self.stopping = StoppingRule(scenario, self.budget, self.options.tokens is not None, on_time_up=self._time_up)
         self.out_dir = self.options.out_dir
         self.telemetry = Telemetry(None)
         self.tokens_done = 0  # tokens whose updates reached θ
@@ -214,6 +215,11 @@ class RankRun(StoppingRule):
             return
         self.transport.op = what
         store.wait([key], datetime.timedelta(seconds=bound_s))
+
+    def _time_up(self, text: str) -> None:
+        if self.is_leader:  # every region's log says where its run ended (with --quiet too)
+            print(f"[{self.method.name}] region {self.scenario.regions[self.region].name}: {text}; the run ends with "
+                  f"round {self.rounds}", file=sys.stderr, flush=True)  # fmt: skip
 
     def _say(self, text: str) -> None:
         if self.rank == 0 and self.options.progress:
@@ -582,7 +588,7 @@ class RankRun(StoppingRule):
             modeled.append("WAN latency (application-level shaper; the link rate is real)")
         if any(r.slowdown > 1 for r in self.scenario.regions):
             modeled.append("compute slowdown (inner steps padded with sleep to `slowdown` x their time)")
-        modeled += self._stopping_modeled()
+        modeled += self.stopping.modeled()
         return build_summary(
             method=self.method.name, scenario=self.scenario, runtime="distributed", status=None, seed=self.seed,
             tokens=self.tokens_done, rounds=self.rounds, time_s=self._end_s, target=self.target,
@@ -611,7 +617,7 @@ class RankRun(StoppingRule):
                     n: {"precision": p} for n, p in self.region_precisions.items()},
                 # per rank: bytes of θ and the outer momentum it holds (1/size of them in an fsdp region)
                 "outer_state_bytes_per_rank": self.outer_state_bytes,
-                **self._stopping_fields(),  # what ended the run (stopped_by, the time budget)
+                **self.stopping.summary_fields(self.tokens_done),  # what ended the run (stopped_by, the time budget)
             },
             extra=extra,
         )  # fmt: skip

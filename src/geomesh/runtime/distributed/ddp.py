@@ -84,8 +84,8 @@ def run_ddp(run: RankRun) -> dict[str, Any]:
         run._say(f"[ddp] resumed from the checkpoint of step {run.rounds} ({run._resume_from})")
     step_tokens = n * tr.batch * seq
     model.train()
-    timed = run.time_budget_s is not None
-    while not run.budget_spent():
+    timed = run.stopping.timed
+    while not run.stopping.spent(run.tokens_done):
         run._mark("other")
         step_start = run._cursor
         worker.optimizer.zero_grad(set_to_none=True)
@@ -119,11 +119,11 @@ def run_ddp(run: RankRun) -> dict[str, Any]:
         finite = bool(torch.isfinite(flat).all())
         if finite:
             _set_grads(model, flat)
-            worker.apply_step(inner_lr(run.tokens_done, run.lr_tokens, tr))
+            worker.apply_step(inner_lr(run.tokens_done, run.stopping.lr_tokens(run.plans), tr))
         worker.optimizer.zero_grad(set_to_none=True)
         run.tokens_done += step_tokens
         run.rounds += 1
-        run.agree_elapsed(clocks)  # the time budget: the step at which the regions' mean clock reaches it is the last
+        run.stopping.agree_elapsed(clocks)  # the time budget: the step at which the regions' mean clock reaches it is the last
         params = {k: p.detach() for k, p in model.named_parameters()}
         run._mark("other")
         info = run._round_info(params_checksum(params), compute_s, comm_s, sent_before, wire_before, wire_after,
@@ -134,8 +134,8 @@ def run_ddp(run: RankRun) -> dict[str, Any]:
             if not finite:
                 run.telemetry.emit({"type": "warning", "round": run.rounds, "worker": "all",
                                     "message": "non-finite gradient; the all-reduced step is skipped"})  # fmt: skip
-            run._record_round(infos, names, **({"elapsed_s": run.time_elapsed_s} if timed else {}))
-            if run.rounds % tr.inner_steps == 0 or run.budget_spent():
+            run._record_round(infos, names, **({"elapsed_s": run.stopping.time_elapsed_s} if timed else {}))
+            if run.rounds % tr.inner_steps == 0 or run.stopping.spent(run.tokens_done):
                 run.global_model.load_state_dict(model.state_dict())
                 run._evaluate(run._now())
         if every > 0 and run.rounds % every == 0:

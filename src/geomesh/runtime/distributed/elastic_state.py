@@ -77,7 +77,7 @@ class ElasticState:
                     "records": list(self.records), **tel.state_dict(), "run_totals": dict(run.totals),
                     "stats": json.loads(json.dumps(self.stats)), "faults": self.faults.state_dict(),
                     "streams": dict(self.streams), "members": list(self.members or []), "now": run._now(),
-                    "plan_loop": self.loop.plan_state(), "time_budget": run.time_state(),
+                    "plan_loop": self.loop.plan_state(), "time_budget": run.stopping.state_dict(),
                     "round_plan": self.loop.round_plan_at},
         }  # fmt: skip
 
@@ -104,7 +104,7 @@ class ElasticState:
         self.members = list(s["members"])
         run.worker.slowdown = self.sc.regions[self.me].slowdown * self.faults.speed(self.me)
         run.clock.resume(float(s["now"]))  # this region's clock joins the others'
-        run.load_time_state(s.get("time_budget"))  # (the time budget spent: it stops with them)
+        run.stopping.load_state_dict(s.get("time_budget"))  # (the time budget spent: it stops with them)
         self.written = -1  # the records are the live region's now: rewrite events.jsonl if this one writes it
         run._cursor = float(s["now"])
         run._spans = []

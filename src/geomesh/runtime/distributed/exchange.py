@@ -29,6 +29,7 @@ from typing import Any, Protocol
 
 import torch
 
+from ...methods.budget import elapsed_of_round
 from .core import params_checksum
 from .frames import Rejected
 from .transport import WanShaper
@@ -274,7 +275,7 @@ class StaticExchange:
         checksum = params_checksum(loop.params) if not loop.outvoted else None  # (a region standing aside)
         run._mark("other")
         parts = payload if split is not None else (payload,)
-        clock = {"elapsed_s": run._now()} if run.time_budget_s is not None else {}  # (the time budget's rule)
+        clock = {"elapsed_s": run._now()} if run.stopping.timed else {}  # (the time budget's rule)
         wire = loop.wire if loop.overlap is not None and run.is_leader else {}
         info = run._round_info(checksum, compute_s, comm_s, sent_before, wire_before, wire_after,
                                proxy_bytes=sum(len(p) for p in parts if p is not None) if run.is_leader else 0,
@@ -287,14 +288,18 @@ class StaticExchange:
         run._mark("straggler_wait")
         self.report_wait_s = run._cursor - before
         # every region's clock came with its report: the leaders agree on the run's elapsed time, then their ranks
-        run.agree_elapsed([i.get("elapsed_s") for i in infos] if infos is not None else None, in_region=True)
+        elapsed = elapsed_of_round([i.get("elapsed_s") for i in infos]) if infos is not None else None
+        if clock and run.region_group is not None:
+            elapsed = run.transport.broadcast_json(elapsed if run.is_leader else None, run.leader, run.region_group,
+                                                   what=f"the run's elapsed time at round {run.rounds}")  # fmt: skip
+        run.stopping.agree_elapsed(None if elapsed is None else [elapsed])
         if run.rank == 0:
             run._record_round(infos, loop.names, members=[loop.names[i] for i in outcome["took_part"]],
                               tokens_lost={loop.names[i]: t for i, t in lost.items()},
                               straggler_idle_frac=round_idle(infos),
                               **({"overhead_s": [reported_overhead_s(i) for i in infos]}
                                  if loop.round_overhead_s is not None else {}),
-                              **({"elapsed_s": run.time_elapsed_s} if clock else {}))  # fmt: skip
+                              **({"elapsed_s": run.stopping.time_elapsed_s} if clock else {}))  # fmt: skip
         return infos
 
     def finish(self) -> dict[str, Any]:

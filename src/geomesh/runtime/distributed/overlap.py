@@ -383,7 +383,7 @@ class RankOverlap:
         self.in_flight_s = 0.0  # (this round's apply step is taken; a round after a drain starts from θ)
         if run.evaluates:
             every = run.scenario.training.eval_every_rounds
-            if run.rounds % every == 0 or run.budget_spent():
+            if run.rounds % every == 0 or run.stopping.spent(run.tokens_done):
                 run._evaluate(run._now())
         run._mark("other")  # the outer step (and rank 0's evaluation), as in the plain round
         return self.params

@@ -214,7 +214,7 @@ class RoundLoop(PlanLoop):
             if self.wan_measure is not None and run.rounds == 0 and self.wan_probe_s is None and not view.healed \
                     and len(view.members) > 1:  # (every member at round 0 alike: the run's first quorum)
                 self.probe_wan(view.members)
-            if run.budget_spent():
+            if run.stopping.spent(run.tokens_done):
                 break
             r = run.rounds  # 0-based index of this round (fault schedule); round records count from 1
             # 2. faults and plan
@@ -271,12 +271,12 @@ class RoundLoop(PlanLoop):
             self.round_plan_at = len(run.plans) - 1 if healed_at is None else healed_at
             plan = run.plans[self.round_plan_at]
             entries = {i: plan.worker(self.names[i]) for i in members}
-            rs = round_steps([entries[i] for i in members], self.seq, run.tokens_done, run.token_cap, plan,
+            rs = round_steps([entries[i] for i in members], self.seq, run.tokens_done, run.stopping.token_cap, plan,
                              overlapped=self.overlap is not None)  # fmt: skip
             steps = dict(zip(members, rs.steps))
             planned = {i: entries[i].batch * steps[i] * self.seq for i in members}
             checkpoint_due = saver is not None and every > 0 and (run.rounds + 1) % every == 0  # after this round
-            last = run.tokens_done + rs.tokens >= run.token_cap  # (a time budget: known once the round is reported)
+            last = run.tokens_done + rs.tokens >= run.stopping.token_cap  # (a time budget: known once the round is reported)
             if self._evaluation_due:  # the last round's evaluation, after this round's quorum (see _end_of_round)
                 self._evaluation_due = False
                 run._evaluate(run._now())
@@ -326,7 +326,7 @@ class RoundLoop(PlanLoop):
                 run.tokens_done += rs.tokens  # (the update of these tokens is formed when the exchange arrives)
                 if self.elastic:  # (with what the plan loop measures it against when it arrives)
                     self._planned_in_flight.append((planned, plan, steps, entries, run.rounds))
-                drained = run.budget_spent() or checkpoint_due
+                drained = run.stopping.spent(run.tokens_done) or checkpoint_due
                 if drained:
                     # the last round's exchange (nothing is left to hide it under), or one a checkpoint must not
                     # hold: waited for now
@@ -335,7 +335,7 @@ class RoundLoop(PlanLoop):
                 if self.elastic:  # an exchange waited for since (drained): its record now
                     self._record_arrived(compute_s, comm_s)
                     self._agree_arrived_clocks()  # (with this round counted: the run ends with it)
-                    if run.time_up:  # the time budget is spent: the exchange in flight is the run's last
+                    if run.stopping.time_up:  # the time budget is spent: the exchange in flight is the run's last
                         self.overlap.drain()
                         self._record_arrived(compute_s, comm_s + self.overlap.take_waited())
                         self._agree_arrived_clocks()
@@ -358,8 +358,8 @@ class RoundLoop(PlanLoop):
             if self.overlap is not None:  # (static) measured and re-planned from the round's reports
                 self._observe_reports(reports, members, steps, entries, drained)
             if self.elastic:  # the members' clocks came with the round's exchange (static: with its report)
-                run.agree_elapsed([i.get("elapsed_s") for i in result.infos])
-            if self.overlap is not None and run.time_up:  # the time budget is spent: the exchange in flight is
+                run.stopping.agree_elapsed([i.get("elapsed_s") for i in result.infos])
+            if self.overlap is not None and run.stopping.time_up:  # the time budget is spent: the exchange in flight is
                 self.overlap.drain()  # the run's last (nothing is left to hide it under)
                 self._warn(self._overlap_outcome(members))
             self._end_of_round(tr, saver, every, keep, checkpoint_due)
@@ -372,8 +372,8 @@ class RoundLoop(PlanLoop):
         """Evaluation on its cadence (overlapped: when the update arrives), a checkpoint when due, test hooks."""
         run = self.run
         if self.overlap is None and run.evaluates and (run.rounds % tr.eval_every_rounds == 0
-                                                        or run.budget_spent()):  # fmt: skip
-            if self.elastic and not (run.budget_spent() or checkpoint_due):
+                                                        or run.stopping.spent(run.tokens_done)):  # fmt: skip
+            if self.elastic and not (run.stopping.spent(run.tokens_done) or checkpoint_due):
                 # elastic: after the next round's quorum, which waits for every member. Run before it, a slower
                 # region's evaluation held every other region there; after it, it is this region's round
                 # overhead, which the plan gives the faster ones as inner steps. (The last round's, and one a
@@ -420,7 +420,7 @@ class RoundLoop(PlanLoop):
         """The time budget's decision from the clocks of the exchanges recorded this round, taken once the round
         is counted (as a static round takes it), whenever their records were made."""
         for clocks in self._clocks_arrived:
-            self.run.agree_elapsed(clocks)
+            self.run.stopping.agree_elapsed(clocks)
         self._clocks_arrived.clear()
 
     # ---- the parts of a round ----------------------------------------------------------------------------
@@ -430,7 +430,7 @@ class RoundLoop(PlanLoop):
         run, method = self.run, self.method
         wp, h = entries[self.me], steps[self.me]
         run.worker.follow_plan(wp)
-        lr_at = rs.lr_at(h, run.lr_tokens, self.tr)
+        lr_at = rs.lr_at(h, run.stopping.lr_tokens(run.plans), self.tr)
         split = None
         with poisoned(run.worker, "nan" in once):
             if self.overlap is not None:
@@ -533,7 +533,7 @@ class RoundLoop(PlanLoop):
             info["overhead_s"] = self.round_overhead_s
         info.update(self.exchange.info_fields())
         info.update(self.wire)
-        if self.elastic and run.time_budget_s is not None:  # this region's clock, for the time budget's rule
+        if self.elastic and run.stopping.timed:  # this region's clock, for the time budget's rule
             info["elapsed_s"] = run._now()
         return info
 

@@ -1,5 +1,5 @@
 """What ends a distributed run: its token budget, or a time budget in wall-clock seconds decided by every region
-together (:class:`StoppingRule`, a part of :class:`~geomesh.runtime.distributed.core.RankRun`).
+together (:class:`StoppingRule`, held by the rank's run as ``run.stopping``).
 
 With ``training.time_budget_s`` (``--time-budget``) every region reports its own clock with each round (a
 static run with the round's report to rank 0, elastic regions in the round info of the exchange, ``ddp`` as one
@@ -20,23 +20,31 @@ from ...errors import RunError
 
 
 class StoppingRule:
-    """The stopping rule's state and decisions on one rank (mixed into the rank's run, whose scenario, plans,
-    clock, transport and region it reads)."""
+    """The stopping rule's state and decisions on one rank: the token budget ``budget``, or the scenario's time
+    budget, which the regions' reported clocks spend (:meth:`agree_elapsed`)."""
 
-    def _init_stopping(self, scenario: Any) -> None:
+    def __init__(self, scenario: Any, budget: int, tokens_given: bool, on_time_up: Any = None) -> None:
+        self.scenario = scenario
+        self.on_time_up = on_time_up  # told once, with a line for the log, when the regions agree the time is up
+        self.budget = budget
         self.time_budget_s: float | None = scenario.training.time_budget_s
-        if self.time_budget_s is not None and self.options.tokens is not None:
+        if self.time_budget_s is not None and tokens_given:
             raise RunError("give a token budget (--tokens) or a time budget (--time-budget, training.time_budget_s), "
                            "not both")  # fmt: skip
         self.time_up = False  # the regions agreed that the time budget is spent: this round is the last
         self.time_elapsed_s: float | None = None  # the run's elapsed seconds, as the regions last agreed on them
 
-    def budget_spent(self) -> bool:
+    @property
+    def timed(self) -> bool:
+        """Whether a time budget ends the run (every region then reports its clock with each round)."""
+        return self.time_budget_s is not None
+
+    def spent(self, tokens_done: int) -> bool:
         """Whether the run is over: the regions agreed that the time budget is spent, or (without one) the
-        tokens whose updates reached θ met the token budget."""
+        tokens whose updates reached θ (``tokens_done``) met the token budget."""
         if self.time_budget_s is not None:
             return self.time_up
-        return self.tokens_done >= self.budget
+        return tokens_done >= self.budget
 
     @property
     def token_cap(self) -> int:
@@ -44,64 +52,59 @@ class StoppingRule:
         under a time budget (every round is whole, the clock ends the run)."""
         return self.budget if self.time_budget_s is None else sys.maxsize
 
-    @property
-    def lr_tokens(self) -> int:
+    def lr_tokens(self, plans: list[Any]) -> int:
         """The tokens the inner learning-rate schedule spans: the token budget, or under a time budget what the
-        run's first plan predicts it trains in that time (measured step times where calibrated, the modeled
+        run's first plan (of ``plans``, the run's so far) predicts it trains in that time (measured step times where calibrated, the modeled
         exchange): the clock, not this figure, ends the run (rounds past it train at the schedule's floor)."""
-        if self.time_budget_s is None or not self.plans:
+        if self.time_budget_s is None or not plans:
             return self.budget
         from ...methods.budget import plan_tokens_in_time
 
         seq = self.scenario.model.seq_len
-        return plan_tokens_in_time(self.plans[0], seq, self.time_budget_s, self.scenario.training.batch * seq)
+        return plan_tokens_in_time(plans[0], seq, self.time_budget_s, self.scenario.training.batch * seq)
 
-    def agree_elapsed(self, clocks: list[Any] | None, in_region: bool = False) -> None:
-        """The regions' clocks as they reported them with a round (every rank of a region the same list, or
-        with ``in_region`` its leader's only, shared here inside the region): their mean is the run's elapsed
-        time; at or past the time budget the run stops after this round, on every rank of every region alike."""
-        if self.time_budget_s is None:
+    def agree_elapsed(self, clocks: list[Any] | None) -> None:
+        """The regions' clocks as they reported them with a round (every rank the same list; ``None``: none
+        this round): their mean is the run's elapsed time; at or past the time budget the run stops after this
+        round, on every rank of every region alike."""
+        if self.time_budget_s is None or clocks is None:
             return
         from ...methods.budget import elapsed_of_round
 
-        elapsed = elapsed_of_round(clocks) if clocks is not None else None
-        if in_region and self.region_group is not None:
-            elapsed = self.transport.broadcast_json(elapsed if self.is_leader else None, self.leader, self.region_group,
-                                                    what=f"the run's elapsed time at round {self.rounds}")  # fmt: skip
+        elapsed = elapsed_of_round(clocks)
         if elapsed is None:
             return
         self.time_elapsed_s = float(elapsed)
         if self.time_elapsed_s >= self.time_budget_s and not self.time_up:
             self.time_up = True
-            if self.is_leader:  # every region's log says where its run ended (with --quiet too)
-                print(f"[{self.method.name}] region {self.scenario.regions[self.region].name}: the time budget of "
-                      f"{self.time_budget_s:g}s is spent (the regions' clocks: {self.time_elapsed_s:.2f}s); the run "
-                      f"ends with round {self.rounds}", file=sys.stderr, flush=True)  # fmt: skip
+            if self.on_time_up is not None:
+                self.on_time_up(f"the time budget of {self.time_budget_s:g}s is spent (the regions' clocks: "
+                                f"{self.time_elapsed_s:.2f}s)")  # fmt: skip
 
-    def stopped_by(self) -> str | None:
+    def stopped_by(self, tokens_done: int) -> str | None:
         """What ended the run: ``time_budget`` or ``token_budget`` (None: neither was reached)."""
         if self.time_up:
             return "time_budget"
-        return "token_budget" if self.time_budget_s is None and self.tokens_done >= self.budget else None
+        return "token_budget" if self.time_budget_s is None and tokens_done >= self.budget else None
 
-    def time_state(self) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, Any]:
         """The stopping rule's state, for checkpoints and for a region healed from this one (JSON)."""
         return {"time_up": self.time_up, "elapsed_s": self.time_elapsed_s}
 
-    def load_time_state(self, state: dict[str, Any] | None) -> None:
+    def load_state_dict(self, state: dict[str, Any] | None) -> None:
         state = state if isinstance(state, dict) else {}
         self.time_up = bool(state.get("time_up", False))
         elapsed = state.get("elapsed_s")
         self.time_elapsed_s = float(elapsed) if isinstance(elapsed, (int, float)) else None
 
     # ---- what the summary says -----------------------------------------------------------------------------
-    def _stopping_fields(self) -> dict[str, Any]:
+    def summary_fields(self, tokens_done: int) -> dict[str, Any]:
         """The summary's fields: what ended the run, the time budget and the elapsed time the regions agreed on
         at the last round."""
-        return {"stopped_by": self.stopped_by(), "time_budget_s": self.time_budget_s,
+        return {"stopped_by": self.stopped_by(tokens_done), "time_budget_s": self.time_budget_s,
                 "time_budget_elapsed_s": self.time_elapsed_s}  # fmt: skip
 
-    def _stopping_modeled(self) -> list[str]:
+    def modeled(self) -> list[str]:
         """What the stopping rule takes from a model rather than a measurement (the summary's ``modeled``)."""
         if self.time_budget_s is None:
             return []
