@@ -37,7 +37,7 @@ from pathlib import Path
 
 from ..network import WanModel
 from ..runtime.distributed.membership import ADVERTISE_ENV, LIGHTHOUSE_ENV
-from .netns import Bridge, NetnsError, ip, namespace_pids, rate_bit
+from .netns import Bridge, NetnsError, ip, namespace_pids, rate_bit, set_up
 from .quotas import CpuQuotas
 
 QUORUM_PORT = 29510
@@ -142,12 +142,7 @@ class HostsBed:
         return f"http://{host_address(0)}:{QUORUM_PORT}"
 
     def __enter__(self) -> HostsBed:
-        try:
-            self.setup()
-        except BaseException:
-            self.close()
-            raise
-        return self
+        return set_up(self)
 
     def __exit__(self, *exc: object) -> None:
         self.close()

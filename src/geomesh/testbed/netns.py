@@ -71,6 +71,16 @@ def namespace_pids(ns: str) -> set[int]:
     return {int(p) for p in done.stdout.split() if p.isdigit()} if done.returncode == 0 else set()
 
 
+def set_up(network):
+    """``network.setup()``, everything it made removed (``network.close()``) if that fails: a context's entry."""
+    try:
+        network.setup()
+    except BaseException:
+        network.close()
+        raise
+    return network
+
+
 def rate_bit(wan: WanModel, a: int, b: int, factor: float = 1.0) -> int:
     """Region ``a``'s link to region ``b`` in bit/s (× ``factor``), at least what ``htb`` accepts."""
     return max(int(wan.bandwidth_Bps[a][b] * 8 * factor), 8000)
@@ -177,12 +187,7 @@ class NetnsWan:
         return f"10.213.0.{rank + 1}"
 
     def __enter__(self) -> NetnsWan:
-        try:
-            self.setup()
-        except BaseException:
-            self.close()
-            raise
-        return self
+        return set_up(self)
 
     def __exit__(self, *exc: object) -> None:
         self.close()
