@@ -1,5 +1,6 @@
 # Two commands from a fresh clone: `make demo` (the main job on the default scenario) and `make test`.
-# Both set up .venv on first use (idempotent: a stamp file records the installed state).
+# Both set up .venv on first use (idempotent: a stamp file records the installed state). `make docs` builds the
+# documentation site into build/site (the dev extra installs its tools; the test suite builds it too).
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
@@ -7,7 +8,7 @@ STAMP  := $(VENV)/.geomesh-installed
 # torch 2.13.0 is the CPU release these machines install; a GPU cluster installs its own CUDA build first.
 TORCH  ?= torch==2.13.0
 
-.PHONY: setup test demo bench clean
+.PHONY: setup test demo bench docs clean
 
 setup: $(STAMP)
 
@@ -45,5 +46,9 @@ demo: $(STAMP)
 bench: $(STAMP)
 	$(VENV)/bin/geomesh bench default --out runs/bench
 
+# strict: a broken link or anchor, or a reference page that cannot be generated, fails the build
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict
+
 clean:
-	rm -rf runs .pytest_cache
+	rm -rf runs .pytest_cache build/site
