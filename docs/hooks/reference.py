@@ -137,8 +137,8 @@ def cli_page() -> str:
 
     commands = _subcommands(build_parser(), "geomesh")
     lines = ["# Command line", "",
-             "Every `geomesh` subcommand and every option, generated from the command's own parser at each docs "
-             "build. An error a user can cause ends with one `error: ...` line and exit status 2.", "",
+             "This page lists every `geomesh` subcommand and every option, generated from the command's own parser "
+             "at each docs build. An error a user can cause ends with one `error: ...` line and exit status 2.", "",
              "| command | what it does |", "|---|---|"]
     lines += [f"| [`{c}`](#{c.replace(' ', '-')}) | {_cell(h)} |" for c, h, _ in commands]
     lines += ["| [`python -m geomesh.run`](#python-m-geomeshrun) | one rank of a real run, under `torchrun` |", ""]
@@ -351,7 +351,8 @@ def scenario_page() -> str:
         ("logging.wandb", None, config.WandbConfig, "logging.wandb.", "logging.wandb.", with_wandb),
     ]
     lines = ["# Scenario fields", "",
-             "Every field a scenario YAML file can set, generated from the scenario's dataclasses at each docs build. "
+             "This page lists every field a scenario YAML file can set, generated from the scenario's dataclasses at "
+             "each docs build. "
              "\"Allowed\" is what the validator says when it refuses a value (a wrong type is refused too, by the "
              "type column); \"notes\" is the comment the code gives the field. Only `regions` has no default.", "",
              "A field is written in YAML as its section and name (`training.seed: 3` is `training: {seed: 3}`), and "
@@ -380,8 +381,8 @@ def methods_page() -> str:
     from geomesh.methods import get_method, method_names
 
     lines = ["# Methods and presets", "",
-             "The methods `--method` takes and the scenario presets a command takes by name, generated from their "
-             "tables at each docs build.", "", "## Methods", "", "| method | what it is |", "|---|---|"]
+             "This page lists the methods `--method` takes and the scenario presets a command takes by name, "
+             "generated from their tables at each docs build.", "", "## Methods", "", "| method | what it is |", "|---|---|"]
     lines += [f"| `{name}` | {_cell(get_method(name).description)} |" for name in method_names()]
     lines += ["", "## Presets", "", "`geomesh scenarios` lists them; `geomesh config show NAME` prints one whole.", "",
               "| preset | regions | what it is |", "|---|---|---|"]
