@@ -46,9 +46,9 @@ def site(tmp_path_factory) -> Path:
     """The site, built in strict mode into a temporary folder."""
     assert importlib.util.find_spec("mkdocs"), "the docs tools are missing: pip install -e '.[docs]' (make test does)"
     out = tmp_path_factory.mktemp("site")
-    done = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--config-file", str(ROOT / "mkdocs.yml"),
-                           "--site-dir", str(out)], cwd=ROOT, env=_env(), capture_output=True, text=True,
-                          timeout=600)  # fmt: skip
+    command = [sys.executable, "-m", "mkdocs", "build", "--strict", "--config-file", str(ROOT / "mkdocs.yml"),
+               "--site-dir", str(out)]  # fmt: skip
+    done = subprocess.run(command, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-5000:]
     return out
 
@@ -171,7 +171,7 @@ def test_pages_are_short_and_say_their_purpose_first():
         body = text.split("\n\n", 2)
         assert text.startswith("# ") and len(body) > 1, f"{name}: a title, then a first paragraph"
         first = body[1].strip()
-        assert re.match(r"This (page|tutorial|note|section) ", first), f"{name}: its first paragraph says its purpose: {first[:80]!r}"
+        assert re.match(r"This (page|tutorial|note|section) ", first), f"{name}: no purpose first: {first[:80]!r}"
 
 
 def test_the_readme_links_resolve(site):

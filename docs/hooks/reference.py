@@ -382,7 +382,8 @@ def methods_page() -> str:
 
     lines = ["# Methods and presets", "",
              "This page lists the methods `--method` takes and the scenario presets a command takes by name, "
-             "generated from their tables at each docs build.", "", "## Methods", "", "| method | what it is |", "|---|---|"]
+             "generated from their tables at each docs build.", "",
+             "## Methods", "", "| method | what it is |", "|---|---|"]
     lines += [f"| `{name}` | {_cell(get_method(name).description)} |" for name in method_names()]
     lines += ["", "## Presets", "", "`geomesh scenarios` lists them; `geomesh config show NAME` prints one whole.", "",
               "| preset | regions | what it is |", "|---|---|---|"]
