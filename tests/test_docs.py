@@ -281,6 +281,7 @@ def test_the_tutorial_commands_are_the_ones_the_hosts_bed_builds(tmp_path, monke
     fake = SimpleNamespace(Popen=popen, STDOUT=subprocess.STDOUT,
                            run=lambda *a, **k: subprocess.CompletedProcess(a, 1, "", ""))  # fmt: skip
     monkeypatch.setattr(hosts_mod, "subprocess", fake)
+    monkeypatch.setattr(hosts_mod, "namespace_pids", lambda ns: set(), raising=False)
     monkeypatch.setattr(hosts_mod, "HostsBed", CommandsOnly)
     monkeypatch.setattr(net_mod, "netns_unavailable_reason", lambda: None)
     quorum_exports, quorum = _exports_and_command(_blocks()["quorum host (10.77.0.1)"])
