@@ -228,7 +228,8 @@ def test_re_sparsified_sharded_launch_resumes_bit_identical(tmp_path, small_corp
 def test_a_re_sparsified_launch_plans_rounds_of_half_the_sequences(tmp_path, small_corpus):
     """The method as users run it (calibration and re-planning on, the method's own sequences per round), its
     payloads through the re-sparsified sharded exchange: every plan of the launch, the first and each re-plan,
-    targets a quarter of N·b·H sequences (half the method's half), as the emulated runtime plans it."""
+    targets a quarter of N·b·H sequences (half the method's half), as the emulated runtime plans it (a round held
+    on the way to a far re-plan is a round of a time)."""
     from geomesh.config import load_scenario
     from geomesh.methods import get_method
 
@@ -240,5 +241,8 @@ def test_a_re_sparsified_launch_plans_rounds_of_half_the_sequences(tmp_path, sma
     quarter = round(len(sc.regions) * sc.training.batch * sc.training.inner_steps / 4)
     assert get_method("geomesh-sparse").constraints(sc, len(sc.regions)).target_sequences == quarter
     events = [json.loads(line) for line in (tmp_path / "run" / "events.jsonl").read_text().splitlines()]
-    targets = [e["plan"]["target_sequences"] for e in events if e.get("type") == "plan"]
-    assert targets and set(targets) == {quarter}
+    plans = [e["plan"] for e in events if e.get("type") == "plan"]
+    # (a re-plan whose round would be far longer or shorter than the round in force is held to a step of it on
+    # the way, a round of a time, not of a target: planner/online.py, ROUND_STEP)
+    targets = [p["target_sequences"] for p in plans if not p["rule"].startswith("the round held to")]
+    assert plans[0]["target_sequences"] == quarter and set(targets) == {quarter}, [p["rule"] for p in plans]
