@@ -311,9 +311,20 @@ class OnlinePlanner:
         overhead = max(p.round_overhead_s for p in profiles)
         if math.isclose(target, after, rel_tol=1e-9) or target <= overhead:
             return plan, False
+        # the work the held round does: at most round_step x the work in force, and a round held shorter does no
+        # more work than the rule's round or the round in force (an overhead in force measured long, and short
+        # since, must not turn into compute: a round of 3.5x the work came of a held 2x shorter round)
+        now_c = max(w.compute_s for w in self.current.workers)
+        fill = min(target - overhead, self.round_step * now_c)
+        if after < before:
+            fill = min(fill, max(now_c, max(w.compute_s for w in plan.workers)))
         held = dataclasses.replace(self.constraints, fill=False, target_sequences=None,
-                                   round_compute_s=target - overhead)  # fmt: skip
+                                   round_compute_s=fill)  # fmt: skip
         out = plan_balanced(profiles, held, exchange_bytes, exchange_s)
+        if max(w.compute_s + w.overhead_s for w in out.workers) > max(before, after) * (1 + 1e-9):
+            # (overlapped, a round that fills a time is stretched to the exchange it hides: a held round longer than
+            # both the rule's and the round in force holds nothing back)
+            return plan, False
         how = "longer" if after > before else "shorter"
         out.rule = (f"the round held to {target:.3g} s, {self.round_step:g}x {how} than the round in force "
                     f"({before:.3g} s; one re-plan changes it at most {self.round_step:g}x); the rule's round: "
