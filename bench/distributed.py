@@ -20,7 +20,8 @@ rounds, the last round left out), compute / straggler / comm seconds per round
 (mean over workers), idle fractions, final validation loss; then one ``comparison`` line with the ratios.
 Everything also goes to ``OUT/results.json``; each method's run folder is ``OUT/<method>``.
 
-The plan as a loop (``--cases drift,datasheet``; DESIGN.md "The plan is a loop"), each case run open loop
+The plan as a loop (``--cases drift,datasheet``; docs/design/architecture.md "The plan is a loop"), each case run
+open loop
 (``--set geomesh.replan=false --no-calibrate``) and closed loop (the defaults: calibrated in place, re-planned
 from every round's measured compute times) side by side, GeoMesh on a tiny model (``--loop-preset``) over the
 default corpus, no WAN shaping:

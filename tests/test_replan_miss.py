@@ -1,7 +1,7 @@
-"""A loop that reacts (DESIGN.md, "The plan is a loop"): a round that misses its plan far beyond the noise is
-re-planned at once, round 1 included, while small deviations wait for the noise-aware confirmation; and one
-region's measurement changes a round's length by at most ROUND_STEP per re-plan, so a wrong single
-measurement cannot make the next round many times longer. Pure: the online planner on simulated rounds."""
+"""A loop that reacts (docs/design/architecture.md, "The plan is a loop"): a round that misses its plan far beyond the
+noise is re-planned at once, round 1 included, while small deviations wait for the noise-aware confirmation; and one
+region's measurement changes a round's length by at most ROUND_STEP per re-plan, so a wrong single measurement cannot
+make the next round many times longer. Pure: the online planner on simulated rounds."""
 
 from __future__ import annotations
 

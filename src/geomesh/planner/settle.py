@@ -1,4 +1,4 @@
-"""A plan that settles (DESIGN.md, "The plan is a loop"): measured profiles as the planner sees them.
+"""A plan that settles (docs/design/architecture.md, "The plan is a loop"): measured profiles as the planner sees them.
 
 The planner's choice of (batch, inner steps) for a worker is discrete: the planning rule takes, among the
 options that fill the round within 1%, the one with the most sequences, and options as far apart as 14 steps

@@ -1,5 +1,5 @@
 """A rank's wall clock and the spans of its worker's time (``compute``, ``straggler_wait``, ``comm_wait``,
-``other``: DESIGN.md's time accounting), as every loop of the distributed runtime keeps them."""
+``other``: docs/design/architecture.md, "Time accounting"), as every loop of the distributed runtime keeps them."""
 
 from __future__ import annotations
 
