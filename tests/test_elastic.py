@@ -315,7 +315,7 @@ def test_bad_input_is_one_error_line_without_a_hang(tmp_path, small_corpus, caps
     (tmp_path / "f").mkdir()
     faulty = scenario(tmp_path / "f", small_corpus, faults=[{"at_round": 1, "region": "r1-a100", "kind": "leave"}])
     for scen, extra, says in ((path, ["--wan", "netns"], "not with elastic regions"),
-                              (path, ["--min-regions", "4"], "min_regions 4"),
+                              (path, ["--min-regions", "4"], "reliability.min_regions: 4 is not allowed"),
                               (faulty, ["--min-regions", "0"], "leave/join faults need elastic regions")):  # fmt: skip
         code = cli_launch.main([*argv(scen, tmp_path / "y", 3840), *extra])
         err = capsys.readouterr().err.strip().splitlines()

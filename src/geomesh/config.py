@@ -642,6 +642,8 @@ def validate(cfg: ScenarioConfig) -> ScenarioConfig:
             alive[f.region] = True
     _validate_logging(cfg.logging)
     _validate_reliability(cfg.reliability)
+    _require(cfg.reliability.min_regions <= len(cfg.regions), "reliability.min_regions", cfg.reliability.min_regions,
+             f"expected 0 (not elastic) to {len(cfg.regions)} (the scenario's regions)")  # fmt: skip
     return cfg
 
 

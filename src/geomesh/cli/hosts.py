@@ -220,7 +220,10 @@ def cmd_hosts(args: argparse.Namespace) -> int:
         raise RunError(f"the hosts test bed cannot run here: {reason}")
     if cpu and (reason := quota_unavailable_reason()):
         raise RunError(f"--cpu: CPU quotas cannot be set here: {reason}")
+    # the bed always runs elastic regions: its default floor is every region but one
     min_regions = args.min_regions or sc.reliability.min_regions or max(1, len(names) - 1)
+    if not 1 <= min_regions <= len(names):
+        raise RunError(f"--min-regions {min_regions}: expected 1 to {len(names)} (the scenario's regions)")
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     env = {k: v for k, v in os.environ.items() if k not in ("GEOMESH_REGION", "MASTER_ADDR", "MASTER_PORT")}

@@ -182,9 +182,7 @@ def _launch(args, extra_env, scenario, layout, backend) -> LaunchResult:
 
 
 def _elastic(args: argparse.Namespace, scenario) -> bool:
-    from ..runtime.distributed.elastic import min_regions_of
-
-    return min_regions_of(scenario, args.min_regions) > 0
+    return scenario.reliability.min_regions > 0  # (--min-regions is that field: scenario_overrides)
 
 
 def _spawn_and_wait(args: argparse.Namespace, env: dict[str, str], argv: list[str], net, layout) -> LaunchResult:

@@ -25,10 +25,9 @@ from .run_args import rank_argv
 
 
 def launch_elastic(args: argparse.Namespace, env: dict[str, str], scenario, layout) -> LaunchResult:
-    from ..runtime.distributed.elastic import min_regions_of
     from ..runtime.distributed.membership import ADVERTISE_ENV, LIGHTHOUSE_ENV, join_timeout_s, start_lighthouse
 
-    min_regions = min_regions_of(scenario, args.min_regions)
+    min_regions = scenario.reliability.min_regions
     # every region of a launch is on this machine: the quorum service listens on loopback only
     lighthouse = start_lighthouse(min_regions, join_timeout_s(scenario.reliability), bind="127.0.0.1:0")
     port = lighthouse.address().rsplit(":", 1)[-1].strip("/")

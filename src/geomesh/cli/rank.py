@@ -118,9 +118,9 @@ def _main(args: argparse.Namespace) -> int:
         rank, world, local = _env_int("RANK"), _env_int("WORLD_SIZE"), int(os.environ.get("LOCAL_RANK", "0"))
         _env_int("MASTER_PORT")
         counts = parse_ranks_per_region(args.ranks_per_region, len(scenario.regions))
-        from ..runtime.distributed.elastic import min_regions_of, region_layout
+        from ..runtime.distributed.elastic import region_layout
 
-        elastic = min_regions_of(scenario, args.min_regions) > 0
+        elastic = scenario.reliability.min_regions > 0
         if elastic:  # every region is its own world (one torchrun per region); regions meet through torchft
             layout = region_layout(scenario, args.region or os.environ.get(REGION_ENV), world)
         else:

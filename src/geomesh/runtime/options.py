@@ -19,7 +19,7 @@ from ..errors import RunError
 
 if TYPE_CHECKING:
     from ..config import ReliabilityConfig, ScenarioConfig
-    from .distributed.transport import WanMode
+    from .distributed.wan_shaper import WanMode
 
 
 @dataclass
@@ -58,7 +58,6 @@ class DistOptions(CommonOptions):
     ranks_per_region: list[int] | None = None
     profiles: list[str] = field(default_factory=list)  # REGION=FILE: measured profiles (rank 0 reads them)
     save_params: bool = False  # rank 0 writes out_dir/final_params.pt (the global model's state_dict)
-    min_regions: int | None = None  # overrides reliability.min_regions (elastic regions: runtime/distributed/elastic.py)
     elastic_region: str | None = None  # elastic: this world is this region's ranks only
     lighthouse: str | None = None  # elastic: the quorum service (default $TORCHFT_LIGHTHOUSE)
 

@@ -4,7 +4,7 @@
   region from ``--ranks-per-region`` (:func:`parse_ranks_per_region`), else one per region or one per GPU
   (:func:`rank_layout`). The first rank of a region is its *leader*.
 - Elastic regions (:class:`RegionLayout`): every region is its own world and sees only its ranks
-  (:func:`region_layout`); :func:`min_regions_of` is the quorum's floor (0: not elastic).
+  (:func:`region_layout`; the quorum's floor is the scenario's ``reliability.min_regions``, 0: not elastic).
 """
 
 from __future__ import annotations
@@ -123,10 +123,3 @@ def region_layout(scenario, region: str | None, world: int) -> RegionLayout:
                           f"expected one of {', '.join(names)}")  # fmt: skip
     return RegionLayout(names, names.index(region), world)
 
-
-def min_regions_of(scenario, override: int | None) -> int:
-    m = scenario.reliability.min_regions if override is None else override
-    n = len(scenario.regions)
-    if m < 0 or m > n:
-        raise ConfigError(f"min_regions {m}: expected 0 (not elastic) to {n} (the scenario's regions)")
-    return m
