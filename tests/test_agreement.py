@@ -113,3 +113,53 @@ def test_the_vote_commits_only_when_every_member_voted_yes_over_the_same_arrival
     assert commit_decision(stale, h, NAMES)[0] is False
     # a peer's garbage is data: ignored, and it counts as a missing vote
     assert commit_decision([*votes[:2], "garbage", {"region": True}], h, NAMES) == (False, "no vote from rc")
+
+
+# ---- one region's side of the agreement (RoundAgreement) ------------------------------------------------------
+
+
+def test_the_makers_proposal_is_what_every_member_trains_and_only_for_its_round():
+    from geomesh.runtime.distributed.agreement import RoundAgreement
+
+    maker, member = RoundAgreement("job", NAMES, 0), RoundAgreement("job", NAMES, 2)
+    plan = plan_for(NAMES[:3])
+    shipped = {0: maker.proposal(7, [0, 1, 2], plan, "all_gather", "members changed"), 2: None}
+    taken = member.take(member.check(shipped, [0, 1, 2], 7))
+    assert taken is not None and taken.trained_plan().digest() == plan.digest() and taken.maker == 0
+    assert member.header_for(7) is taken and member.header_for(8) is None and member.refusal is None
+    # a header from a non-maker, or the maker's slot carrying one made by another region, is refused, with the
+    # reason kept for the vote
+    assert member.take(member.check({1: header(maker=1)}, [0, 1, 2], 7)) is None
+    assert member.header_for(7) is None and member.refusal == "no header from the round's maker"
+    assert member.take(member.check({0: header(maker=1)}, [0, 1, 2], 7)) is None
+    assert "the quorum's maker is region 0" in member.refusal
+
+
+def test_a_rolled_back_round_is_retried_as_the_next_attempt_and_a_stale_header_is_refused():
+    from geomesh.runtime.distributed.agreement import RoundAgreement
+
+    maker, member = RoundAgreement("job", NAMES, 0), RoundAgreement("job", NAMES, 1)
+    plan = plan_for(NAMES[:3])
+    first = {0: maker.proposal(7, [0, 1, 2], plan, "all_gather", "r")}
+    member.take(member.check(first, [0, 1, 2], 7))
+    member.settled(False, "an exchange failed", 7)
+    maker.settled(False, "an exchange failed", 7)
+    assert member.attempt == 1 and maker.attempt == 0  # (the maker held no header: it learns the attempt at the
+    maker.seen_attempts([member.attempt, "x", True, -3])  # next quorum, from its members' headers)
+    assert maker.attempt == 1
+    assert member.take(member.check(first, [0, 1, 2], 7)) is None  # the old attempt's header: stale
+    retry = {0: maker.proposal(7, [0, 1, 2], plan, "all_gather", "r")}
+    assert member.take(member.check(retry, [0, 1, 2], 7)).attempt == 1
+    member.settled(True, "", 7)
+    assert member.attempt == 0 and member.failed_attempts == 0
+
+
+def test_a_round_that_never_commits_stops_the_run_with_one_error():
+    from geomesh.errors import RunError
+    from geomesh.runtime.distributed.agreement import MAX_ATTEMPTS, RoundAgreement
+
+    region = RoundAgreement("job", NAMES, 1)
+    for _ in range(MAX_ATTEMPTS - 1):
+        region.settled(False, "no vote from rc", 7)
+    with pytest.raises(RunError, match=f"round 7 of region rb was rolled back {MAX_ATTEMPTS} times in a row"):
+        region.settled(False, "no vote from rc", 7)

@@ -25,7 +25,8 @@ from geomesh.network import WanModel
 from geomesh.runtime.distributed import params_checksum, parse_ranks_per_region, rank_layout
 from geomesh.runtime.checkpoint_state import run_fingerprint
 from geomesh.runtime.emulated import EmulatedRun, RunOptions
-from geomesh.runtime.distributed.transport import ABSENT, SLOT_HEADER_NBYTES, WanShaper, split_gathered
+from geomesh.runtime.distributed.transport import ABSENT, SLOT_HEADER_NBYTES, split_gathered
+from geomesh.runtime.distributed.wan_shaper import WanShaper
 from geomesh.testbed.netns import netns_unavailable_reason
 from geomesh.telemetry import read_events
 

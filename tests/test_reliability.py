@@ -290,6 +290,31 @@ def test_payload_screening(kind):
     assert "checksum mismatch" in screen_payload(make(), corrupt_payload(make().encode(x, 10)))  # no key: crc32
 
 
+
+@pytest.mark.parametrize("kind", ["sign", "dense"])
+def test_every_slot_is_screened_before_any_is_combined(kind):
+    """A bad slot (another key, corrupted) costs its sender's update; an empty slot is a dropped update; what
+    passed combines as the codec combines it (a dense codec: the signed contributions summed in region order)."""
+    from geomesh.runtime.payloads import combine_payloads, screen_slots
+
+    m = Manifest.from_shapes({"a": (40, 3), "b": (7,)})
+    make = (lambda key=None: SignCodec(m, chunk_size=16, key=key)) if kind == "sign" else (
+        lambda key=None: DenseCodec(m, key=key))  # fmt: skip
+    mine, other = make(b"a" * 32), make(b"b" * 32)
+    xs = [{"a": torch.randn(40, 3), "b": torch.randn(7)} for _ in range(3)]
+    slots = {3: mine.encode(xs[2], 30), 0: mine.encode(xs[0], 10), 1: other.encode(xs[1], 20), 2: None,
+             4: corrupt_payload(mine.encode(xs[1], 20))}  # fmt: skip
+    passed, rejected, dropped = screen_slots(mine, slots)
+    assert list(passed) == [0, 3] and dropped == [2]
+    assert [(i, "HMAC tag mismatch" in why) for i, why in rejected] == [(1, True), (4, True)]
+    got = combine_payloads(mine, list(passed.values()), torch.device("cpu"))
+    if kind == "sign":
+        want = mine.combine([slots[0], slots[3]])
+    else:  # the sum an all-reduce of the two contributions would have made
+        want = mine.reduced_update(mine.reducible(slots[0]) + mine.reducible(slots[3]))
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in got)
+    assert combine_payloads(mine, [], torch.device("cpu")) is None
+
 def test_hmac_key_sources(tiny_scenario, tmp_path, monkeypatch):
     s = tiny_scenario()
     assert payload_key(s) is None

@@ -25,7 +25,7 @@ class Loop(PlanLoop):
         self.run = SimpleNamespace(rounds=5, hooks=NO_HOOKS)
         self.wan_measure = WanEstimator()
         self.wan_members = [0, 1, 2]
-        self.sharded, self.summed, self.wire_nbytes = None, False, 1_000_000
+        self.sharded, self.summed, self.kit = None, False, SimpleNamespace(payload_nbytes=1_000_000)
 
 
 def infos(*wires):

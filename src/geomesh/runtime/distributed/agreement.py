@@ -166,3 +166,72 @@ def commit_decision(votes: list[Any], header: RoundHeader, names: list[str]) -> 
     if len(arrived) > 1:
         return False, "the members received different payloads"
     return True, ""
+
+
+MAX_ATTEMPTS = 8  # a round rolled back this many times in a row stops the run with one error
+
+
+class RoundAgreement:
+    """One region's side of the agreement on its rounds: the header it accepted for the round in progress (or
+    why it refused one), the round's attempt, and the rounds it trained without a header (overlapped: it votes
+    no on them). The exchange moves the frames; this holds what they decided."""
+
+    def __init__(self, run_id: str, names: list[str], me: int) -> None:
+        self.run_id, self.names, self.me = run_id, names, me
+        self.header: RoundHeader | None = None
+        self.refusal: str | None = None  # why this region holds no header for the round in progress
+        self.attempt = 0  # of the round in progress (each roll-back of it is a new attempt)
+        self.failed_attempts = 0  # roll-backs in a row
+        self.refused_rounds: set[int] = set()  # (overlapped) rounds trained without their header: voted no
+
+    def proposal(self, number: int, members: list[int], plan: Plan, exchange: str, reason: str) -> dict[str, Any]:
+        """(the maker) The header of round ``number`` this region ships (JSON)."""
+        return make_header(run=self.run_id, round_number=number, attempt=self.attempt, members=members, plan=plan,
+                           exchange=exchange, reason=reason, maker=self.me).to_json()  # fmt: skip
+
+    def check(self, got: Mapping[int, Any], quorum: list[int], number: int) -> dict[str, Any]:
+        """(leader) What arrived from the quorum's members (region -> its header slot): the maker's header,
+        accepted, or why not, as the region's leader shares it with its ranks (JSON)."""
+        maker = maker_of(quorum)
+        try:
+            header = accept_header(got.get(maker), run=self.run_id, round_number=number, min_attempt=self.attempt,
+                                   quorum=quorum, names=self.names, sender=maker if maker in got else None)  # fmt: skip
+        except HeaderRefused as exc:
+            return {"header": None, "refusal": str(exc)}
+        return {"header": header.to_json(), "refusal": None}
+
+    def take(self, head: Mapping[str, Any]) -> RoundHeader | None:
+        """(every rank) The header its leader accepted (or why none) as this region's."""
+        self.refusal = head["refusal"]
+        h = head["header"]
+        if h is None:
+            self.header = None
+            return None
+        self.header = RoundHeader(run=h["run"], round=h["round"], attempt=h["attempt"], members=tuple(h["members"]),
+                                  plan=h["plan"], digest=h["digest"], exchange=h["exchange"], reason=h["reason"],
+                                  maker=h["maker"])  # fmt: skip
+        self.attempt = self.header.attempt
+        return self.header
+
+    def header_for(self, number: int) -> RoundHeader | None:
+        """The accepted header of round ``number``, if this region holds one."""
+        return self.header if self.header is not None and self.header.round == number else None
+
+    def seen_attempts(self, attempts: Iterable[Any]) -> None:
+        """The attempts the quorum's members are at (data): a region that rejoins takes the newest."""
+        self.attempt = max([self.attempt] + [a for a in attempts if _int(a) and 0 <= a < 1 << 20])
+
+    def settled(self, committed: bool, why: str, round_number: int) -> None:
+        """After the round's vote: a committed round's attempts start again at 0; a rolled-back one is retried as
+        the next attempt, up to :data:`MAX_ATTEMPTS` (then the run stops with one error, not a silent loop)."""
+        if committed:
+            self.attempt, self.failed_attempts = 0, 0
+            return
+        if self.header is not None:
+            self.attempt = max(self.attempt, self.header.attempt + 1)
+        self.failed_attempts += 1
+        if self.failed_attempts >= MAX_ATTEMPTS:
+            from ...errors import RunError
+
+            raise RunError(f"round {round_number} of region {self.names[self.me]} was rolled back "
+                           f"{self.failed_attempts} times in a row (the last: {why}); it stops")  # fmt: skip

@@ -29,7 +29,7 @@ from ...planner import Plan, plan_uniform
 from ...worker import inner_lr
 from .checkpoints import RunCheckpointer
 from .core import RankRun, params_checksum
-from .transport import WanShaper, tx_bytes
+from .wan_shaper import WanShaper, tx_bytes
 
 
 def _flat_grads(model: torch.nn.Module, device: torch.device) -> torch.Tensor:

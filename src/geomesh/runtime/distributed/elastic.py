@@ -51,24 +51,22 @@ from ...config import ConfigError
 from ...errors import RunError
 from ...telemetry import Telemetry
 from ..checkpoint_state import run_fingerprint
-from .agreement import (HeaderRefused, RoundHeader, accept_header, arrivals_digest, commit_decision, make_header,
-                        maker_of, vote)  # fmt: skip
-from .elastic_state import ElasticState, Records
+from .agreement import RoundAgreement, RoundHeader, arrivals_digest, commit_decision, maker_of, vote
+from .elastic_state import RegionState
+from .records import RunRecords
 from .clock import record_spans
 from .deadline import MEASURED_ROUNDS, adaptive_deadline_s, deadline_history
 from .exchange import Exchanged, RoundView, reported_overhead_s, round_idle
-from .layout import RegionLayout, min_regions_of, region_layout
+from .layout import RegionLayout, region_layout
 from .membership import (LIGHTHOUSE_ENV, ExchangeFailed, Membership, MembershipError, RunFinished,
                          group_store_host)  # fmt: skip
-from .transport import WanShaper, ring_allgather_bytes, ring_allreduce_bytes
+from .wan_shaper import WanShaper, ring_allgather_bytes, ring_allreduce_bytes
 
-__all__ = ["QuorumExchange", "RegionLayout", "adaptive_deadline_s", "deadline_history", "min_regions_of",
-           "region_layout"]
-
-MAX_ATTEMPTS = 8  # a round rolled back this many times in a row stops the run with one error
+__all__ = ["QuorumExchange", "RegionLayout", "adaptive_deadline_s", "deadline_history", "region_layout"]
 
 
-class QuorumExchange(ElasticState):
+
+class QuorumExchange:
     """The round loop's exchange, records and recovery state for one elastic region (see the module
     docstring)."""
 
@@ -80,7 +78,7 @@ class QuorumExchange(ElasticState):
         run = loop.run
         self.run, self.sc, self.method = run, loop.sc, loop.method
         self.names, self.n, self.me = loop.names, loop.n, loop.me
-        self.min_regions = min_regions_of(self.sc, run.options.min_regions)
+        self.min_regions = self.sc.reliability.min_regions
         rel = self.sc.reliability
         self.deadline_s = rel.round_deadline_s  # the fixed deadline; with adaptive deadlines their cap
         self.deadline_mode = rel.round_deadline_mode
@@ -88,44 +86,18 @@ class QuorumExchange(ElasticState):
         self.refused: set[int] = set()  # regions (as their frames claim) whose frames did not authenticate
         self.round_rejections: list[dict[str, Any]] = []  # frames refused since the last round record
         self.job_hash = ckpt.fingerprint_hash(run_fingerprint(self.sc, self.method.name, run.seed, run.budget))
-        self.records: list[dict[str, Any]] = []
-        self.stats = {"rounds_without": dict.fromkeys(self.names, 0), "tokens_lost": dict.fromkeys(self.names, 0),
-                      "leaves": 0, "joins": 0}  # fmt: skip
-        self.streams: dict[str, dict] = {}
-        self.members: list[int] | None = None  # last round's
-        self.written = -1  # records already in events.jsonl (-1: this leader has not written it)
-        self.healed_state: dict | None = None
-        # the round's agreement (agreement.py): its header (None: none accepted), why this region refused one,
-        # and the attempt of the round in progress (each roll-back of it is a new attempt)
-        self.header: RoundHeader | None = None
-        self.refusal: str | None = None
-        self.attempt = 0
-        self.failed_attempts = 0  # roll-backs in a row (a round that never commits stops the run, MAX_ATTEMPTS)
-        self.whole: tuple[dict, dict] | None = None  # a sharded θ and momentum, gathered (the leader: _snapshot)
+        self.faults = loop.faults
+        self.records = RunRecords(run.out_dir, self.names[self.me], run.is_leader)
+        # what a live region sends one that joins (torchft's recovery), and this region's part of its checkpoint
+        self.state = RegionState(run, loop.params, loop.outer, loop.codec, loop.faults, loop.planning, self.records)
+        # the round's agreement (agreement.py): its header, why this region refused one, the round's attempt
+        self.agreement = RoundAgreement(self.job_hash, self.names, self.me)
         self.membership: Membership | None = None
         self.launch_members: list[int] | None = None  # overlapped: the members at the last exchange's quorum
         self.launch_head: dict[str, Any] | None = None  # ... and the next round's header, shipped at that quorum
-        self.refused_rounds: set[int] = set()  # (overlapped) rounds trained without their header: voted no
         self.my_calibration: dict[str, Any] | None = None  # this region's step times measured in place
         self.pending_resume: dict[str, Any] | None = None  # resumed, until the first quorum agrees on the round
         run.keeps_records = run.is_leader
-
-    # the loop's state this component reads (θ, the outer optimizer, the encoder, the faults)
-    @property
-    def params(self):
-        return self.loop.params
-
-    @property
-    def outer(self):
-        return self.loop.outer
-
-    @property
-    def codec(self):
-        return self.loop.codec
-
-    @property
-    def faults(self):
-        return self.loop.faults
 
     def _emit(self, record: dict[str, Any]) -> None:
         if self.run.is_leader:
@@ -139,8 +111,8 @@ class QuorumExchange(ElasticState):
     def start(self) -> None:
         run = self.run
         if run.is_leader:
-            run.telemetry = Telemetry(None, sinks=[Records(self.records)])
-            self._claim_folder()
+            run.telemetry = Telemetry(None, sinks=[self.records.sink()])
+            self.records.claim_folder()
             self._connect()
             self._emit({"type": "run", "runtime": "distributed", "method": self.method.name, "scenario": self.sc.name,
                         "seed": run.seed, "tokens_budget": run.budget, "model": run.model_name,
@@ -150,7 +122,7 @@ class QuorumExchange(ElasticState):
                         "round_deadline_mode": self.deadline_mode})  # fmt: skip
         run.transport.barrier(None, what="the start barrier")
         run.clock.start()
-        self._snapshot()  # θ as a region behind may ask for it at the first quorum
+        self.state.snapshot()  # θ as a region behind may ask for it at the first quorum
 
     def share_calibration(self, mine: dict[str, Any] | None) -> None:
         """This region's calibration travels with its quorum header, so every member learns the others'."""
@@ -168,8 +140,9 @@ class QuorumExchange(ElasticState):
         try:
             self.membership = Membership(
                 region=self.me, name=self.names[self.me], lighthouse=lighthouse, min_regions=self.min_regions,
-                deadline_s=self.deadline_s, quorum_timeout_s=run.options.timeout_s, state_dict=self.state_dict,
-                load_state_dict=self.load_state_dict, store_addr=group_store_host(lighthouse, self.names[self.me]),
+                deadline_s=self.deadline_s, quorum_timeout_s=run.options.timeout_s, state_dict=self.state.state_dict,
+                load_state_dict=self.state.load_state_dict,
+                store_addr=group_store_host(lighthouse, self.names[self.me]),
                 store_port=int(os.environ.get("MASTER_PORT", "29500")), names=self.names,
             )  # fmt: skip
         except MembershipError as exc:
@@ -205,8 +178,8 @@ class QuorumExchange(ElasticState):
                 finished = exc.note
                 self.membership.shutdown()
         if run.is_leader and finished is None:
-            state = self.healed_state if ctrl["healed"] else None
-            self.healed_state = None
+            state = self.state.healed_state if ctrl["healed"] else None
+            self.state.healed_state = None
             view = RoundView(members=ctrl["members"], healed=ctrl["healed"], state=state,
                              rejoined=ctrl["rejoined"], calibration=ctrl["calibration"],
                              resume_round=ctrl.get("resume_round"))  # fmt: skip
@@ -233,8 +206,8 @@ class QuorumExchange(ElasticState):
         """(every rank) The header of round ``number`` (default: the next one; :mod:`.agreement`): the quorum's
         maker ships its ``proposal`` (the plan its plan loop holds for ``members``, and why); every leader checks
         what arrived and shares it inside its region. None: this region refused it, or it did not arrive
-        (:attr:`refusal` says why); the region then takes no part in the round and votes no, so the round is
-        rolled back everywhere and tried again."""
+        (``agreement.refusal`` says why); the region then takes no part in the round and votes no, so the round
+        is rolled back everywhere and tried again."""
         run = self.run
         number = run.rounds + 1 if number is None else number
         head = self._ship_header(quorum, members, proposal, reason, number) if run.is_leader else None
@@ -242,67 +215,37 @@ class QuorumExchange(ElasticState):
             head = run.transport.broadcast_json(head, run.leader, run.region_group, what="the round's header")
         return self._take_header(head, number)
 
+    def _take_header(self, head: dict[str, Any], number: int) -> RoundHeader | None:
+        """(every rank) The header its leader accepted (or why none), as this region's."""
+        header = self.agreement.take(head)
+        if header is None:
+            why = self.agreement.refusal
+            self._say(f"round {number}: refused the round's header: {why}")
+            self._emit({"type": "warning", "round": number, "worker": self.names[self.me],
+                        "message": f"refused the round's header ({why}); it takes no part in the round"})  # fmt: skip
+        return header
+
     def _ship_header(self, quorum: list[int], members: list[int], proposal, reason: str, number: int) -> dict:
         """(leader) The header collective over the quorum's leaders: the maker's header, checked."""
         m = self.membership
-        maker = maker_of(quorum)
         mine = None
-        if maker == self.me:
-            mine = make_header(run=self.job_hash, round_number=number, attempt=self.attempt, members=members,
-                               plan=proposal, exchange=self.loop.exchange_kind, reason=reason,
-                               maker=self.me).to_json()  # fmt: skip
+        if maker_of(quorum) == self.me:
+            mine = self.agreement.proposal(number, members, proposal, self.loop.planning.exchange_kind, reason)
         try:
             got = {region: obj.get("header") for _, region, obj in
                    m.all_gather_framed_slots({"region": self.me, "header": mine}) if isinstance(obj, dict)}
-            self._note_rejections()
-            header = accept_header(got.get(maker), run=self.job_hash, round_number=number, min_attempt=self.attempt,
-                                   quorum=quorum, names=self.names, sender=maker if maker in got else None)  # fmt: skip
-            return {"header": header.to_json(), "refusal": None}
         except ExchangeFailed as exc:
             m.report(exc)
             return {"header": None, "refusal": f"the header's collective failed ({exc})"}
-        except HeaderRefused as exc:
-            return {"header": None, "refusal": str(exc)}
-
-    def _take_header(self, head: dict[str, Any], number: int) -> RoundHeader | None:
-        """(every rank) The header its leader accepted (or why none), as this region's."""
-        self.refusal = head["refusal"]
-        if head["header"] is None:
-            self._say(f"round {number}: refused the round's header: {self.refusal}")
-            self._emit({"type": "warning", "round": number, "worker": self.names[self.me],
-                        "message": f"refused the round's header ({self.refusal}); it takes no part in the round"})
-            self.header = None
-            return None
-        h = head["header"]
-        self.header = RoundHeader(run=h["run"], round=h["round"], attempt=h["attempt"], members=tuple(h["members"]),
-                                  plan=h["plan"], digest=h["digest"], exchange=h["exchange"], reason=h["reason"],
-                                  maker=h["maker"])  # fmt: skip
-        self.attempt = self.header.attempt
-        return self.header
-
-    def header_for(self, number: int) -> RoundHeader | None:
-        """The accepted header of round ``number``, if this region holds one."""
-        return self.header if self.header is not None and self.header.round == number else None
-
-    def round_settled(self, committed: bool, why: str = "") -> None:
-        """After the round's vote: a committed round's attempts start again at 0; a rolled-back one is retried as
-        the next attempt, up to :data:`MAX_ATTEMPTS` (then the run stops with one error, not a silent loop)."""
-        if committed:
-            self.attempt, self.failed_attempts = 0, 0
-            return
-        if self.header is not None:
-            self.attempt = max(self.attempt, self.header.attempt + 1)
-        self.failed_attempts += 1
-        if self.failed_attempts >= MAX_ATTEMPTS:
-            raise RunError(f"round {self.run.rounds + 1} of region {self.names[self.me]} was rolled back "
-                           f"{self.failed_attempts} times in a row (the last: {why}); it stops")  # fmt: skip
+        self._note_rejections()
+        return self.agreement.check(got, quorum, number)
 
     def leader_wait_s(self) -> float:
         """How long a region's ranks may wait for their leader's quorum or exchange: the startup wait and the
         quorum's timeout (each ``--timeout``), a heal of the model's state, and the round deadline."""
         from .heal import heal_timeout_s
 
-        nbytes = 12 * sum(p.numel() for p in self.params.values())  # θ, momentum and a margin, in fp32
+        nbytes = 12 * sum(p.numel() for p in self.loop.params.values())  # θ, momentum and a margin, in fp32
         return 2 * self.run.options.timeout_s + heal_timeout_s(nbytes) + self.deadline_s
 
     def launch_quorum(self, propose) -> list[int]:
@@ -340,7 +283,7 @@ class QuorumExchange(ElasticState):
                 wait = first and not healed and time.monotonic() < startup_until
                 headers = m.all_gather_framed({"region": self.me, "hash": self.job_hash, "wait": wait,
                                                "healed": healed, "calibration": self.my_calibration,
-                                               "resume": self.pending_resume, "attempt": self.attempt})  # fmt: skip
+                                               "resume": self.pending_resume, "attempt": self.agreement.attempt})  # fmt: skip
             except ExchangeFailed as exc:
                 m.report(exc)
                 continue
@@ -374,8 +317,7 @@ class QuorumExchange(ElasticState):
                 return {"members": members, "healed": False, "rejoined": [], "calibration": {},
                         "resume_round": self._agreed_resume_round(resuming)}  # fmt: skip
             # regions that were behind and received a live region's state at this quorum
-            attempts = [h.get("attempt") for h in headers]
-            self.attempt = max([self.attempt] + [a for a in attempts if isinstance(a, int) and 0 <= a < 1 << 20])
+            self.agreement.seen_attempts(h.get("attempt") for h in headers)
             return {"members": members, "healed": healed,
                     "rejoined": sorted(h["region"] for h in headers if h["healed"]),
                     "calibration": {h["region"]: h.get("calibration") for h in headers
@@ -424,11 +366,14 @@ class QuorumExchange(ElasticState):
         self._emit({"type": "plan", "round": round_index, "time": self.run._now(), "plan": plan.to_json(),
                     "members": [self.names[i] for i in members], **agreed})  # fmt: skip
 
-    def apply_healed(self, state: dict[str, Any]) -> None:
-        self._apply_healed(state)
+    def apply_healed(self, state: dict[str, Any]) -> int | None:
+        """The live region's state, received at the quorum, applied on every rank; the index of the plan the
+        live region's round in progress runs (None: the plan in force)."""
+        plan_at = self.state.apply_healed(state)
         if self.run.is_leader:  # an operator wants to see this one even with --quiet
             print(f"region {self.names[self.me]}: joined at round {self.run.rounds + 1} with the state of a live "
                   f"region", flush=True)  # fmt: skip
+        return plan_at
 
     def share_state(self, state: dict[str, Any] | None) -> dict[str, Any]:
         """A healing state (θ, outer momentum, the loop's JSON state) from the leader to the region's ranks:
@@ -439,7 +384,7 @@ class QuorumExchange(ElasticState):
                 "outer": {k: v for k, v in state["outer"].items() if k != "buf"}} if run.is_leader else None,
             run.leader, run.region_group, what="the state of a live region")  # fmt: skip
         params, buf = {}, {}
-        for k, v in self.params.items():
+        for k, v in self.loop.params.items():
             for out, src in ((params, state["params"] if run.is_leader else None),
                              (buf, state["outer"]["buf"] if run.is_leader else None)):  # fmt: skip
                 t = src[k].to(torch.float32) if src is not None else torch.empty(tuple(v.shape), dtype=torch.float32)
@@ -453,7 +398,7 @@ class QuorumExchange(ElasticState):
     def info_fields(self) -> dict[str, Any]:
         run = self.run
         spans = run.clock.take_spans()
-        return {"spans": spans, "stream": run.worker.stream.state_dict(), "crc": self._theta_crc()}
+        return {"spans": spans, "stream": run.worker.stream.state_dict(), "crc": self.state.theta_crc()}
 
     def _wan(self, members: list[int]):
         return self.faults.wan(members)
@@ -479,17 +424,17 @@ class QuorumExchange(ElasticState):
         loop counts on meanwhile)."""
         m, run = self.membership, self.run
         number = self.exchange_round = run.rounds + 1 if round_number is None else round_number
-        header = self.header if self.header is not None and self.header.round == number else None
+        header = self.agreement.header_for(number)
         if self.loop.overlap is not None:  # (overlapped: the vote is on this exchange, over its own quorum)
-            refused = number in self.refused_rounds
-            self.refused_rounds.discard(number)
+            refused = number in self.agreement.refused_rounds
+            self.agreement.refused_rounds.discard(number)
             header = None if refused else RoundHeader(
                 run=self.job_hash, round=number, attempt=0, members=tuple(sorted(members)), plan={}, digest="",
                 exchange="", reason="overlapped exchange", maker=min(members))  # fmt: skip
         t0 = time.perf_counter()
         sent, sharded, infos, gathered = 0, None, [], None
         deadline = self.last_deadline_s = self.round_deadline_s(members)
-        ok, why, arrived = header is not None, self.refusal or "it holds no header for the round", None
+        ok, why, arrived = header is not None, self.agreement.refusal or "it holds no header for the round", None
         group_intact = True
         try:
             since = time.perf_counter()
@@ -558,7 +503,7 @@ class QuorumExchange(ElasticState):
         return False, why_not or "torchft did not commit the round"
 
     def theta_changed(self) -> None:
-        self._snapshot()
+        self.state.snapshot()
 
     def round_deadline_s(self, members: list[int]) -> float:
         """(leader) How long this round's exchange waits for its slowest member: ``round_deadline_s``, or with
@@ -568,7 +513,7 @@ class QuorumExchange(ElasticState):
         if self.deadline_mode != "adaptive":
             return float(self.deadline_s)
         rel = self.sc.reliability
-        history = deadline_history(self.records)
+        history = deadline_history(self.records.records)
         base = adaptive_deadline_s(history, multiple=rel.round_deadline_multiple, floor_s=rel.round_deadline_floor_s,
                                    cap_s=self.deadline_s, window=rel.round_deadline_window)  # fmt: skip
         if len(history) < MEASURED_ROUNDS:
@@ -586,20 +531,20 @@ class QuorumExchange(ElasticState):
         for i in members:
             if i not in took_part and i in planned:  # lost in the round (healed at its quorum: trained nothing)
                 lost[i] = planned[i]
-                if self.members is not None and i not in self.members:
+                if self.state.members is not None and i not in self.state.members:
                     continue  # (overlapped: the next round's quorum, which formed before this exchange arrived)
-                self.stats["leaves"] += 1
+                self.state.stats["leaves"] += 1
                 self._emit({"type": "leave", "round": number, "time": run._now(), "region": names[i],
                             "reason": "lost during the round's exchange", "tokens_lost": planned[i]})  # fmt: skip
-        self.members = [i for i in members if i in took_part or i not in planned]  # (healed now: still a member)
+        self.state.members = [i for i in members if i in took_part or i not in planned]  # (healed now: still a member)
         for i in range(self.n):
             if i not in took_part:
-                self.stats["rounds_without"][names[i]] += 1
+                self.state.stats["rounds_without"][names[i]] += 1
         for i, t in lost.items():
-            self.stats["tokens_lost"][names[i]] += t
+            self.state.stats["tokens_lost"][names[i]] += t
         self.faults.count_lost(number - 1, lost)
         for i in infos:
-            self.streams[names[i["region"]]] = i["stream"]
+            self.state.streams[names[i["region"]]] = i["stream"]
         if run.is_leader:
             for i in infos:
                 record_spans(run.telemetry, names[i["region"]], i["spans"])
@@ -619,14 +564,111 @@ class QuorumExchange(ElasticState):
                         "frames_rejected": self.round_rejections,
                         **({"shard_owners": result.sharded["owners"]} if result.sharded else {})})  # fmt: skip
             self.round_rejections = []
-            self._write_events(took_part)
+            self.records.write_events(min(took_part) == self.me)
 
     # ---- the end ----------------------------------------------------------------------------------------
+    # ---- resumed from checkpoints, together --------------------------------------------------------------
+    def resumed(self) -> None:
+        """Resumed from this region's own newest checkpoint. The rounds its folder holds go with its first quorum
+        header, and torchft's step stays 0 until the members agree (:meth:`_agreed_resume_round`): a step of its
+        own would make torchft heal the regions whose newest checkpoint is older from the one that got further,
+        with a fresh AdamW, so the run would part from the uninterrupted one."""
+        from .checkpoints import list_complete
+
+        held = [r for r, _, _ in list_complete(self.run._checkpoint_dir())]
+        self.pending_resume = {"loaded": self.run.rounds, "rounds": held}
+        self.state.snapshot()
+
+    def resumed_at_round(self) -> None:
+        """The loop loaded the agreed round: torchft's step is the rounds done, and the records are rewritten."""
+        if self.membership is not None:
+            self.membership.set_step(self.run.rounds)
+        self.records.written = -1
+        self.state.snapshot()
+
+    @staticmethod
+    def _agreed_resume_round(resuming: list[dict[str, Any]]) -> int:
+        """The newest round whose checkpoint every resumed member holds, from their quorum headers (every leader
+        computes it from the same headers). With none in common, the newest any of them loaded: the others are
+        healed from it (the run goes on; it is no longer bit for bit the uninterrupted one)."""
+        held, loaded = [], [0]
+        for h in resuming:
+            rounds, got = h["resume"].get("rounds"), h["resume"].get("loaded")
+            if isinstance(rounds, list) and all(type(r) is int and r >= 0 for r in rounds):
+                held.append(set(rounds))
+            if type(got) is int and got >= 0:
+                loaded.append(got)
+        common = set.intersection(*held) if held else set()
+        return max(common) if common else max(loaded)
+
+    # ---- the WAN probed before round 0 (plan_loop.py) -------------------------------------------------------
+    def probe(self, nbytes: int, members: list[int]) -> float:
+        """(leader) One all-gather of ``nbytes`` per member over the quorum, held by the WAN shaper as an
+        exchange is, after a tiny one that lines the members up: its seconds."""
+        m = self.membership
+        m.all_gather_framed({"region": self.me, "probe": b""})  # (a frame names the region it is signed for)
+        since = time.perf_counter()
+        m.all_gather_framed({"region": self.me, "probe": bytes(nbytes)})
+        shaper = WanShaper(self.faults.wan(members), self.run.options.wan)
+        shaper.hold(shaper.allgather_s(nbytes), since)
+        return time.perf_counter() - since
+
+    def gather_json(self, obj: Any, what: str) -> list[Any]:
+        """(leader) Every member's ``obj`` (JSON), over the quorum."""
+        return self.membership.all_gather_framed({**obj, "region": self.me})
+
+    def _note_rejections(self) -> None:
+        """The members the last collective refused, for the round's record, by region name (``claimed``: what
+        an unauthenticated frame says it is)."""
+        for r in self.membership.rejected:
+            if r["claimed"] and r["region"] is not None and ("HMAC" in r["reason"] or "unsigned" in r["reason"]):
+                self.refused.add(r["region"])
+            entry = {"region": r["name"], "claimed": r["claimed"], "reason": r["reason"]}
+            if entry not in self.round_rejections:  # (the first round's startup wait repeats its header)
+                self.round_rejections.append(entry)
+
+    def _restarted_in_place(self, rejoined: list[int]) -> None:
+        """``leave`` and ``join`` records for regions that came back behind the others while still members: their
+        processes died and were restarted before any quorum formed without them (every leader, the rejoined
+        one included, records them at the same point of the same round, so their records stay the same)."""
+        run = self.run
+        for i in rejoined:
+            if self.state.members is None or i not in self.state.members:
+                continue  # a region absent from the last round: _membership_events records its join
+            self.state.stats["leaves"] += 1
+            self.state.stats["joins"] += 1
+            self._emit({"type": "leave", "round": run.rounds + 1, "time": run._now(), "region": self.names[i],
+                        "reason": "restarted (or fell behind) and healed before a quorum formed without it"})  # fmt: skip
+            self._emit({"type": "join", "round": run.rounds + 1, "time": run._now(), "region": self.names[i]})
+
+    def _membership_events(self, members: list[int]) -> None:
+        """``leave``/``join`` records when the quorum differs from the last round's."""
+        run = self.run
+        if self.state.members is not None:
+            for i in sorted(set(self.state.members) - set(members)):
+                self.state.stats["leaves"] += 1
+                self._emit({"type": "leave", "round": run.rounds + 1, "time": run._now(), "region": self.names[i],
+                            "reason": "not in the round's quorum (died, hung or late)"})  # fmt: skip
+            for i in sorted(set(members) - set(self.state.members)):
+                self.state.stats["joins"] += 1
+                self._emit({"type": "join", "round": run.rounds + 1, "time": run._now(), "region": self.names[i]})
+        self.state.members = list(members)
+
+    # ---- this region's part of its checkpoint (RegionState) -------------------------------------------------
+    def checkpoint_state(self) -> dict[str, Any]:
+        return self.state.checkpoint_state()
+
+    def checkpoint_state_rank0(self) -> dict[str, Any] | None:
+        return self.state.checkpoint_state_rank0()
+
+    def load_checkpoint_state(self, state: dict[str, Any]) -> None:
+        self.state.load_checkpoint_state(state)
+
     def finish(self) -> dict[str, Any]:
         run = self.run
         run._mark("other")
         final = [self.me]
-        checksums = {self.names[self.me]: self._theta_crc()}
+        checksums = {self.names[self.me]: self.state.theta_crc()}
         if run.is_leader and self.membership is not None:
             spans = run.clock.take_spans()
             ends = [{"region": self.me, "spans": spans}]
@@ -641,31 +683,31 @@ class QuorumExchange(ElasticState):
                 pass
             for end in ends:
                 record_spans(run.telemetry, self.names[end["region"]], end.get("spans"))
-            self._write_events(final)
+            self.records.write_events(min(final) == self.me)
             # word for a region that arrives after the end (it stops at once, exit 0: board.py)
             self.board.post_finished({"round": run.rounds, "regions": [self.names[i] for i in final],
                                       "checksum": checksums.get(self.names[self.me])})  # fmt: skip
             self.membership.shutdown()
-        writer = self._writer(final) if run.is_leader else False
+        writer = self.records.writes(min(final) == self.me) if run.is_leader else False
         if run.region_group is not None:  # its ranks evaluate θ and gather it for the summary together
             writer = run.transport.broadcast_json(writer, run.leader, run.region_group,
                                                   what="whether this region writes the summary")  # fmt: skip
         run.writes_summary = bool(writer)
         run._end_s = run._now()
         run.final_checksums = list(checksums.values())
-        st = self.stats
+        st = self.state.stats
         loop = self.loop
         return {
-            **run._exchange_fields(loop.wire_nbytes, loop.kit.payload_nbytes, loop.kit.modeled_payload_nbytes,
+            **run._exchange_fields(loop.planning.wire_nbytes, loop.kit.payload_nbytes, loop.kit.modeled_payload_nbytes,
                                    self.shaper_s(final), self.method.collective),  # fmt: skip
             "status": "complete",
-            "exchange": "sharded" if loop.sharded is not None else "all_reduce" if loop.summed else "all_gather",
+            "exchange": loop.planning.exchange_kind,
             "shard_bits": loop.sharded.bits if loop.sharded is not None else None,
             "world_size": None,
             "ranks_per_region": None,
             "elastic": {"min_regions": self.min_regions, "round_deadline_s": self.deadline_s,
                         "round_deadline_mode": self.deadline_mode,
-                        "deadlines_s": [r.get("deadline_s") for r in self.records if r.get("type") == "round"],
+                        "deadlines_s": [r.get("deadline_s") for r in self.records.records if r.get("type") == "round"],
                         "regions_at_end": [self.names[i] for i in final], "leaves": st["leaves"],
                         "joins": st["joins"], "rounds_without": st["rounds_without"],
                         "rollbacks": int(run.telemetry.counters.get("rollbacks", 0)),
@@ -680,5 +722,5 @@ class QuorumExchange(ElasticState):
             "rejected_frames": self.membership.rejected_frames if self.membership is not None else 0,
             "heals_refused": getattr(getattr(self.membership, "heal", None), "refused", 0),
             "overlap": loop.overlap is not None,
-            **loop.summary_fields(),
+            **loop.planning.summary_fields(),
         }

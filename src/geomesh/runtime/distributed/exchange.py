@@ -32,7 +32,7 @@ import torch
 from ...methods.budget import elapsed_of_round
 from .core import params_checksum
 from .frames import Rejected
-from .transport import WanShaper
+from .wan_shaper import WanShaper
 
 
 @dataclass
@@ -150,9 +150,9 @@ class StaticExchange:
         """The first plan (every region), the ``run`` and ``plan`` records and the evaluation at 0, the clock."""
         loop, run = self.loop, self.run
         every = list(range(self.n))
-        loop.plan, loop.planned_for = loop.make_plan(every), every
-        run.plans.append(loop.plan)
-        run._start_records(loop.plan)
+        loop.planning.propose(every)
+        run.plans.append(loop.planning.plan)
+        run._start_records(loop.planning.plan)
         run._start_clock()
 
     def resumed(self) -> None:
@@ -169,7 +169,7 @@ class StaticExchange:
             shared = run.transport.all_gather_json(mine, run.leaders_group, self.n, what="the calibrations")
         if run.region_group is not None:
             shared = run.transport.broadcast_json(shared, run.leader, run.region_group, what="the calibrations")
-        self.loop.use_calibration({k: c for k, c in enumerate(shared) if isinstance(c, dict)})
+        self.loop.planning.use_calibration({k: c for k, c in enumerate(shared) if isinstance(c, dict)})
 
     def planned_for_after_resume(self) -> list[int]:
         return list(range(self.n))
@@ -229,7 +229,8 @@ class StaticExchange:
 
             return shaper_s(loop, members)
         shaper = WanShaper(loop.faults.wan(members), self.run.options.wan)
-        return shaper.allreduce_s(loop.wire_nbytes) if loop.summed else shaper.allgather_s(loop.wire_nbytes)
+        nbytes = loop.planning.wire_nbytes
+        return shaper.allreduce_s(nbytes) if loop.summed else shaper.allgather_s(nbytes)
 
     def exchange(self, payload: bytes | None, summed: torch.Tensor | None, info: dict[str, Any],
                  members: list[int]) -> Exchanged:  # fmt: skip
@@ -276,7 +277,7 @@ class StaticExchange:
         run._mark("other")
         parts = payload if split is not None else (payload,)
         clock = {"elapsed_s": run._now()} if run.stopping.timed else {}  # (the time budget's rule)
-        wire = loop.wire if loop.overlap is not None and run.is_leader else {}
+        wire = loop.planning.wire if loop.overlap is not None and run.is_leader else {}
         info = run._round_info(checksum, compute_s, comm_s, sent_before, wire_before, wire_after,
                                proxy_bytes=sum(len(p) for p in parts if p is not None) if run.is_leader else 0,
                                dropped=False, **clock, **wire,
@@ -306,10 +307,10 @@ class StaticExchange:
         run, loop = self.run, self.loop
         run._final_telemetry(loop.params, loop.outer.buf)
         every = list(range(self.n))
-        return {**run._exchange_fields(loop.wire_nbytes, loop.kit.payload_nbytes, loop.kit.modeled_payload_nbytes,
-                                       self.shaper_s(every), loop.method.collective),
-                "exchange": "sharded" if loop.sharded is not None else "all_reduce" if loop.summed else "all_gather",
+        return {**run._exchange_fields(loop.planning.wire_nbytes, loop.kit.payload_nbytes,
+                                       loop.kit.modeled_payload_nbytes, self.shaper_s(every), loop.method.collective),
+                "exchange": loop.planning.exchange_kind,
                 "shard_bits": loop.sharded.bits if loop.sharded is not None else None,
-                "overlap": loop.overlap is not None, "faults": loop.faults.records, **loop.summary_fields(),
+                "overlap": loop.overlap is not None, "faults": loop.faults.records, **loop.planning.summary_fields(),
                 "rejected_payloads": int(run.telemetry.counters.get("rejected_payloads", 0)),
                 "tokens_lost": int(run.tokens_lost)}  # fmt: skip

@@ -36,9 +36,10 @@ import torch.distributed as dist
 
 from ...methods.overlap import (TailSend, TailSplit, apply_step, eager_start, eager_weights, fragment_codecs,
                                planned_tokens, tail_fragments, tail_split)  # fmt: skip
-from ..payloads import screen_payload
+from ..payloads import combine_payloads, screen_payload, screen_slots
 from .region import lay_out_like
-from .transport import ring_allgather_bytes, ring_allreduce_bytes, split_gathered
+from .transport import split_gathered
+from .wan_shaper import ring_allgather_bytes, ring_allreduce_bytes
 
 Tensors = dict[str, torch.Tensor]
 
@@ -144,11 +145,11 @@ class RankOverlap:
         if result.void:  # the exchange's vote did not commit it: no region applies it (the round is rolled back;
             # its tokens are lost work), and each moves its steps onto θ as it stands
             self.last = None
-            self.loop.exchange.round_settled(committed=False, why=result.why)
+            self.loop.exchange.agreement.settled(False, result.why, self.run.rounds + 1)
             self.arrived.append((result, {"took_part": [], "rejected": [], "dropped": [], "lost": set(self._members),
                                           "update": None, "void": result.why or "rolled back"}, self._members))
             return self.params
-        self.loop.exchange.round_settled(committed=True)
+        self.loop.exchange.agreement.settled(True, "", self.run.rounds + 1)
         if run.is_leader and not result.void:  # the exchange thread's own time, launch to arrival (not the wait)
             self.wire = (result.comm_s, run.rounds)
         outcome = self.loop._apply(result, self._members)
@@ -393,29 +394,15 @@ class RankOverlap:
         """The combined update in the exchanged bytes of payloads made by ``codec``; None when none arrived."""
         if self.dense:
             return codec.reduced_update(exchanged)
-        payloads, rejected = [], []  # every payload screened before any is combined (a bad one costs its sender's
-        # update)
-        for region, p in enumerate(split_gathered(exchanged.cpu(), codec.payload_nbytes())):
-            if p is None:
-                self._dropped.append(region)
-                continue
-            reason = screen_payload(codec, p)
-            if reason is None:
-                payloads.append(p)
-            else:
-                rejected.append((region, f"payload rejected: {reason}"))
+        # every payload screened before any is combined (a bad one costs its sender's update)
+        slots = dict(enumerate(split_gathered(exchanged.cpu(), codec.payload_nbytes())))
+        passed, rejected, dropped = screen_slots(codec, slots)
+        self._dropped.extend(dropped)
         loop = self.round_loop  # a static region that cannot authenticate most others holds another run key: it
         if loop is not None and loop._outvoted(rejected, list(range(loop.n))):  # stands aside (as in plain rounds)
             return None
         self._rejected.extend(rejected)
-        if not payloads:
-            return None
-        if hasattr(codec, "reducible"):  # signed dense payloads (a run key), summed here in region order
-            summed = torch.zeros(codec.manifest.numel + 1, dtype=torch.float32, device=self.device)
-            for p in payloads:
-                summed.add_(codec.reducible(p, device=self.device))
-            return codec.reduced_update(summed)
-        return codec.combine(payloads, device=self.device)
+        return combine_payloads(codec, list(passed.values()), self.device)
 
     def take_rejected(self) -> list[tuple[int, str]]:
         """(region, why) of every payload screened out since the last call (each region once)."""

@@ -1,17 +1,19 @@
-"""The plan as a loop (DESIGN.md), the part of the distributed round loop (:class:`.rounds.RoundLoop`) that
-plans: the members planned over the WAN that links them now; their profiles measured in place before round 0
-(:func:`~geomesh.profiler.calibrate_worker`, shared by the exchange); every round's measured compute times
-folded into the online planner (:class:`~geomesh.planner.OnlinePlanner`) on every rank alike, re-planning at
-the same round when a speed drifts; and this state in checkpoints and a healed region's state, so a resumed
-or healed region plans what the uninterrupted run does. The WAN is measured as compute is
-(:class:`~geomesh.planner.wan.WanEstimator`): each leader reports the wire time of its last exchange (its
-exchange less its wait for the slowest member) with the next round's info, every rank folds the members'
-median in, against the declared WAN's latency and transfer parts of that exchange, plans over the measured
-WAN, and re-plans when it drifts past its noise (``geomesh.measure_wan``; ``--no-calibrate`` keeps the
-declared WAN). The plan settles (:mod:`geomesh.planner.settle`):
-regions that measure alike are planned alike, each region's first round is warm-up, not its speed, the table
-is corrected at the batches the plan runs, and a re-plan that moves no work is none. A part of the loop's
-class: it reads the loop's fields (run, scenario, method, kit, faults, plan)."""
+"""The plan as a loop (docs/design/architecture.md), the component of the distributed round loop
+(:class:`.rounds.RoundLoop`) that plans: the members planned over the WAN that links them now; their profiles
+measured in place before round 0 (:func:`~geomesh.profiler.calibrate_worker`, shared by the exchange); every round's
+measured compute times folded into the online planner (:class:`~geomesh.planner.OnlinePlanner`) on every rank alike,
+re-planning at the same round when a speed drifts; and this state in checkpoints and a healed region's state, so a
+resumed or healed region plans what the uninterrupted run does. The WAN is measured as compute is
+(:class:`~geomesh.planner.wan.WanEstimator`): each leader reports the wire time of its last exchange (its exchange
+less its wait for the slowest member) with the next round's info, every rank folds the members' median in, against
+the declared WAN's latency and transfer parts of that exchange, plans over the measured WAN, and re-plans when it
+drifts past its noise (``geomesh.measure_wan``; ``--no-calibrate`` keeps the declared WAN). The plan settles
+(:mod:`geomesh.planner.settle`): regions that measure alike are planned alike, each region's first round is warm-up,
+not its speed, the table is corrected at the batches the plan runs, and a re-plan that moves no work is none.
+
+:class:`PlanLoop` is a component the round loop holds (``loop.planning``): it owns the plan in force, the members it
+was made for and why, the exchange kind the plan is made for (``sharded``), and what the loop measured; the loop
+hands it values (members, what arrived, the steps it ran) and reads the plan back."""
 
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ from ...hardware import WorkerProfile
 from ...network import WanModel
 from ...planner import OnlinePlanner, Plan
 from ...planner.settle import settled_profiles
-from ...planner.wan import probe_sizes, time_parts
+from ...planner.wan import WanEstimator, probe_sizes, time_parts
 from .exchange import Exchanged, reported_overhead_s
 
 WARMUP_ROUNDS = 1
@@ -61,9 +63,72 @@ def online_planner(sc, method, profiles: list[WorkerProfile], calibrated: bool) 
 
 
 class PlanLoop:
-    """Planning, calibration and re-planning of :class:`~geomesh.runtime.distributed.rounds.RoundLoop`."""
+    """Planning, calibration and re-planning for the rounds of ``run`` (set up; ``kit``: its codec, combiner and
+    payload sizes; ``faults``: the scenario's; ``emit``: the run's records; ``summed``: dense updates summed by an
+    all-reduce)."""
 
-    exchange_switched = False  # the probed WAN chose the other exchange kind: the round is planned again
+    def __init__(self, run: Any, kit: Any, faults: Any, emit: Callable[[dict[str, Any]], None], summed: bool):
+        from .sharded import loop_exchange
+
+        self.run, self.kit, self.faults, self.emit, self.summed = run, kit, faults, emit, summed
+        self.method, self.sc = run.method, run.scenario
+        self.tr = self.sc.training
+        self.names = [r.name for r in self.sc.regions]
+        self.n, self.me = len(self.names), run.region
+        self.combiner = kit.combiner
+        self.plan: Plan | None = None
+        self.planned_for: list[int] | None = None
+        self.plan_reason = "unchanged"  # why the plan in force is what it is (the round header says it)
+        g = self.sc.geomesh
+        # the plan as a loop: profiles measured in place before round 0, then re-planned from every round's
+        # measured compute times; the same numbers on every rank, so every rank holds the same plan
+        self.calibrating = self.method.balanced and g.calibrate
+        self.online: OnlinePlanner | None = None
+        self.calibrated: dict[str, WorkerProfile] = {}  # region -> its profile measured in place
+        self.calibration_s: dict[str, float] = {}
+        # the WAN measured as compute is: re-planned as compute is, so only where that is on
+        self.wan_measure = WanEstimator(threshold=g.replan_threshold, noise_k=max(g.replan_noise_k, 1.0)) \
+            if self.calibrating and g.replan and g.measure_wan else None  # fmt: skip
+        self.wan_members: list[int] | None = None  # who took part in the last exchange measured
+        self.wan_probe_s: float | None = None
+        self.wire: dict[str, Any] = {}  # (leader) the wire time of its last exchange, for the next round's info
+        self.exchange_switched = False  # the probed WAN chose the other exchange kind: the round is planned again
+        self.overlap = None  # the overlapped round, when the method overlaps (its exchange in flight)
+        self.sharded = loop_exchange(self)  # the exchange kind: the sharded one, or None (chosen again after probes)
+
+    @property
+    def wire_nbytes(self) -> int:
+        """What one leader hands to the cross-region collective per round."""
+        return 4 * (self.kit.manifest.numel + 1) if self.summed else self.kit.payload_nbytes
+
+    @property
+    def exchange_kind(self) -> str:
+        """The exchange the rounds use now: ``sharded``, ``all_reduce`` (unsigned dense sums) or ``all_gather``."""
+        return "sharded" if self.sharded is not None else "all_reduce" if self.summed else "all_gather"
+
+    def use_exchange(self, kind: str) -> None:
+        """The exchange kind ``kind`` (an agreed round's header, a checkpoint) in force from now on (a dense sum
+        stays a sum)."""
+        if kind == self.exchange_kind or kind == "all_reduce" or self.summed:
+            return
+        from ...codec.sharded_sparse import sharded_exchange
+
+        bits = self.sc.geomesh.shard_bits
+        self.sharded = sharded_exchange(self.combiner, self.n, bits) if kind == "sharded" else None
+
+    def propose(self, members: list[int]) -> bool:
+        """The plan for ``members``, made again when they are not the members the plan in force was made for,
+        with the reason (every rank alike). Whether a plan was made."""
+        if self.planned_for == members:
+            return False
+        was = self.planned_for
+        self.plan = self.make_plan(members)
+        self.plan_reason = ("the run's first plan" if not self.run.plans
+                            else "members changed: " + ", ".join(self.names[i] for i in members)
+                            if was is not None and set(was) != set(members)
+                            else "the round's faults or members changed")  # fmt: skip
+        self.planned_for = list(members)
+        return True
 
     def planning_wan(self, members: list[int]) -> WanModel:
         """The WAN the plan fills the round against: the declared one (the scenario's, with its faults), as
@@ -204,7 +269,7 @@ class PlanLoop:
         nbytes = self.wire_nbytes
         return (lambda wan: wan.allreduce_s(nbytes)) if self.summed else (lambda wan: wan.allgather_s(nbytes))
 
-    def probe_wan(self, members: list[int]) -> None:
+    def probe_wan(self, members: list[int], exchange: Any) -> None:
         """Every rank, before round 0: the leaders probe their links (all-gathers of the two sizes of
         :func:`~geomesh.planner.wan.probe_sizes`, a few hundred bytes and the exchange's payload, held by the WAN
         shaper as exchanges are: the two sizes separate latency from bandwidth), agree on each probe's median over
@@ -215,8 +280,8 @@ class PlanLoop:
         start = time.perf_counter()
         medians = None
         if run.is_leader:
-            mine = [self.exchange.probe(size, members) for size in sizes]
-            gathered = self.exchange.gather_json({"probe_s": mine}, what="the WAN probes")
+            mine = [exchange.probe(size, members) for size in sizes]
+            gathered = exchange.gather_json({"probe_s": mine}, what="the WAN probes")
             timings = [g["probe_s"] for g in gathered if isinstance(g, dict) and isinstance(g.get("probe_s"), list)
                        and len(g["probe_s"]) == len(sizes)
                        and all(isinstance(x, (int, float)) and math.isfinite(x) and x >= 0 for x in g["probe_s"])]  # fmt: skip
@@ -379,13 +444,15 @@ class PlanLoop:
                 # the exchange kind chosen over the WAN measured before round 0 (kept for the rest of the run)
                 "exchange": "sharded" if self.sharded is not None else "all_gather"}  # fmt: skip
 
-    def load_plan_state(self, state: dict[str, Any], healed: bool = False) -> None:
+    def load_plan_state(self, state: dict[str, Any], healed: bool = False,
+                        members_after_resume: list[int] | None = None) -> None:  # fmt: skip
         """The plan's loop state of :meth:`plan_state` (the run's plans already loaded): the plan in force and the
         members it was made for, the profiles measured in place, the online planner; resumed (not ``healed``:
-        another region's state), this leader's last wire report too."""
+        another region's state), this leader's last wire report too. (``members_after_resume``: what an older
+        checkpoint's plan was made for.)"""
         self.plan = self.run.plans[-1] if self.run.plans else None
         planned_for = state.get("planned_for")  # (older checkpoints: the exchange's guess)
-        self.planned_for = list(planned_for) if planned_for is not None else self.exchange.planned_for_after_resume()
+        self.planned_for = list(planned_for) if planned_for is not None else members_after_resume
         self.calibrated = {n: WorkerProfile.from_json(p) for n, p in state["calibrated"].items()}
         self.calibration_s = {n: float(s) for n, s in state["calibration_s"].items()}
         self.run.use_measured_profiles(self.calibrated)
@@ -403,12 +470,8 @@ class PlanLoop:
                 wire, number = seconds(pending[0]), pending[1]
                 if wire is not None and isinstance(number, int) and not isinstance(number, bool):
                     self.overlap.wire = (wire, number)
-        if state.get("exchange") in ("sharded", "all_gather") and (state["exchange"] == "sharded") != (
-                self.sharded is not None):  # (older states: the kind chosen over the declared WAN)  # fmt: skip
-            from ...codec.sharded_sparse import sharded_exchange
-
-            self.sharded = (sharded_exchange(self.combiner, self.n, self.sc.geomesh.shard_bits)
-                            if state["exchange"] == "sharded" and not self.kit.dense else None)  # fmt: skip
+        if state.get("exchange") in ("sharded", "all_gather"):  # (older states: the kind chosen over the declared WAN)
+            self.use_exchange(state["exchange"])
         self.online = None
         if state["online"] is not None:
             names = state["online_for"]
@@ -419,28 +482,8 @@ class PlanLoop:
             self.online = self._new_online(profiles)
             self.online.load_state_dict(state["online"])
 
-    # ---- overlapped rounds: measured where every rank has the same figures ----------------------------
-    def observe_arrived(self, result: Exchanged, outcome: dict[str, Any]) -> None:
-        """Elastic overlapped rounds, every rank of every member, when an exchange arrives (at the apply step,
-        or drained): the plan loop measures it as a plain round's exchange (its infos carry each member's
-        compute of that round, under that round's plan, and its leader's wire time of the exchange before).
-        Here, before the next exchange's quorum, so that a region healed at that quorum receives the plan loop
-        as the others hold it when they launch. A re-plan is in force from the next round."""
-        k = len(self.overlap.arrived)
-        if k >= len(self._planned_in_flight):  # (an exchange this region launched nothing for: not measured)
-            return
-        _, plan, steps, entries, number = self._planned_in_flight[k]
-        self.observe(result, outcome, steps, entries, plan=plan, wire_round=number - 1,
-                     after_round=self.run.rounds + (1 if self._in_round else 0))  # fmt: skip
-
-    def _note_overlap_wire(self) -> None:
-        """(leader) The wire time of the overlapped exchange that arrived (its launch to its arrival), for the
-        next report or info this leader sends."""
-        wire = self.overlap.take_wire() if self.run.is_leader else None
-        if wire is not None:
-            self.note_wire(*wire)
-
-    def _observe_reports(self, reports: list[dict] | None, members: list[int], steps: dict[int, int],
+    # ---- static overlapped rounds: measured where every rank has the same figures ----------------------
+    def observe_reports(self, reports: list[dict] | None, members: list[int], steps: dict[int, int],
                          entries: dict, drained: bool) -> None:  # fmt: skip
         """Static overlapped rounds (their exchange carries payloads only): the plan loop measures the round from
         the regions' reports (every leader gathers them, then shares them inside its region, so every rank folds

@@ -17,7 +17,7 @@ region's ranks share it.
   each rank steps its own shard; the payload's pseudo-gradient and the combined update are whole only in
   passing (:meth:`RegionWorker.pseudo_gradient`, :func:`lay_out_like`), and evaluating θ runs on the region's
   ranks together (FSDP's forward). Elastic regions shard θ too; their leader keeps a whole host copy for
-  torchft's recovery (:meth:`~geomesh.runtime.distributed.elastic_state.ElasticState._snapshot`).
+  torchft's recovery (:meth:`~geomesh.runtime.distributed.elastic_state.RegionState.snapshot`).
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """The round loop of the distributed runtime, written once, on one rank: static or elastic regions, plain or
 overlapped rounds, scenario faults, payload screening, evaluation and checkpoints are parts of this loop.
 This file is long because the loop is one: every kind of round takes the same six steps here, so that no
-variant of the runtime has a loop of its own (planning is :mod:`.plan_loop`, the exchanges :mod:`.exchange`,
+variant of the runtime has a loop of its own (the plan is a component it holds, :class:`.plan_loop.PlanLoop`
+as ``loop.planning``; the exchanges :mod:`.exchange`,
 :mod:`.elastic` and :mod:`.sharded`, the overlapped exchange :mod:`.overlap`).
 
 One round (every rank of every region; the leader alone crosses the WAN):
@@ -37,23 +38,22 @@ import torch
 from ...errors import RunError
 from ...methods.base import OuterLoopMethod, RoundKit, payload_key, round_steps
 from ...methods.overlap import round_compute_s
-from ...hardware import WorkerProfile
-from ...planner import OnlinePlanner, Plan
-from ...planner.wan import WanEstimator
+from ...planner import Plan
 from ..faults import RoundFaults, corrupt_payload, optimizer_finite, poisoned
-from ..payloads import screen_payload
+from ..payloads import combine_payloads, screen_payload, screen_slots
 from .checkpoints import RunCheckpointer
 from .core import RankRun
 from .exchange import Exchanged, StaticExchange, wait_for_slowest_s
 from .plan_loop import PlanLoop
 from .region import lay_out_like
-from .transport import WanShaper, split_gathered, tx_bytes
+from .transport import split_gathered
+from .wan_shaper import WanShaper, tx_bytes
 
 STATIC_MEMBERSHIP_FAULTS = ("the scenario's leave/join faults need elastic regions: set reliability.min_regions "
                             "(or --min-regions N) to at least 1; a static run keeps every region in every round")
 
 
-class RoundLoop(PlanLoop):
+class RoundLoop:
     """The rounds of a round-based method on this rank of ``run`` (set up), over the run's exchange."""
 
     def __init__(self, run: RankRun):
@@ -76,25 +76,12 @@ class RoundLoop(PlanLoop):
         self.summed = self.kit.dense and self.kit.key is None
         self.faults = RoundFaults(sc)
         self.elastic = run.options.elastic_region is not None
-        self.plan: Plan | None = None
-        self.planned_for: list[int] | None = None
-        # the plan as a loop (DESIGN.md): profiles measured in place before round 0, then re-planned from every
-        # round's measured compute times; the same numbers on every rank, so every rank holds the same plan
-        g = sc.geomesh
-        self.calibrating = method.balanced and g.calibrate
-        self.online: OnlinePlanner | None = None
-        self.calibrated: dict[str, WorkerProfile] = {}  # region -> its profile measured in place
-        self.calibration_s: dict[str, float] = {}
-        # the WAN measured as compute is (plan_loop.py): re-planned as compute is, so only where that is on
-        self.wan_measure = WanEstimator(threshold=g.replan_threshold, noise_k=max(g.replan_noise_k, 1.0)) \
-            if self.calibrating and g.replan and g.measure_wan else None  # fmt: skip
-        self.wan_members: list[int] | None = None  # who took part in the last exchange measured
-        self.wan_probe_s: float | None = None
-        self.wire: dict[str, Any] = {}  # (leader) the wire time of its last exchange, for the next round's info
+        # the plan as a loop (plan_loop.py): the plan in force, its members and the exchange kind it is made for,
+        # measured in place and re-planned from every round; the same numbers on every rank
+        self.planning = PlanLoop(run, self.kit, self.faults, self.emit, self.summed)
         self.outvoted = False  # this static region holds another run key than the others (see _outvoted)
         self.lay_out = lambda whole: lay_out_like(whole, self.params)  # updates land as θ is held
         self.overlap = None  # the overlapped round (runtime/distributed/overlap.py, docs/overlap.md)
-        self.plan_reason = "unchanged"  # why the plan in force is what it is (the round header says it)
         self.hooks = run.hooks  # the faults a test or the chaos harness injects (runtime/hooks.py)
         if self.elastic:
             from .elastic import QuorumExchange
@@ -104,9 +91,6 @@ class RoundLoop(PlanLoop):
             if any(f.kind in ("leave", "join") for f in sc.faults):
                 raise RunError(STATIC_MEMBERSHIP_FAULTS)
             self.exchange = StaticExchange(self)
-        from .sharded import loop_exchange  # the plan's exchange: the sharded one, or None (all-gather)
-
-        self.sharded = loop_exchange(self)  # (chosen again over the WAN probed before round 0)
         if method.overlapped(sc):
             from .overlap import RankOverlap
 
@@ -115,14 +99,14 @@ class RoundLoop(PlanLoop):
                                        shaper, self.exchange.shaper_s(list(range(self.n))), self.summed,
                                        self.kit.payload_nbytes)  # fmt: skip
             self.overlap.round_loop = self  # (static: its sharded exchange, when the plan picks it)
+            self.planning.overlap = self.overlap
             if self.elastic:  # the quorum's exchange runs on the leader's thread; this loop applies it
                 self.overlap.loop = self
         # elastic overlap, the exchanges in flight: (planned tokens, plan, steps, plan entries, round number)
         self._planned_in_flight: list[tuple] = []
         self._clocks_arrived: list[list] = []  # (elastic overlapped: the clocks of exchanges recorded, not agreed)
         self._in_round = False
-        # the index in ``run.plans`` of the plan the round in progress runs, and the one a healing state gave
-        self.round_plan_at: int | None = None
+        # the index in ``run.plans`` of the plan the round in progress runs, as a healing state gave it
         self.healed_round_plan: int | None = None
         # this region's round overhead: its time outside the inner steps since its last exchange (that round's
         # outer step, evaluation and checkpoint, this round's start; overlapped: the outer step and evaluation at
@@ -134,9 +118,9 @@ class RoundLoop(PlanLoop):
         self._overhead_tail = 0.0
 
     @property
-    def wire_nbytes(self) -> int:
-        """What one leader hands to the cross-region collective per round."""
-        return 4 * (self.d + 1) if self.summed else self.kit.payload_nbytes
+    def sharded(self):
+        """The sharded exchange in force (None: the all-gather or the dense sum): the plan's choice."""
+        return self.planning.sharded
 
     def emit(self, record: dict[str, Any]) -> None:
         """A record of the run, on the rank that keeps the records (static: rank 0; elastic: every leader)."""
@@ -182,7 +166,7 @@ class RoundLoop(PlanLoop):
                                     load_extra=self._load_checkpoint_state, overlap=self.overlap,
                                     owners=OwnerResiduals(self))  # fmt: skip
         if run._resume_from is None:  # (a resumed run plans from the profiles its checkpoint holds)
-            self.exchange.share_calibration(self.calibrate())
+            self.exchange.share_calibration(self.planning.calibrate())
         self.exchange.start()
         if run._resume_from is not None:
             saver.restore(Path(run._resume_from))
@@ -207,13 +191,18 @@ class RoundLoop(PlanLoop):
             joined_now = view.healed and self.overlap is not None
             if view.healed:  # the live state first (its plan loop too), then this round's news, as the others
                 self._evaluation_due = False  # (of the θ it held before: not the run's)
-                self.exchange.apply_healed(view.state)
+                self.healed_round_plan = self.exchange.apply_healed(view.state)
                 self.hooks.forget(self.names[self.me])  # (a restarted process healed into the run: not killed again)
+            planning = self.planning
             if view.calibration:
-                self.use_calibration(view.calibration)
-            if self.wan_measure is not None and run.rounds == 0 and self.wan_probe_s is None and not view.healed \
-                    and len(view.members) > 1:  # (every member at round 0 alike: the run's first quorum)
-                self.probe_wan(view.members)
+                planning.use_calibration(view.calibration)
+            if planning.wan_measure is not None and run.rounds == 0 and planning.wan_probe_s is None \
+                    and not view.healed and len(view.members) > 1:  # (every member at round 0 alike: the first quorum)
+                planning.probe_wan(view.members, self.exchange)
+                # (the probe is WAN time spent once, before round 0, not round 1's overhead: the plan loop would
+                # fold it into every round after it)
+                run._mark("comm_wait")
+                quorum_end = run._cursor
             if run.stopping.spent(run.tokens_done):
                 break
             r = run.rounds  # 0-based index of this round (fault schedule); round records count from 1
@@ -228,48 +217,48 @@ class RoundLoop(PlanLoop):
             run.worker.slowdown = (self.sc.regions[self.me].slowdown * self.faults.speed(self.me)
                                    * self.hooks.slowdown(self.names[self.me], r + 1))  # fmt: skip
             if effects.remake:
-                self.planned_for = None
+                planning.planned_for = None
             in_exchange = [i for i in view.members if not self.faults.away(i)]
             members = [i for i in in_exchange if not (joined_now and i == self.me)]  # the round's trainers
             if not members:
                 raise RunError(f"round {r + 1}: every live region is away (the scenario's leave faults)")
             self.exchange.members_known(view, members)
             header = None
-            if self.planned_for != members:
-                was = self.planned_for
-                self.plan = self.make_plan(members)
-                self.plan_reason = ("the run's first plan" if not run.plans
-                                    else "members changed: " + ", ".join(self.names[i] for i in members)
-                                    if was is not None and set(was) != set(members)
-                                    else "the round's faults or members changed")
-                if not self.elastic:  # (elastic: the round's header records it)
-                    run.plans.append(self.plan)
-                    self.exchange.planned(self.plan, members, r)
-                self.planned_for = list(members)
+            if planning.propose(members) and not self.elastic:  # (elastic: the round's header records it)
+                run.plans.append(planning.plan)
+                self.exchange.planned(planning.plan, members, r)
             if self.elastic:  # the round's header: the maker's plan, trained by all
                 if view.quorum:  # (overlapped rounds after the first: shipped at the last exchange's quorum)
                     # (one healed at an overlapped exchange's quorum trains from the next round: that one's header)
-                    self.exchange.agree_round(view.members, members, self.plan, self.plan_reason,
+                    self.exchange.agree_round(view.members, members, planning.plan, planning.plan_reason,
                                               r + 2 if joined_now else r + 1)  # fmt: skip
-                header = self.exchange.header_for(r + 1)
+                header = self.exchange.agreement.header_for(r + 1)
                 if header is not None:
                     members = self._adopt(header, r)
                 elif self.overlap is None:  # no round without its header: take part in the exchange (so the
                     # others are not held to the deadline) with nothing, vote no, and roll back with them
                     result, _ = self._exchange(None, members, 0.0)
-                    self.exchange.round_settled(committed=not result.void, why=result.why)
-                    self._roll_back(r, {}, None, result.why or self.exchange.refusal or "no header")
+                    self.exchange.agreement.settled(not result.void, result.why, r + 1)
+                    self._roll_back(r, {}, None, result.why or self.exchange.agreement.refusal or "no header")
                     continue
                 elif not joined_now:  # overlapped: its exchange leaves under way already; it votes no on it
-                    self.exchange.refused_rounds.add(r + 1)
+                    self.exchange.agreement.refused_rounds.add(r + 1)
                     if not run.plans:
-                        run.plans.append(self.plan)
+                        run.plans.append(planning.plan)
             # the plan this round runs (a re-plan made during it is in force from the next round); one healed at
             # the quorum of an exchange about to leave takes the plan the others' round ran, which the plan loop
             # measures that exchange against when it arrives
             healed_at = self.healed_round_plan if joined_now else None
-            self.round_plan_at = len(run.plans) - 1 if healed_at is None else healed_at
-            plan = run.plans[self.round_plan_at]
+            plan_at = len(run.plans) - 1 if healed_at is None else healed_at
+            if self.elastic:  # (what a region healed during this round is told it runs)
+                self.exchange.state.round_plan_at = plan_at
+            plan = run.plans[plan_at]
+            if self.elastic and (header is None or healed_at is not None):
+                # (overlapped: a region without the round's header, which votes no on its exchange, or one healed
+                # at this quorum, trains under the plan the others' round ran: only the members it was made for;
+                # a region that joins at the same quorum trains from the next round, as this one does)
+                workers = {w.name for w in plan.workers}
+                members = [i for i in members if self.names[i] in workers]
             entries = {i: plan.worker(self.names[i]) for i in members}
             rs = round_steps([entries[i] for i in members], self.seq, run.tokens_done, run.stopping.token_cap, plan,
                              overlapped=self.overlap is not None)  # fmt: skip
@@ -313,7 +302,7 @@ class RoundLoop(PlanLoop):
                 result, comm_s = self._exchange(payload, members, compute_s)
                 self._exchange_end = run._cursor
                 if self.elastic:
-                    self.exchange.round_settled(committed=not result.void, why=result.why)
+                    self.exchange.agreement.settled(not result.void, result.why, r + 1)
                 if result.void:  # the round's vote did not commit it: rolled back on every region, tried again
                     self._roll_back(r, planned, snapshot, result.why)
                     continue
@@ -345,7 +334,7 @@ class RoundLoop(PlanLoop):
             lost = {i: planned[i] for i in outcome["lost"] if i in planned}
             if self.overlap is None:  # the budget counts tokens whose updates reached θ
                 run.tokens_done += sum(planned[i] for i in outcome["took_part"] if i not in outcome["lost"])
-                self.observe(result, outcome, steps, entries)
+                self.planning.observe(result, outcome, steps, entries)
             run.tokens_lost += sum(lost.values())
             self.faults.count_lost(r, lost)
             # 6. records, evaluation, checkpoint
@@ -356,7 +345,7 @@ class RoundLoop(PlanLoop):
                                               payload=payload, split=split, sent_before=sent_before,
                                               wire_before=wire_before, wire_after=wire_after)  # fmt: skip
             if self.overlap is not None:  # (static) measured and re-planned from the round's reports
-                self._observe_reports(reports, members, steps, entries, drained)
+                self.planning.observe_reports(reports, members, steps, entries, drained)
             if self.elastic:  # the members' clocks came with the round's exchange (static: with its report)
                 run.stopping.agree_elapsed([i.get("elapsed_s") for i in result.infos])
             if self.overlap is not None and run.stopping.time_up:  # the time budget is spent: the exchange in flight is
@@ -437,9 +426,9 @@ class RoundLoop(PlanLoop):
                 ov = self.overlap
                 if drains and not self.elastic:  # an exchange nothing hides (the last, one a checkpoint waits
                     # for) leaves in fragments (elastic: one exchange, the quorum's)
-                    split = ov.tail_split(self.planning_wan(members), self.kit.modeled_payload_nbytes,
+                    split = ov.tail_split(self.planning.planning_wan(members), self.kit.modeled_payload_nbytes,
                                           round_compute_s([entries[i] for i in members], [steps[i] for i in members]))  # fmt: skip
-                apply_at = ov.apply_at(wp, h, self.arrival_margin())
+                apply_at = ov.apply_at(wp, h, self.planning.arrival_margin())
                 tail = ov.tail_send(split, wp, h, apply_at) if split is not None else None
                 payload, _ = method.local_phase_overlapped(run.worker, h, wp.batch, ov.start, apply_at, ov.arrive,
                                                            self.codec, lr_at, tail)  # fmt: skip
@@ -455,40 +444,26 @@ class RoundLoop(PlanLoop):
             payload = parts if split is not None else parts[0]
         return payload, split
 
-    @property
-    def exchange_kind(self) -> str:
-        """The exchange the rounds use now: ``sharded``, ``all_reduce`` (unsigned dense sums) or ``all_gather``."""
-        return "sharded" if self.sharded is not None else "all_reduce" if self.summed else "all_gather"
-
     def _propose_next(self, quorum: list[int]) -> tuple[list[int], Plan, str]:
         """(leader, overlapped elastic rounds) What this region proposes for the round that starts with the
         members of the exchange's quorum now forming: (members, plan, why); shipped only by the maker."""
         members = [i for i in quorum if not self.faults.away(i)]
-        if self.planned_for != members:
-            was = self.planned_for
-            self.plan = self.make_plan(members)
-            self.planned_for = list(members)
-            self.plan_reason = "members changed: " + ", ".join(self.names[i] for i in members) if was else \
-                "the run's first plan"  # fmt: skip
-        return members, self.plan, self.plan_reason
+        self.planning.propose(members)
+        return members, self.planning.plan, self.planning.plan_reason
 
     def _adopt(self, header, round_index: int) -> list[int]:
         """Train the round as its header says (elastic): the maker's plan and exchange, whatever this region's
         own plan loop proposed (a proposal of its own made since, for a reason the header does not carry yet,
         stays its proposal for the next header). Returns the round's members."""
-        trained = header.trained_plan()
-        if self.plan is not None and trained.digest() == self.plan.digest():
-            self.plan_reason = "unchanged"
-        if self.plan is None or self.plan_reason == "unchanged":
-            self.plan = trained
+        trained, planning = header.trained_plan(), self.planning
+        if planning.plan is not None and trained.digest() == planning.plan.digest():
+            planning.plan_reason = "unchanged"
+        if planning.plan is None or planning.plan_reason == "unchanged":
+            planning.plan = trained
         if not self.run.plans or self.run.plans[-1].digest() != header.digest or header.reason != "unchanged":
             self.run.plans.append(trained)
             self.exchange.planned(trained, list(header.members), round_index, header)
-        if header.exchange != self.exchange_kind and header.exchange != "all_reduce" and not self.summed:
-            from ...codec.sharded_sparse import sharded_exchange
-
-            self.sharded = (sharded_exchange(self.combiner, self.n, self.sc.geomesh.shard_bits)
-                            if header.exchange == "sharded" else None)  # fmt: skip
+        planning.use_exchange(header.exchange)
         return list(header.members)
 
     def _round_snapshot(self) -> dict[str, Any]:
@@ -516,7 +491,7 @@ class RoundLoop(PlanLoop):
         self.faults.count_lost(round_index, planned)
         if self.elastic:
             for i, t in planned.items():
-                self.exchange.stats["tokens_lost"][self.names[i]] += t
+                self.exchange.state.stats["tokens_lost"][self.names[i]] += t
         run.telemetry.count("rollbacks")
         self.emit({"type": "rollback", "round": round_index + 1, "time": run._now(), "region": self.names[self.me],
                    "reason": why, "tokens_lost": {self.names[i]: t for i, t in planned.items()}})  # fmt: skip
@@ -528,11 +503,12 @@ class RoundLoop(PlanLoop):
         """What this leader tells the others with its payload (JSON)."""
         run = self.run
         info = {"region": self.me, "active": self.me in members, "compute_s": compute_s, "sent": payload is not None,
-                "rejected": reason, "plan": self.plan.digest() if self.plan is not None else None}  # fmt: skip
+                "rejected": reason,
+                "plan": self.planning.plan.digest() if self.planning.plan is not None else None}  # fmt: skip
         if self.round_overhead_s is not None:
             info["overhead_s"] = self.round_overhead_s
         info.update(self.exchange.info_fields())
-        info.update(self.wire)
+        info.update(self.planning.wire)
         if self.elastic and run.stopping.timed:  # this region's clock, for the time budget's rule
             info["elapsed_s"] = run._now()
         return info
@@ -557,7 +533,7 @@ class RoundLoop(PlanLoop):
                 waited = wait_for_slowest_s(result.infos, compute_s + (self.round_overhead_s or 0.0))
                 run._mark("straggler_wait", until=min(run._now(), comm_start + waited))
                 comm_start = run._cursor
-            self.note_wire(max(0.0, result.comm_s - (waited if self.elastic else 0.0)))
+            self.planning.note_wire(max(0.0, result.comm_s - (waited if self.elastic else 0.0)))
         result = self._share(result)
         run._mark("comm_wait")
         return result, run._cursor - comm_start
@@ -662,28 +638,11 @@ class RoundLoop(PlanLoop):
                     rejected.append((i["region"], f"payload rejected: {i['slot_rejected']}"))
             if self._outvoted(rejected, took_part):  # counted as the others count it: only its own update is lost
                 return {"took_part": took_part, "rejected": [], "dropped": [], "lost": {self.me}, "update": None}
-            arrived, arrived_from = [], []
-            for i in sorted(result.payloads):  # scenario order: the emulated runtime's combine order
-                payload = result.payloads[i]
-                if i not in took_part or any(j == i for j, _ in rejected):
-                    continue
-                if payload is None:
-                    dropped.append(i)
-                    continue
-                reason = screen_payload(self.combiner, payload)
-                if reason is None:
-                    arrived.append(payload)
-                    arrived_from.append(i)
-                else:
-                    rejected.append((i, f"payload rejected: {reason}"))
-            if arrived:
-                if self.kit.dense:  # signed dense contributions, summed here in scenario order
-                    summed = torch.zeros(self.d + 1, dtype=torch.float32, device=self.run.device)
-                    for p in arrived:
-                        summed.add_(self.combiner.reducible(p, device=self.run.device))
-                    combined = self.combiner.reduced_update(summed)
-                else:
-                    combined = self.combiner.combine(arrived, device=self.run.device)
+            out = {i for i, _ in rejected}
+            arrived, screened_out, dropped = screen_slots(
+                self.combiner, {i: p for i, p in result.payloads.items() if i in took_part and i not in out})
+            rejected += screened_out
+            combined = combine_payloads(self.combiner, list(arrived.values()), self.run.device)
         if combined is not None and not all(bool(torch.isfinite(t).all()) for t in combined.values()):
             rejected.extend((i, "the combined update is not finite") for i in took_part)
             combined = None
@@ -737,15 +696,37 @@ class RoundLoop(PlanLoop):
             self.emit({"type": "warning", "round": number, "worker": self.names[i],
                        "message": "non-finite loss, parameters or pseudo-gradient; its update is dropped"})  # fmt: skip
 
+    # ---- overlapped rounds: the plan loop measures each exchange that arrived ---------------------------
+    def observe_arrived(self, result: Exchanged, outcome: dict[str, Any]) -> None:
+        """Elastic overlapped rounds, every rank of every member, when an exchange arrives (at the apply step,
+        or drained): the plan loop measures it as a plain round's exchange (its infos carry each member's
+        compute of that round, under that round's plan, and its leader's wire time of the exchange before).
+        Here, before the next exchange's quorum, so that a region healed at that quorum receives the plan loop
+        as the others hold it when they launch. A re-plan is in force from the next round."""
+        k = len(self.overlap.arrived)
+        if k >= len(self._planned_in_flight):  # (an exchange this region launched nothing for: not measured)
+            return
+        _, plan, steps, entries, number = self._planned_in_flight[k]
+        self.planning.observe(result, outcome, steps, entries, plan=plan, wire_round=number - 1,
+                     after_round=self.run.rounds + (1 if self._in_round else 0))  # fmt: skip
+
+    def _note_overlap_wire(self) -> None:
+        """(leader) The wire time of the overlapped exchange that arrived (its launch to its arrival), for the
+        next report or info this leader sends."""
+        wire = self.overlap.take_wire() if self.run.is_leader else None
+        if wire is not None:
+            self.planning.note_wire(*wire)
+
     # ---- checkpoint state of this loop (plain JSON; the same on every rank) --------------------------------
     def _checkpoint_state(self) -> dict[str, Any]:
-        common = {"faults": self.faults.state_dict(), "plan_loop": self.plan_state(),
+        common = {"faults": self.faults.state_dict(), "plan_loop": self.planning.plan_state(),
                   **self.exchange.checkpoint_state()}  # fmt: skip
         return {"common": common, "rank0": self.exchange.checkpoint_state_rank0()}
 
     def _load_checkpoint_state(self, state: dict[str, Any]) -> None:
         self.faults.load_state_dict(state["common"]["faults"])
-        self.load_plan_state(state["common"]["plan_loop"])
+        self.planning.load_plan_state(state["common"]["plan_loop"],
+                                      members_after_resume=self.exchange.planned_for_after_resume())  # fmt: skip
         self.exchange.load_checkpoint_state(state)
 
 

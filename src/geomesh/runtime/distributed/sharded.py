@@ -427,7 +427,7 @@ def layout_for(loop: Any, m: int) -> ShardedExchange:
 def shaper_s(loop: Any, members: list[int]) -> float:
     """What the WAN shaper holds a sharded exchange of ``members`` to: the WAN model's time for the slices and
     combined shards this run really moves (``latency``: its four latency steps only)."""
-    from .transport import WanShaper
+    from .wan_shaper import WanShaper
 
     shaper = WanShaper(loop.faults.wan(members), loop.run.options.wan)
     if shaper.mode == "none" or len(members) < 2:
@@ -465,7 +465,7 @@ def static_sharded_exchange(xc: Any, payload: bytes | None, info: dict[str, Any]
     leader), then :func:`sharded_round` over the leaders' group; every refused slice, absent update and lost
     shard is in the infos for the loop's screening step (:func:`apply_sharded`). Returns the fields of the
     round's :class:`~.exchange.Exchanged` (this module sits below the exchange seam)."""
-    from .transport import WanShaper
+    from .wan_shaper import WanShaper
 
     run, loop = xc.run, xc.loop
     n, number = xc.n, run.rounds + 1

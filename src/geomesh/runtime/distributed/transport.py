@@ -1,5 +1,4 @@
-"""How bytes move in the distributed runtime: the collectives with byte accounting, the WAN shaper and wire
-counters.
+"""How bytes move in the distributed runtime: the collectives with byte accounting.
 
 - :class:`Transport` wraps ``torch.distributed`` for the few collectives a round needs (the leaders'
   straggler barrier, the all-gather of equal-size payloads, the all-reduce of a flat fp32 buffer, the
@@ -16,11 +15,9 @@ rank with one line naming that rank (:class:`FrameRejected`): a static world can
 but it never runs what a peer sent. :meth:`Transport.all_gather_json` instead leaves such a rank's slot
 ``None`` (the reason in :attr:`Transport.rejected`). Payloads: :meth:`Transport.all_gather_payloads` signs each
 slot for its sender and round, "no update" included (:func:`split_gathered`'s four zero bytes prove nothing).
-- :class:`WanShaper` stretches an exchange to what the scenario's WAN model says it costs (latency +
-  bytes / bandwidth of the ring collective, :class:`~geomesh.network.WanModel`), so heterogeneous-link
-  experiments run on one machine over loopback (``--wan shaper``). ``latency`` mode adds only the latency
-  part, for links whose rate is already limited by the kernel.
-(Real links between local ranks, Linux network namespaces: :mod:`geomesh.testbed.netns`.)
+
+The WAN shaper, the ring collectives' byte counts and the wire counters are :mod:`.wan_shaper`; real links
+between local ranks (Linux network namespaces) are :mod:`geomesh.testbed.netns`.
 """
 
 from __future__ import annotations
@@ -41,10 +38,9 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
-from ...network import WanModel
+from .wan_shaper import ring_allgather_bytes, ring_allreduce_bytes
 from .frames import DEFAULT_MAX_BYTES, Context, Rejected, open_frame, run_trust, seal
 
-WanMode = Literal["none", "shaper", "latency"]
 ABSENT = b"\0\0\0\0"  # a payload slot of a worker whose update was dropped (real payloads start with b"GMSH")
 
 
@@ -85,62 +81,6 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
-
-
-# ---- the WAN shaper ------------------------------------------------------------------------------
-
-
-@dataclass
-class WanShaper:
-    """Holds an exchange until the WAN model's time for it has passed (``mode="none"``: never holds)."""
-
-    wan: WanModel
-    mode: WanMode = "shaper"
-
-    def allgather_s(self, payload_bytes: int) -> float:
-        if self.mode == "none":
-            return 0.0
-        if self.mode == "latency":
-            return self._latency_only(self.wan.n - 1)
-        return self.wan.allgather_s(payload_bytes)
-
-    def allreduce_s(self, nbytes: int) -> float:
-        if self.mode == "none":
-            return 0.0
-        if self.mode == "latency":
-            return self._latency_only(2 * (self.wan.n - 1))
-        return self.wan.allreduce_s(nbytes)
-
-    def _latency_only(self, ring_steps: int) -> float:
-        return max(0, ring_steps) * self.wan.ring_step_s(0.0)
-
-    def hold(self, seconds: float, since: float) -> float:
-        """Hold an exchange that started at ``since`` (a ``perf_counter`` time); returns the sleep.
-
-        ``shaper``: the transfer on this machine is part of the emulated transfer, so the exchange takes
-        max(measured, modeled), never measured + modeled. ``latency``: the bytes really crossed a
-        rate-limited link, so the latency is added to it."""
-        if self.mode == "latency":
-            time.sleep(seconds)
-            return seconds
-        left = since + seconds - time.perf_counter()
-        if left > 0:
-            time.sleep(left)
-            return left
-        return 0.0
-
-
-# ---- collectives with byte accounting -----------------------------------------------------------
-
-
-def ring_allgather_bytes(slot_bytes: int, size: int) -> int:
-    """What one rank sends in a ring all-gather of one ``slot_bytes`` slot per rank of a ``size``-rank group."""
-    return max(size - 1, 0) * slot_bytes
-
-
-def ring_allreduce_bytes(nbytes: int, size: int) -> int:
-    """What one rank sends in a ring all-reduce of an ``nbytes`` buffer over a ``size``-rank group."""
-    return 2 * (size - 1) * nbytes // size if size > 1 else 0
 
 
 class FrameRejected(getattr(dist, "DistError", RuntimeError), ValueError):  # a communication failure (the rank's exit)
@@ -401,16 +341,3 @@ def split_gathered(gathered: torch.Tensor, nbytes: int) -> list[bytes | None]:
         piece = raw[k * nbytes : (k + 1) * nbytes]
         out.append(None if piece[:4] == ABSENT else piece)
     return out
-
-
-# ---- wire counters --------------------------------------------------------------------------------
-
-
-def tx_bytes(iface: str | None) -> int | None:
-    """Bytes this network namespace sent on ``iface`` so far (``None`` when not measurable)."""
-    if not iface:
-        return None
-    try:
-        return int(Path(f"/sys/class/net/{iface}/statistics/tx_bytes").read_text())
-    except (OSError, ValueError):
-        return None
