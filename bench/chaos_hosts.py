@@ -1,7 +1,7 @@
 """Several host losses at random moments on the hosts test bed: do the elastic rounds still agree?
 
 Usage:  PYTHONPATH=src python bench/chaos_hosts.py --seed N [--runs K] [--methods geomesh,geomesh-overlap]
-        [--out /tmp/chaos-hosts/seed-N] [--only I] [--tokens T] [--timeout 360]
+        [--out /tmp/chaos-hosts/seed-N] [--only I] [--tokens T] [--timeout 360] [--src DIR] [--recheck]
 
 Each run is one ``geomesh hosts`` bed (:mod:`geomesh.cli.hosts`) of 4 regions, each a host of its own (network
 namespace, address, folder, torchrun), the quorum service alone, GeoMesh's plan loop on (calibration and
@@ -25,8 +25,10 @@ A run passes when:
   traceback;
 - a host whose last start came after the run finished exits 0 and says "the run finished at round N without
   this region" (not 1, not "no quorum");
-- every round trained at most twice the run's median round's tokens (per round: the round record's token count
-  less the previous record's);
+- no round is far larger than the others: every round's tokens per member region (the round record's token
+  count less the previous record's, over its ``members``) are at most twice the run's median round's (per member:
+  a round of 4 regions after rounds of 3 is not a larger round; the last round, which takes the budget's
+  remainder in, is held to the same bound);
 - the model is not damaged: the final validation loss (summary.json) is at most the validation loss after round 1
   (the first ``eval`` record of round >= 1), exactly, no tolerance;
 - the rounds recorded count 1, 2, ... without a gap or a repeat (rolled-back rounds allowed: a rolled-back round
@@ -201,23 +203,23 @@ class LogKeeper(threading.Thread):
         self.sweep()
 
 
-def run_bed(argv: list[str], cwd: Path, limit_s: float) -> tuple[int | None, str, str, float]:
-    """``python -m geomesh.cli ARGV`` with this checkout's ``src`` first on PYTHONPATH (the hosts the bed starts
+def run_bed(argv: list[str], cwd: Path, limit_s: float, src: Path = SRC) -> tuple[int | None, str, str, float]:
+    """``python -m geomesh.cli ARGV`` with ``src`` (this checkout's) first on PYTHONPATH (the hosts the bed starts
     inherit it), stopped after ``limit_s`` (SIGINT first: the bed removes its namespaces and kills its hosts).
     Every host's logs are kept in ``cwd/kept-logs`` as they grow (:class:`LogKeeper`). Returns (exit status or
     None when stopped, stdout, stderr, wall seconds)."""
     keeper = LogKeeper(cwd / "bed", cwd / "kept-logs")
     keeper.start()
     try:
-        return _run_bed(argv, cwd, limit_s)
+        return _run_bed(argv, cwd, limit_s, src)
     finally:
         keeper.stop.set()
         keeper.join()
 
 
-def _run_bed(argv: list[str], cwd: Path, limit_s: float) -> tuple[int | None, str, str, float]:
+def _run_bed(argv: list[str], cwd: Path, limit_s: float, src: Path) -> tuple[int | None, str, str, float]:
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    env["PYTHONPATH"] = os.pathsep.join([str(SRC), *[p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]])
+    env["PYTHONPATH"] = os.pathsep.join([str(src), *[p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]])
     t0 = time.monotonic()
     proc = subprocess.Popen([sys.executable, "-m", "geomesh.cli", *argv], cwd=cwd, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)  # fmt: skip
@@ -264,11 +266,39 @@ def evidence(bed: Path, limit: int = 10) -> dict[str, list[str]]:
     return found
 
 
-def round_tokens(rounds: list[dict]) -> list[tuple[int, int]]:
-    """(round, tokens trained in it) from the round records (each holds the run's tokens so far)."""
+def _frame(line: str) -> str:
+    """``File "/x/y/pkg/mod.py", line 7, in fn`` as ``pkg/mod.py:7 fn``."""
+    m = re.match(r'File "(.*)", line (\d+), in (.*)', line)
+    return f"{'/'.join(Path(m.group(1)).parts[-2:])}:{m.group(2)} {m.group(3)}" if m else line
+
+
+def bad_lines(lines: list[str]) -> list[str]:
+    """The lines of a log that name a bad outcome (:data:`BAD_LINES`); a traceback as its first frame's file and
+    function, its last frame and its exception's line."""
+    out = []
+    for k, ln in enumerate(lines):
+        if not any(b in ln for b in BAD_LINES):
+            continue
+        if "Traceback" in ln:
+            body = []
+            for nxt in lines[k + 1 :]:
+                if not nxt.startswith((" ", "\t")):
+                    body.append(nxt)
+                    break
+                body.append(nxt.strip())
+            frames = [_frame(b) for b in body if b.startswith("File ")]
+            where = " ... ".join(dict.fromkeys([frames[0], frames[-1]])) if frames else ""
+            out.append(f"a traceback ({where}): {body[-1] if body else ''}")
+        else:
+            out.append(ln)
+    return out
+
+
+def round_tokens(rounds: list[dict]) -> list[tuple[int, int, int]]:
+    """(round, tokens trained in it, its members) from the round records (each holds the run's tokens so far)."""
     out, before = [], 0
     for e in sorted(rounds, key=lambda e: e["round"]):
-        out.append((e["round"], e["tokens"] - before))
+        out.append((e["round"], e["tokens"] - before, max(1, len(e.get("members") or []))))
         before = e["tokens"]
     return out
 
@@ -313,9 +343,9 @@ def check(run: Run, code: int | None, stdout: str, stderr: str, bed: Path) -> tu
     # bad lines in any host's log
     for name in NAMES:
         for log in host_logs(bed, name):
-            bad = [ln for ln in log_lines(log) if any(b in ln for b in BAD_LINES)]
+            bad = bad_lines(log_lines(log))
             if bad:
-                problems.append(f"{name}/{log.name}: {bad[0][:200]}")
+                problems.append(f"{name}/{log.name}: {bad[0][:300]}")
     # a host started after the end: exit 0 with the finished line
     late = []
     for name in NAMES:
@@ -354,16 +384,23 @@ def check(run: Run, code: int | None, stdout: str, stderr: str, bed: Path) -> tu
             problems.append(f"rounds recorded {numbers}, rolled back {rolled}: not 1, 2, ... each once")
     elif sorted(numbers) != list(range(1, len(numbers) + 1)):
         problems.append(f"rounds recorded {numbers} (rolled back {rolled}): not 1, 2, ... without a gap")
+    times = sorted((e["time"], e["round"]) for e in rounds)  # (not checked: a stall is slow, not wrong)
+    gaps = [(b[0] - a[0], b[1]) for a, b in zip(times, times[1:])]
+    if gaps:
+        gap = max(gaps)
+        seen["longest_gap"] = {"seconds": round(gap[0], 1), "before_round": gap[1]}
     # no round far larger than the others
     per = round_tokens(rounds)
     if per:
-        median = statistics.median(t for _, t in per)
-        biggest = max(per, key=lambda x: x[1])
-        seen.update({"median_round_tokens": median, "largest_round": list(biggest),
-                     "largest_ratio": round(biggest[1] / median, 2) if median else None})  # fmt: skip
-        if median > 0 and biggest[1] > 2 * median:
-            problems.append(f"round {biggest[0]} trained {biggest[1]} tokens, over twice the median round "
-                            f"({median:g})")  # fmt: skip
+        median = statistics.median(t / n for _, t, n in per)
+        biggest = max(per, key=lambda x: x[1] / x[2])
+        seen.update({"round_tokens": [[r, t] for r, t, _ in per], "median_round_tokens": statistics.median(
+                     t for _, t, _ in per), "median_member_tokens": median, "largest_round": list(biggest),
+                     "largest_ratio": round(biggest[1] / biggest[2] / median, 2) if median else None})  # fmt: skip
+        if median > 0 and biggest[1] / biggest[2] > 2 * median:
+            problems.append(f"round {biggest[0]} trained {biggest[1]} tokens over {biggest[2]} regions, "
+                            f"{biggest[1] / biggest[2] / median:.1f}x the median round's tokens per region "
+                            f"({median:.0f})")  # fmt: skip
     # the model is not damaged
     evals = [e for e in events if e["type"] == "eval" and (e.get("round") or 0) >= 1]
     first = min(evals, key=lambda e: (e["round"], e["time"]))["val_loss"] if evals else None
@@ -377,17 +414,23 @@ def check(run: Run, code: int | None, stdout: str, stderr: str, bed: Path) -> tu
 
 
 def run_one(run: Run, folder: Path, paths: list[str], args, seed: int) -> dict:
-    """One bed run with its losses, checked. ``folder`` is the run's own (emptied first)."""
-    if folder.exists():
-        shutil.rmtree(folder)
-    folder.mkdir(parents=True)
-    path = folder / "scenario.yaml"
-    path.write_text(yaml.safe_dump(scenario(paths, args.tokens, args.rtt)))
-    bed = folder / "bed"
+    """One bed run with its losses, checked. ``folder`` is the run's own (emptied first; with ``args.recheck``
+    the run already there is checked again, not run)."""
+    path, bed = folder / "scenario.yaml", folder / "bed"
     argv = bed_argv(run, path, bed, args.timeout - 30, args.join_timeout)
-    code, out, err, wall = run_bed(argv, folder, args.timeout + 60)
-    (folder / "bed.stdout").write_text(out)
-    (folder / "bed.stderr").write_text(err)
+    if args.recheck:
+        done = json.loads((folder / "bed.exit").read_text())
+        code, wall = done["exit"], done["wall_s"]
+        out, err = (folder / "bed.stdout").read_text(), (folder / "bed.stderr").read_text()
+    else:
+        if folder.exists():
+            shutil.rmtree(folder)
+        folder.mkdir(parents=True)
+        path.write_text(yaml.safe_dump(scenario(paths, args.tokens, args.rtt)))
+        code, out, err, wall = run_bed(argv, folder, args.timeout + 60, args.src)
+        (folder / "bed.stdout").write_text(out)
+        (folder / "bed.stderr").write_text(err)
+        (folder / "bed.exit").write_text(json.dumps({"exit": code, "wall_s": wall}))
     problems, seen = check(run, code, out, err, bed)
     return {"method": run.method, "index": run.index, "seed": seed, "faults": [loss.text() for loss in run.losses],
             "losses": [asdict(loss) for loss in run.losses], "ok": not problems, "problems": problems,
@@ -398,6 +441,7 @@ def run_one(run: Run, folder: Path, paths: list[str], args, seed: int) -> dict:
 
 def replay(seed: int, run: Run, args) -> str:
     extra = "" if args.tokens == TOKENS else f" --tokens {args.tokens}"
+    extra += "" if args.src == SRC else f" --src {args.src}"
     return (f"PYTHONPATH=src python bench/chaos_hosts.py --seed {seed} --runs {run.index + 1} --methods {run.method} "
             f"--only {run.index}{extra}")  # fmt: skip
 
@@ -413,14 +457,15 @@ def result_text(r: dict) -> str:
 
 
 def table(results: list[dict]) -> str:
-    lines = ["| method | # | faults (--lose) | result | rounds | largest/median | val loss r1 → final | wall s |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| method | # | faults (--lose) | result | rounds | largest/median | val loss r1 → final | longest "
+             "gap s | wall s |", "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in results:
         s = r["seen"]
         loss = (f"{s['val_loss_after_round_1']:.2f} → {s['final_val_loss']:.2f}"
                 if s.get("val_loss_after_round_1") is not None and s.get("final_val_loss") is not None else "-")
         lines.append(f"| {r['method']} | {r['index']} | {' '.join(r['faults'])} | {result_text(r)} | "
-                     f"{s.get('rounds', '-')} | {s.get('largest_ratio', '-')} | {loss} | {r['wall_s']:.0f} |")
+                     f"{s.get('rounds', '-')} | {s.get('largest_ratio', '-')} | {loss} | "
+                     f"{(s.get('longest_gap') or {}).get('seconds', '-')} | {r['wall_s']:.0f} |")  # fmt: skip
     return "\n".join(lines)
 
 
@@ -435,6 +480,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rtt", type=float, default=1000.0, help="every link's RTT (ms)")
     p.add_argument("--timeout", type=float, default=360.0, help="seconds one bed run may take")
     p.add_argument("--join-timeout", type=float, default=120.0, help="each rank's quorum/startup timeout (s)")
+    p.add_argument("--recheck", action="store_true", help="check the runs already in --out again (no bed run)")
+    p.add_argument("--src", type=Path, default=SRC, help="the geomesh sources the hosts run (default: this "
+                                                          "checkout's src; e.g. a patched copy)")  # fmt: skip
     args = p.parse_args(argv)
     try:
         methods = [m.strip() for m in args.methods.split(",") if m.strip()]
