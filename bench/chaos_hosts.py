@@ -39,7 +39,12 @@ Records are read from the host that wrote the newest summary (the bed's ``summar
 have been started again (its ``starts`` is one more than its losses that fired); a drawn loss that never fired
 (the run ended first) is reported, not failed. Writes ``OUT/results.json`` (every run: its faults, checks,
 what the records say, the error lines of every host's logs as evidence) and ``OUT/table.md``; each run's bed is
-``OUT/<method>-<I>/``.
+``OUT/<method>-<I>/``. The table also shows the longest time between two round records (a stall is slow, not
+wrong: shown, not checked).
+
+``--src DIR`` runs the hosts on another copy of the sources (a proposed fix, replayed with the same seed);
+``--recheck`` checks the runs already in ``--out`` again without running them. A bed run takes 2-5 minutes on a
+busy machine of 2 cores (start-up, calibration and the WAN probe take ~40 s, a restarted host ~20 s more).
 """
 
 from __future__ import annotations
