@@ -496,7 +496,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.runs < 1 or args.timeout <= 60 or args.tokens < 1:
             raise BenchError("--runs and --tokens must be positive, --timeout over 60")
         paths = corpus_paths()
-        from geomesh.runtime.distributed.transport import netns_unavailable_reason
+        from geomesh.testbed.netns import netns_unavailable_reason
 
         if reason := netns_unavailable_reason():
             raise BenchError(f"the hosts test bed cannot run here: {reason}")
