@@ -241,3 +241,30 @@ def test_the_runtimes_and_faces_have_their_rooms():
     loops = [m for m in mods if m.startswith("runtime.distributed.")
              and "def run_loop" in mods[m].read_text()]  # fmt: skip
     assert loops == ["runtime.distributed.rounds"], loops
+
+
+def test_the_round_loop_holds_its_components_and_none_reaches_back():
+    """The distributed round loop holds its components (the plan, the exchanges, the region's state and records,
+    the agreement): none of them imports the loop's module, and no class of the runtime is assembled from mixins
+    (a base class whose methods read fields it does not set: each class of runtime/distributed derives only from
+    a class of another package, an exception, or a Protocol)."""
+    graph = _graph()
+    loop = "runtime.distributed.rounds"
+    reach_back = sorted(m for m, deps in graph.items() if loop in deps and m != "runtime.distributed")
+    assert not reach_back, f"modules that import the round loop: {reach_back}"
+    local = {}
+    for name, path in _modules().items():
+        if name.startswith("runtime.distributed"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.ClassDef):
+                    local[node.name] = (name, [ast.unparse(b) for b in node.bases])
+    errors = {c for c, (_, bases) in local.items() if any(b.endswith(("Error", "Exception")) for b in bases)}
+    while True:  # (exceptions that derive from the runtime's own exceptions)
+        more = {c for c, (_, bases) in local.items() if any(b in errors for b in bases)} - errors
+        if not more:
+            break
+        errors |= more
+    # (DistributedRun picks the loop of a RankRun: a run of one kind, not a part of one)
+    mixed = sorted(f"{mod}.{cls}({', '.join(bases)})" for cls, (mod, bases) in local.items()
+                   if any(b in local and b not in errors for b in bases) and cls != "DistributedRun")  # fmt: skip
+    assert not mixed, f"runtime classes built on another runtime class: {mixed}"
