@@ -9,6 +9,7 @@ the idle) is pure: tested on records written here."""
 
 from __future__ import annotations
 
+import json
 import math
 import sys
 import time
@@ -101,3 +102,93 @@ def test_links_as_token_buckets_of_a_given_burst_keep_it_when_their_rate_changes
     with HostsBed(wan, NAMES, tmp_path) as bed:  # the default: htb's 15k burst, its ceil's bucket a packet
         shown = tc(bed.ns(1), "class", "show", "dev", "eth0").stdout
         assert shown.count("burst 15Kb cburst 1600b") == 2, shown
+
+
+# ---- bench/calibration_bed.py's reading of a run (pure) ----------------------------------------------------------
+def plan(compute: dict[str, float], exchange_s: float = 0.5) -> dict:
+    return {"workers": [{"name": n, "batch": 8, "inner_steps": 10, "compute_s": c} for n, c in compute.items()],
+            "exchange_s": exchange_s}  # fmt: skip
+
+
+def round_record(number: int, compute: list[float], overhead: list[float], time_s: float) -> dict:
+    return {"type": "round", "round": number, "time": time_s, "tokens": 1000 * number, "members": NAMES,
+            "compute_s": compute, "overhead_s": overhead, "straggler_idle_frac": 0.0, "exchange_s": 0.6}  # fmt: skip
+
+
+def spans(number: int, work: dict[str, float], wait: dict[str, float]) -> list[dict]:
+    out = []
+    for n in NAMES:
+        out.append({"type": "span", "worker": n, "kind": "compute", "start": 0.0, "end": work[n], "round": number})
+        out.append({"type": "span", "worker": n, "kind": "straggler_wait", "start": work[n], "end": work[n] + wait[n],
+                    "round": number})  # fmt: skip
+        out.append({"type": "span", "worker": n, "kind": "comm_wait", "start": 0.0, "end": 0.5, "round": number})
+    return out
+
+
+RECORDS = [
+    {"type": "calibration", "time": 0.1, "seconds": {"r0-h100": 3.0, "r1-a100": 4.0, "r2-t4": 5.0}},
+    {"type": "wan_probe", "time": 1.0, "wan_measured": {"latency_factor": 1.2, "transfer_factor": 80.0}},
+    {"type": "plan", "round": 0, "time": 1.1, "plan": plan({"r0-h100": 4.0, "r1-a100": 4.0, "r2-t4": 4.0})},
+    round_record(1, [4.0, 4.4, 8.0], [1.0, 1.0, 1.0], 10.0),  # r2: a burst that ended (2x its plan)
+    {"type": "plan", "round": 1, "time": 10.1, "replan": True, "reason": "compute measured against planned",
+     "plan": plan({"r0-h100": 5.0, "r1-a100": 5.0, "r2-t4": 5.0})},  # a proposal: not what round 2 trains
+    {"type": "plan", "round": 1, "time": 10.2, "plan": plan({"r0-h100": 5.0, "r1-a100": 5.0, "r2-t4": 5.5})},
+    round_record(2, [5.0, 5.0, 5.5], [0.5, 0.5, 0.0], 16.0),
+    round_record(3, [5.0, 4.0, 8.8], [0.5, 0.5, 0.0], 25.0),  # no header of its own: round 2's plan, r2 1.6x
+    {"type": "eval", "time": 25.1, "tokens": 3000, "round": 3, "val_loss": 5.5},
+]  # fmt: skip
+
+
+def test_the_bench_reads_each_round_against_the_plan_it_trained():
+    bench = bench_script("calibration_bed")
+    assert {r: p["workers"][2]["compute_s"] for r, p in bench.trained_plans(RECORDS).items()} == {1: 4.0, 2: 5.5,
+                                                                                                   3: 5.5}
+    rows = bench.round_rows(RECORDS)
+    assert [r["ratio"][2] for r in rows] == pytest.approx([2.0, 1.0, 1.6])
+    assert rows[0]["idle_compute_parts"] == pytest.approx((4.0 + 3.6, 3 * 8.0))  # compute alone
+    assert rows[1]["idle_parts"] == pytest.approx((0.0, 3 * 5.5))  # work: compute and round overhead
+
+
+def test_the_bench_figures_and_checks_of_a_run(tmp_path):
+    bench = bench_script("calibration_bed")
+    hosts = {}
+    for n in NAMES:  # every host recorded the same rounds; r2 ready last (its first round ends first on its clock)
+        run = tmp_path / n / "run"
+        run.mkdir(parents=True)
+        shift = 0.0 if n == "r2-t4" else 2.0
+        events = [dict(e, time=e["time"] + shift) for e in RECORDS]
+        events += spans(1, dict(zip(NAMES, (5.0, 5.4, 9.0))), dict(zip(NAMES, (4.0, 3.6, 0.0))))
+        events += spans(2, dict(zip(NAMES, (5.5, 5.5, 5.5))), dict(zip(NAMES, (0.0, 0.0, 0.0))))
+        events += spans(3, dict(zip(NAMES, (5.5, 4.5, 8.8))), dict(zip(NAMES, (3.3, 4.3, 0.0))))
+        (run / "events.jsonl").write_text("\n".join(json.dumps(e) for e in events) + "\n")
+        (run / "summary.json").write_text(json.dumps({"wan_measured": {"transfer_factor": 95.0}}))
+        hosts[n] = {"folder": str(tmp_path / n), "exit": 0, "tx_bytes": 1}
+    (tmp_path / "hosts.json").write_text(json.dumps({"hosts": hosts, "finished": True, "cpu_changes": []}))
+    f = bench.run_figures(tmp_path, truth_factor=100.0)
+    assert f["clock_host"] == "r2-t4" and f["rounds"] == 3 and f["final_val_loss"] == 5.5
+    assert f["round1_miss"]["r2-t4"] == pytest.approx(2.0) and f["round1_idle_compute"] == pytest.approx(7.6 / 24)
+    assert f["max_miss_2on"]["round"] == 3 and f["max_miss_2on"]["region"] == "r2-t4"
+    assert f["max_miss_2on"]["miss"] == pytest.approx(1.6)
+    # rounds 2 and 3, time-weighted: work (compute and overhead) 5.5 each, then 5.5, 4.5 and 8.8
+    assert f["idle_2on"] == pytest.approx((0 + (8.8 - 5.5) + (8.8 - 4.5)) / (3 * 5.5 + 3 * 8.8))
+    assert f["probe_over_truth"] == pytest.approx(0.8) and f["replans"] == [(1, "compute measured against planned")]
+    assert f["calibration_s"] == {"r0-h100": 3.0, "r1-a100": 4.0, "r2-t4": 5.0}
+    checks = bench.checks(f, token_bucket=True)
+    assert checks["no round after the first misses by > 1.5x"] is False
+    assert checks["probe transfer factor within 2x of the truth"] is True
+    assert checks["rounds 2 on straggler idle <= 3% (records)"] is False
+    rows = [{"repeat": 1, "spread": "0.9,0.45,0.3", "figures": f}, {"repeat": 2, "spread": "0.9,0.45,0.3",
+                                                                       "figures": None, "error": "exit 1"}]
+    table = bench.run_table(rows, True)
+    assert "1.60x (round 3, r2-t4: 8.80 / 5.50)" in table and "failed: exit 1" in table
+    assert "| 0.9,0.45,0.3 | 1/2 |" in bench.spread_table(rows, True)
+
+
+def test_a_spread_is_each_regions_quotas_set_on_its_running_host():
+    bench = bench_script("calibration_bed")
+    spread = bench.parse_spread("0.45,0.3,0.9>0.3@run+10")
+    assert bench.cpu_args(spread, "run+0") == ["--cpu", "r0-h100:0.45@run+0", "--cpu", "r1-a100:0.3@run+0",
+                                               "--cpu", "r2-t4:0.9@run+0", "--cpu", "r2-t4:0.3@run+10"]  # fmt: skip
+    for bad in ("0.5,0.5", "0.5,0.5,0.01", "0.5,0.5,0.9>0.3", "0.5,0.5,0.9@run+3", "0.5,0.5,0.9>0.3@soon"):
+        with pytest.raises(bench.BenchError):
+            bench.parse_spread(bad)
