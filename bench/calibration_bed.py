@@ -2,7 +2,8 @@
 and links held by a token bucket far below their declared rate (issue 55's benches).
 
 Usage:  python bench/calibration_bed.py [--out runs/bench-calibration-bed] [--repeats 3] [--method geomesh]
-        [--spreads "0.9,0.45,0.3;0.6,0.6,0.2;0.8,0.4,0.4;0.45,0.3,0.9>0.3@run+10"] [--cpu-at run+0]
+        [--spreads "0.9,0.45,0.3;0.6,0.6,0.2;0.8,0.4,0.4;0.45,0.3,0.9>0.3@run+10;0.45,0.3,0.9@0>0.3@10"]
+        [--cpu-at run+0]
         [--time-budget 90] [--mbps 10]
         python bench/calibration_bed.py --token-bucket [--method geomesh-overlap] [--declared-mbps 100]
         [--factor 0.01] [--link-burst 65536] [--spreads 0.5,0.5,0.5] [--time-budget 120]
@@ -15,7 +16,8 @@ trains) under a wall-clock time budget, every region in every round. Each region
 would come: ``--cpu-at`` (default ``run+0``: as the region's run begins, its imports done, its calibration
 ahead; ``SECONDS``: that long after its host started). A spread is the three regions' cores, ``r0,r1,r2``; a
 region's entry ``A>B@WHEN`` is a schedule, A first then B from WHEN (``0.9>0.3@run+10``: a burst that ends, a
-region at 0.9 of a core for its run's first 10 s, then at a third of that). The spreads run in turn, every
+region at 0.9 of a core for its run's first 10 s, then at a third of that; ``0.9@0>0.3@10``: for its host's first
+10 s, imports included). The spreads run in turn, every
 repeat, each one a bed run.
 
 ``--token-bucket``: the scenario declares its links at ``--declared-mbps``; the bed holds every link to
@@ -64,7 +66,9 @@ import wallclock  # noqa: E402  (bench/: files, not a package)
 import wan_loop_bed  # noqa: E402
 
 NAMES = wallclock.NAMES
-SPREADS = "0.9,0.45,0.3;0.6,0.6,0.2;0.8,0.4,0.4;0.45,0.3,0.9>0.3@run+10"
+# 3:1 two ways, 2:1, and a burst that ends (r2 at 0.9 of a core, then 0.3): 10 s after its run began (calibration
+# done, round 1 about to start), and 10 s after its host started (its imports take ~5 s here: mid-calibration)
+SPREADS = "0.9,0.45,0.3;0.6,0.6,0.2;0.8,0.4,0.4;0.45,0.3,0.9>0.3@run+10;0.45,0.3,0.9@0>0.3@10"
 # issue 55's done-when
 ROUND1_IDLE_MAX = 0.10
 IDLE_MAX = 0.03  # rounds 2 on
@@ -79,8 +83,9 @@ class BenchError(wallclock.BenchError):
 
 # ---- the spreads --------------------------------------------------------------------------------------------------
 def parse_spread(text: str) -> list[list[tuple[float, str | None]]]:
-    """``r0,r1,r2``, each ``CORES`` or ``CORES>CORES@WHEN[>CORES@WHEN...]``: per region, its quotas in order, each
-    (cores, WHEN), the first's WHEN None (set at ``--cpu-at``)."""
+    """``r0,r1,r2``, each ``CORES[@WHEN]`` or ``CORES[@WHEN]>CORES@WHEN[>CORES@WHEN...]``: per region, its quotas
+    in order, each (cores, WHEN); the first's WHEN None where it has none (set at ``--cpu-at``). The bed sets each
+    when it falls due: a schedule's times should rise (``run+`` times come after the host's start by its start-up)."""
     regions = text.split(",")
     if len(regions) != len(NAMES):
         raise BenchError(f"spread {text!r}: expected {len(NAMES)} regions' cores, r0,r1,r2")
@@ -93,10 +98,10 @@ def parse_spread(text: str) -> list[list[tuple[float, str | None]]]:
                 value = float(cores)
             except ValueError:
                 value = -1.0
-            bad_when = bool(at) != (k > 0) or (at and not wallclock.parse_at(when))
+            bad_when = (k > 0 and not at) or (at and not wallclock.parse_at(when))
             if not 0.1 <= value <= (os.cpu_count() or 1) or bad_when:
-                raise BenchError(f"spread {text!r}: a region is CORES (0.1 to this machine's cores), or "
-                                 f"CORES>CORES@WHEN (WHEN: SECONDS or run+SECONDS)")  # fmt: skip
+                raise BenchError(f"spread {text!r}: a region is CORES[@WHEN] (CORES from 0.1 to this machine's cores), "
+                                 f"or CORES[@WHEN]>CORES@WHEN (WHEN: SECONDS or run+SECONDS)")  # fmt: skip
             steps.append((value, when or None))
         out.append(steps)
     return out

@@ -189,6 +189,8 @@ def test_a_spread_is_each_regions_quotas_set_on_its_running_host():
     spread = bench.parse_spread("0.45,0.3,0.9>0.3@run+10")
     assert bench.cpu_args(spread, "run+0") == ["--cpu", "r0-h100:0.45@run+0", "--cpu", "r1-a100:0.3@run+0",
                                                "--cpu", "r2-t4:0.9@run+0", "--cpu", "r2-t4:0.3@run+10"]  # fmt: skip
-    for bad in ("0.5,0.5", "0.5,0.5,0.01", "0.5,0.5,0.9>0.3", "0.5,0.5,0.9@run+3", "0.5,0.5,0.9>0.3@soon"):
+    assert bench.cpu_args(bench.parse_spread("0.5,0.5,0.9@0>0.3@10"), "run+0")[-4:] == [
+        "--cpu", "r2-t4:0.9@0", "--cpu", "r2-t4:0.3@10"]  # fmt: skip
+    for bad in ("0.5,0.5", "0.5,0.5,0.01", "0.5,0.5,0.9>0.3", "0.5,0.5,0.9@run+x", "0.5,0.5,0.9>0.3@soon"):
         with pytest.raises(bench.BenchError):
             bench.parse_spread(bad)
