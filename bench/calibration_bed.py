@@ -159,6 +159,33 @@ def round_rows(records: list[dict]) -> list[dict]:
     return rows
 
 
+def scatter_floor(rows: list[dict], least: int = 3) -> tuple[float | None, float | None]:
+    """What the rounds' scatter alone costs (a diagnosis): over the rounds after the first that trained a plan
+    for at least ``least`` rounds, each member's work (compute and round overhead) over its median work under
+    that plan (a plan exact for each region's median speed), and the straggler idle those ratios make, the mean
+    over the rounds; and the robust dispersion of a member's work from round to round (1.4826 × the median
+    absolute log-ratio). None without such rounds."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows[1:]:
+        groups.setdefault(tuple(map(tuple, filter(None, r["plan"]))), []).append(r)
+    idles, logs = [], []
+    for same in groups.values():
+        if len(same) < least:
+            continue
+        work = {m: median(c + o for r in same for mm, c, o in zip(r["members"], r["compute_s"], r["overhead_s"])
+                          if mm == m) for m in same[0]["members"]}  # fmt: skip
+        for r in same:
+            ratios = [(c + o) / work[m] for m, c, o in zip(r["members"], r["compute_s"], r["overhead_s"])
+                      if work.get(m)]  # fmt: skip
+            if len(ratios) >= 2:
+                waits, total = idle(ratios)
+                idles.append(waits / total)
+                logs += [abs(math.log(x)) for x in ratios]
+    if not idles:
+        return None, None
+    return sum(idles) / len(idles), 1.4826 * median(logs)
+
+
 def miss(ratio: float | None) -> float | None:
     return None if ratio is None or ratio <= 0 else max(ratio, 1 / ratio)
 
@@ -186,6 +213,7 @@ def run_figures(folder: Path, truth_factor: float | None = None) -> dict:
             if x is not None and (worst is None or x > worst["miss"]):
                 worst = {"miss": x, "round": r["round"], "region": m, "measured_s": c, "planned_s": p}
     steady, spans_whole = wallclock.idle_fractions(events, from_round=1), wallclock.idle_fractions(events)
+    floor, sigma = scatter_floor(rows)
     summary = summaries.get(ref) or {}
     probe = next((e for e in records if e["type"] == "wan_probe"), None)
     probe_wan = (probe or {}).get("wan_measured") or {}
@@ -201,9 +229,11 @@ def run_figures(folder: Path, truth_factor: float | None = None) -> dict:
             h["exit"] == 0 for h in result["hosts"].values()),
         "round1_idle": first["idle"], "round1_idle_compute": weighted([first], "idle_compute_parts"),
         "round1_miss": {m: miss(x) for m, x in zip(first["members"], first["ratio"])},
-        "idle_2on": weighted(later, "idle_parts"), "idle_2on_compute": weighted(later, "idle_compute_parts"),
+        "idle_2on": weighted(later, "idle_parts"), "idle_3on": weighted(later[1:], "idle_parts"),
+        "idle_2on_compute": weighted(later, "idle_compute_parts"),
         "idle_2on_max_round": max((r["idle"] for r in later if r["idle"] is not None), default=None),
         "idle_2on_spans": steady["straggler"], "idle_whole_spans": spans_whole["straggler"],
+        "idle_2on_scatter": floor, "round_scatter": sigma,
         "wan_idle_2on": steady["wan"], "wan_idle_hidden": wan_loop_bed.hidden_idle(events),
         "max_miss_2on": worst, "replans": replans,
         "calibration_s": (calibration or {}).get("seconds"),
@@ -250,7 +280,9 @@ def num(x, fmt="{:.2f}") -> str:
 def run_table(rows: list[dict], token_bucket: bool) -> str:
     head = ["repeat", "spread (r0, r1, r2 cores)", "rounds", "calibration s (r0, r1, r2)",
             "round 1 straggler idle (records; compute only)", "round 1 miss (r0, r1, r2)",
-            "straggler idle rounds 2 on (records; spans)", "worst round's straggler idle (2 on)",
+            "straggler idle rounds 2 on (records; spans)", "rounds 3 on (records)",
+            "worst round's straggler idle (2 on)",
+            "of the scatter alone (a region's round-to-round σ)",
             "max miss after round 1 (round, region: measured / planned s)", "re-planned after rounds",
             "WAN idle rounds 2 on (spans; 2 to last-1)"]
     if token_bucket:
@@ -270,8 +302,8 @@ def run_table(rows: list[dict], token_bucket: bool) -> str:
         cells = [str(r["repeat"]), r["spread"], str(f["rounds"]), ", ".join(num(cal.get(n), "{:.1f}") for n in NAMES),
                  f"{pct(f['round1_idle'])}; {pct(f['round1_idle_compute'])}",
                  ", ".join(num(f["round1_miss"].get(n)) for n in NAMES),
-                 f"{pct(f['idle_2on'])}; {pct(f['idle_2on_spans'])}",
-                 pct(f["idle_2on_max_round"]), worst_text,
+                 f"{pct(f['idle_2on'])}; {pct(f['idle_2on_spans'])}", pct(f["idle_3on"]),
+                 pct(f["idle_2on_max_round"]), f"{pct(f['idle_2on_scatter'])} ({pct(f['round_scatter'])})", worst_text,
                  ", ".join(str(k) for k, _ in f["replans"]) or "none",
                  f"{pct(f['wan_idle_2on'])}; {pct(f['wan_idle_hidden'])}"]  # fmt: skip
         if token_bucket:
@@ -291,6 +323,8 @@ def spread_table(rows: list[dict], token_bucket: bool) -> str:
     keys = [("round1_idle", "round 1 straggler idle", pct), ("round1_idle_compute", "round 1 compute idle", pct),
             ("idle_2on", "straggler idle rounds 2 on (records)", pct),
             ("idle_2on_spans", "straggler idle rounds 2 on (spans)", pct),
+            ("idle_3on", "straggler idle rounds 3 on (records)", pct),
+            ("idle_2on_scatter", "of the scatter alone (rounds 2 on)", pct),
             ("max_miss", "max miss after round 1", lambda x: num(x) + "x"),
             ("wan_idle_2on", "WAN idle rounds 2 on", pct)]  # fmt: skip
     if token_bucket:

@@ -194,3 +194,20 @@ def test_a_spread_is_each_regions_quotas_set_on_its_running_host():
     for bad in ("0.5,0.5", "0.5,0.5,0.01", "0.5,0.5,0.9>0.3", "0.5,0.5,0.9@run+x", "0.5,0.5,0.9>0.3@soon"):
         with pytest.raises(bench.BenchError):
             bench.parse_spread(bad)
+
+
+def test_what_the_rounds_scatter_alone_costs_is_measured_against_each_regions_median_under_one_plan():
+    bench = bench_script("calibration_bed")
+    same = [("r0-h100", 8, 10), ("r1-a100", 8, 10)]
+
+    def row(number, work, plan=same):
+        return {"round": number, "members": NAMES[:2], "compute_s": work, "overhead_s": [0.0, 0.0], "plan": plan}
+
+    # round 1 left out; rounds 2-4 under one plan, r1 always 2x r0 (a biased plan: no scatter), round 5 another
+    rows = [row(1, [1.0, 9.0]), row(2, [1.0, 2.0]), row(3, [1.1, 2.2]), row(4, [0.9, 1.8]),
+            row(5, [3.0, 1.0], [("r0-h100", 4, 10), ("r1-a100", 8, 10)])]  # fmt: skip
+    floor, sigma = bench.scatter_floor(rows)
+    assert floor == pytest.approx(0.0) and sigma == pytest.approx(1.4826 * math.log(1.1))
+    rows[2:4] = [row(3, [1.1, 2.0]), row(4, [0.9, 2.0])]  # r0 scatters 10% either way around its median, r1 not
+    assert bench.scatter_floor(rows)[0] == pytest.approx((0 + (1 - 1 / 1.1) / 2 + (1 - 0.9) / 2) / 3)
+    assert bench.scatter_floor(rows[:3]) == (None, None)
