@@ -186,6 +186,24 @@ def scatter_floor(rows: list[dict], least: int = 3) -> tuple[float | None, float
     return sum(idles) / len(idles), 1.4826 * median(logs)
 
 
+def plan_bias(rows: list[dict], least: int = 3) -> float | None:
+    """What the plans' own error costs (a diagnosis): over the rounds after the first that trained a plan for at
+    least ``least`` rounds, the straggler idle of each member's median work under that plan (the rounds' scatter
+    taken out), weighted by the plan's rounds. None without such rounds."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows[1:]:
+        groups.setdefault(tuple(map(tuple, filter(None, r["plan"]))), []).append(r)
+    total, n = 0.0, 0
+    for same in groups.values():
+        if len(same) < least:
+            continue
+        work = [median(c + o for r in same for mm, c, o in zip(r["members"], r["compute_s"], r["overhead_s"])
+                       if mm == m) for m in same[0]["members"]]  # fmt: skip
+        waits, top = idle(work)
+        total, n = total + len(same) * waits / top, n + len(same)
+    return total / n if n else None
+
+
 def miss(ratio: float | None) -> float | None:
     return None if ratio is None or ratio <= 0 else max(ratio, 1 / ratio)
 
@@ -233,7 +251,7 @@ def run_figures(folder: Path, truth_factor: float | None = None) -> dict:
         "idle_2on_compute": weighted(later, "idle_compute_parts"),
         "idle_2on_max_round": max((r["idle"] for r in later if r["idle"] is not None), default=None),
         "idle_2on_spans": steady["straggler"], "idle_whole_spans": spans_whole["straggler"],
-        "idle_2on_scatter": floor, "round_scatter": sigma,
+        "idle_2on_scatter": floor, "round_scatter": sigma, "idle_2on_bias": plan_bias(rows),
         "wan_idle_2on": steady["wan"], "wan_idle_hidden": wan_loop_bed.hidden_idle(events),
         "max_miss_2on": worst, "replans": replans,
         "calibration_s": (calibration or {}).get("seconds"),
@@ -282,7 +300,7 @@ def run_table(rows: list[dict], token_bucket: bool) -> str:
             "round 1 straggler idle (records; compute only)", "round 1 miss (r0, r1, r2)",
             "straggler idle rounds 2 on (records; spans)", "rounds 3 on (records)",
             "worst round's straggler idle (2 on)",
-            "of the scatter alone (a region's round-to-round σ)",
+            "of the scatter alone (a region's round-to-round σ); of the plans' bias alone",
             "max miss after round 1 (round, region: measured / planned s)", "re-planned after rounds",
             "WAN idle rounds 2 on (spans; 2 to last-1)"]
     if token_bucket:
@@ -303,7 +321,9 @@ def run_table(rows: list[dict], token_bucket: bool) -> str:
                  f"{pct(f['round1_idle'])}; {pct(f['round1_idle_compute'])}",
                  ", ".join(num(f["round1_miss"].get(n)) for n in NAMES),
                  f"{pct(f['idle_2on'])}; {pct(f['idle_2on_spans'])}", pct(f["idle_3on"]),
-                 pct(f["idle_2on_max_round"]), f"{pct(f['idle_2on_scatter'])} ({pct(f['round_scatter'])})", worst_text,
+                 pct(f["idle_2on_max_round"]),
+                 f"{pct(f['idle_2on_scatter'])} ({pct(f['round_scatter'])}); {pct(f['idle_2on_bias'])}",
+                 worst_text,
                  ", ".join(str(k) for k, _ in f["replans"]) or "none",
                  f"{pct(f['wan_idle_2on'])}; {pct(f['wan_idle_hidden'])}"]  # fmt: skip
         if token_bucket:
@@ -325,6 +345,7 @@ def spread_table(rows: list[dict], token_bucket: bool) -> str:
             ("idle_2on_spans", "straggler idle rounds 2 on (spans)", pct),
             ("idle_3on", "straggler idle rounds 3 on (records)", pct),
             ("idle_2on_scatter", "of the scatter alone (rounds 2 on)", pct),
+            ("idle_2on_bias", "of the plans' bias alone (rounds 2 on)", pct),
             ("max_miss", "max miss after round 1", lambda x: num(x) + "x"),
             ("wan_idle_2on", "WAN idle rounds 2 on", pct)]  # fmt: skip
     if token_bucket:

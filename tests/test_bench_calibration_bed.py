@@ -211,3 +211,18 @@ def test_what_the_rounds_scatter_alone_costs_is_measured_against_each_regions_me
     rows[2:4] = [row(3, [1.1, 2.0]), row(4, [0.9, 2.0])]  # r0 scatters 10% either way around its median, r1 not
     assert bench.scatter_floor(rows)[0] == pytest.approx((0 + (1 - 1 / 1.1) / 2 + (1 - 0.9) / 2) / 3)
     assert bench.scatter_floor(rows[:3]) == (None, None)
+
+
+def test_what_the_plans_own_error_costs_is_each_regions_median_work_under_the_plan():
+    bench = bench_script("calibration_bed")
+    same, other = [("r0-h100", 8, 10), ("r1-a100", 8, 10)], [("r0-h100", 4, 10), ("r1-a100", 8, 10)]
+
+    def row(number, work, plan=same):
+        return {"round": number, "members": NAMES[:2], "compute_s": work, "overhead_s": [0.0, 0.0], "plan": plan}
+
+    # rounds 2-4: r0's median 1.0 against r1's 2.0 (half of r1's time idle for r0: 25% of the two); 5-7 balanced
+    rows = [row(1, [1.0, 9.0]), row(2, [1.0, 2.0]), row(3, [1.1, 2.2]), row(4, [0.9, 1.8]),
+            row(5, [2.0, 2.1], other), row(6, [2.0, 1.9], other), row(7, [2.0, 2.0], other),
+            row(8, [5.0, 1.0], other[:1])]  # (a plan of one round: its rounds' scatter and bias are not apart)
+    assert bench.plan_bias(rows) == pytest.approx((3 * 0.25 + 3 * 0.0) / 6)
+    assert bench.plan_bias(rows[:3]) is None
