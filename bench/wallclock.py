@@ -2,19 +2,22 @@
 
 Usage:  python bench/wallclock.py [--out runs/bench-wallclock] [--repeats 3] [--time-budget 240]
         [--methods diloco,geomesh,geomesh-overlap,geomesh-sparse,torchft-diloco] [--cpu 0.5,0.25,0.15]
-        [--mbps 10] [--preset micro] [--seq-len 64] [--batch 8] [--inner-steps 10] [--tokens N]
+        [--cpu-at [run+]SECONDS] [--mbps 10] [--preset micro] [--seq-len 64] [--batch 8] [--inner-steps 10]
+        [--tokens N]
 
-Three regions, each a host of the hosts test bed (``geomesh hosts``: its own network namespace, address, folder
-and torchrun; the quorum service alone), each held to its own CPU quota (``--cpu``, in cores, r0 : r1 : r2;
-their sum below the machine's cores so that no region's speed depends on another's), links limited in the
-kernel to ``--mbps`` (``htb``; delay too where the kernel has ``sch_netem``: elsewhere the links' RTT is 1 ms, as
-torchft's DiLoCo has no shaper to add one). The scenario's timing model is the model that trains, so that what the
-plan expects an exchange to move is what it moves. Every method trains the same scenario (the model ``--preset``, the
-bundled corpus or ``--corpus`` files, the same shards, seed, inner AdamW at one constant learning rate and
-outer Nesterov step) under the same wall-clock time budget (``training.time_budget_s``; ``--tokens`` for a
-token budget instead), with every region in every round (``--min-regions 3``). ``torchft-diloco`` is
-torchft's ``DiLoCo`` with its ``Manager`` and Lighthouse (:mod:`geomesh.integrations.torchft_diloco`).
-The methods run one after another, in a rotated order each repeat.
+Three regions, each a host of the hosts test bed (``geomesh hosts``: its own network namespace, address, folder and
+torchrun; the quorum service alone), each held to its own CPU quota (``--cpu``, in cores, r0 : r1 : r2; their sum
+below the machine's cores so that no region's speed depends on another's; ``--cpu-at``: set on the running hosts
+that many seconds after each started, or ``run+SECONDS`` after its run began, as a container's limit or a
+neighbour's load would come, each host unlimited until then: ``geomesh hosts --cpu REGION:CORES@...``), links
+limited in the kernel to ``--mbps`` (``htb``; delay too where the kernel has ``sch_netem``: elsewhere the links' RTT
+is 1 ms, as torchft's DiLoCo has no shaper to add one). The scenario's timing model is the model that trains, so
+that what the plan expects an exchange to move is what it moves. Every method trains the same scenario (the model
+``--preset``, the bundled corpus or ``--corpus`` files, the same shards, seed, inner AdamW at one constant learning
+rate and outer Nesterov step) under the same wall-clock time budget (``training.time_budget_s``; ``--tokens`` for a
+token budget instead), with every region in every round (``--min-regions 3``). ``torchft-diloco`` is torchft's
+``DiLoCo`` with its ``Manager`` and Lighthouse (:mod:`geomesh.integrations.torchft_diloco`). The methods run one
+after another, in a rotated order each repeat.
 
 Everything in the table comes from the runs' records, never from the timing model. A run is read on the clock of
 the region that was ready last (each region's clock starts when it is ready to train, so the others' first round
@@ -351,12 +354,22 @@ def parse_cpu(text: str) -> list[float] | None:
     return cores
 
 
-def run_bed(path: Path, method: str, out: Path, cpu: list[float] | None, timeout_s: float) -> dict:
-    """One ``geomesh hosts`` run; its JSON result (``ok`` False and ``error`` when it failed)."""
+def parse_at(text: str) -> bool:
+    """Whether ``text`` is a time the bed sets a quota at: ``SECONDS`` or ``run+SECONDS``, at least 0."""
+    try:
+        return 0 <= float(text.removeprefix("run+")) < math.inf
+    except ValueError:
+        return False
+
+
+def run_bed(path: Path, method: str, out: Path, cpu: list[float] | None, timeout_s: float,
+            cpu_at: str | None = None) -> dict:  # fmt: skip
+    """One ``geomesh hosts`` run; its JSON result (``ok`` False and ``error`` when it failed). ``cpu_at``: the
+    quotas set on the running hosts then (``SECONDS`` or ``run+SECONDS``), not from their start."""
     cmd = [sys.executable, "-m", "geomesh.cli", "hosts", str(path), "--method", method, "--out", str(out), "--json",
            "--min-regions", str(len(NAMES)), "--run-timeout", f"{timeout_s:g}", "--timeout", "300"]  # fmt: skip
     for name, cores in zip(NAMES, cpu or []):
-        cmd += ["--cpu", f"{name}:{cores:g}"]
+        cmd += ["--cpu", f"{name}:{cores:g}" + (f"@{cpu_at}" if cpu_at else "")]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("GEOMESH_REGION", None)
     started = time.monotonic()
@@ -380,6 +393,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--time-budget", type=float, default=240.0, help="wall-clock seconds of training per run")
     p.add_argument("--tokens", type=int, default=None, help="a token budget instead of the time budget")
     p.add_argument("--cpu", default="0.5,0.25,0.15", help="cores of r0,r1,r2 (CPU quotas), or none")
+    p.add_argument("--cpu-at", default=None, metavar="[run+]SECONDS",
+                   help="the quotas set on the running hosts that long after each started (run+SECONDS: after its "
+                        "run began); by default each host starts in its quota")  # fmt: skip
     p.add_argument("--mbps", type=float, default=10.0, help="every link's rate (Mbit/s)")
     p.add_argument("--preset", default="micro")
     p.add_argument("--seq-len", type=int, default=64)
@@ -468,6 +484,8 @@ def run(args: argparse.Namespace) -> int:
     if args.repeats < 1 or (args.tokens is None and not 0 < args.time_budget < math.inf) or args.mbps <= 0:
         raise BenchError("--repeats >= 1, --time-budget > 0 seconds and --mbps > 0 expected")
     cpu = parse_cpu(args.cpu)
+    if args.cpu_at is not None and not parse_at(args.cpu_at):
+        raise BenchError(f"--cpu-at {args.cpu_at!r}: expected SECONDS or run+SECONDS (at least 0)")
     if reason := netns_unavailable_reason() or (cpu and quota_unavailable_reason()):
         raise BenchError(f"the hosts test bed cannot run here: {reason}")
     budget = None if args.tokens is not None else args.time_budget
@@ -490,7 +508,7 @@ def run(args: argparse.Namespace) -> int:
         order = methods[k % len(methods):] + methods[:k % len(methods)]  # rotated: no method always first
         for m in order:
             folder = out / f"{k + 1}" / m
-            result = run_bed(path, m, folder, cpu, timeout_s)
+            result = run_bed(path, m, folder, cpu, timeout_s, args.cpu_at)
             record = {"repeat": k + 1, "method": m, "ok": result.get("ok"), "error": result.get("error"),
                       "bed_wall_s": result["bed_wall_s"], "folder": str(folder)}  # fmt: skip
             runs.append(record)

@@ -23,6 +23,15 @@ with another's).
 CPU quotas: ``--cpu REGION:CORES`` holds every process of that host (restarted hosts too) to CORES of the
 machine's cores (a cgroup of its own, ``cpu.max`` / ``cpu.cfs_quota_us``), so that regions differ in speed as
 their GPUs do (e.g. ``--cpu r0-h100:1 --cpu r1-a100:0.5 --cpu r2-t4:0.3``); root and the cgroup cpu controller.
+A quota set on the running host instead, as a container's limit or a neighbour's load would come:
+``REGION:CORES@SECONDS`` that long after the host started, ``REGION:CORES@run+SECONDS`` that long after its run
+began (its run folder appeared: imports done, calibration ahead); the host runs without a limit until then
+(or at its ``REGION:CORES`` quota). Several make a schedule: ``--cpu r2-t4:1 --cpu r2-t4:0.33@run+10`` is a
+region at a full core for its run's first 10 s, then at a third (a burst that ends).
+
+Links as token buckets: ``--link-burst BYTES`` lets that many bytes through a shaped link at line rate before
+its rate holds (htb's burst and cburst; by default the 15k burst of an htb class, its rate held from the first
+packets), as a cloud's shaper does.
 
 A peer system as a method: ``--method torchft-diloco`` starts every host with torchft's own DiLoCo (its Manager
 and Lighthouse, :mod:`geomesh.integrations.torchft_diloco`) on the same scenario, in place of ``geomesh.run``.
@@ -101,21 +110,31 @@ def parse_host_env(text: str, names: list[str]) -> tuple[str, str, str]:
     return region, name, value
 
 
-def parse_cpu(text: str, names: list[str]) -> tuple[str, float]:
+def parse_cpu(text: str, names: list[str]) -> tuple[str, float, float | None, str]:
+    """``REGION:CORES[@[run+]SECONDS]``: (region, cores, seconds or None (from the start), anchor)."""
     from ..testbed.quotas import CpuQuotas
 
-    region, sep, cores = text.partition(":")
+    region, sep, rest = text.partition(":")
+    cores, at, when = rest.partition("@")
+    anchor = "run" if when.startswith("run+") else "start"
     top = os.cpu_count() or 1
     try:
         value = float(cores)
     except ValueError:
         value = -1.0
+    try:
+        seconds = float(when.removeprefix("run+")) if at else None
+    except ValueError:
+        seconds = -1.0
     if not sep or not region or not CpuQuotas.MIN_SHARE <= value <= top:
         raise RunError(f"--cpu {text!r}: expected REGION:CORES with CORES from {CpuQuotas.MIN_SHARE:g} to {top} "
                        f"(this machine's cores)")  # fmt: skip
+    if seconds is not None and not 0 <= seconds < float("inf"):
+        raise RunError(f"--cpu {text!r}: expected REGION:CORES@SECONDS or REGION:CORES@run+SECONDS (seconds after "
+                       f"the host started, or after its run began)")  # fmt: skip
     if region not in names:
         raise RunError(f"--cpu {text!r}: no region {region!r} (the scenario's: {', '.join(names)})")
-    return region, value
+    return region, value, seconds, anchor
 
 
 def parse_clock(text: str, names: list[str]) -> tuple[str, int]:
@@ -156,8 +175,13 @@ def register(sub) -> None:
                    help="that host's clocks SECONDS ahead of the others' (a time namespace)")
     p.add_argument("--partition", action="append", default=[], metavar="REGION@ROUND:SECONDS")
     p.add_argument("--bandwidth", action="append", default=[], metavar="REGION@ROUND:FACTOR")
-    p.add_argument("--cpu", action="append", default=[], metavar="REGION:CORES",
-                   help="that host's processes held to CORES of this machine's cores (a CPU quota, cgroups: root)")
+    p.add_argument("--cpu", action="append", default=[], metavar="REGION:CORES[@[run+]SECONDS]",
+                   help="that host's processes held to CORES of this machine's cores (a CPU quota, cgroups: root); "
+                        "@SECONDS: set that long after the host started (@run+SECONDS: after its run began), on the "
+                        "running processes")  # fmt: skip
+    p.add_argument("--link-burst", type=int, default=None, metavar="BYTES",
+                   help="every shaped link a token bucket of BYTES let through at line rate before its rate holds "
+                        "(default: htb's 15k burst)")  # fmt: skip
     p.add_argument("--host-env", action="append", default=[], metavar="REGION:NAME=VALUE",
                    help="a variable of that host's environment set (an empty VALUE removes it): a misdeployed host, "
                         "e.g. r1-a100:GEOMESH_ADVERTISE_HOST=10.9.9.9")  # fmt: skip
@@ -208,7 +232,21 @@ def cmd_hosts(args: argparse.Namespace) -> int:
             raise RunError(f"--restart {f.region}@{f.at_round}: the host must be lost with :gone before that round "
                            f"(--lose {f.region}@ROUND:gone)")  # fmt: skip
     host_env = [parse_host_env(t, names) for t in args.host_env]
-    cpu = dict(parse_cpu(t, names) for t in args.cpu)
+    from ..testbed.hosts import CpuChange
+
+    cpu: dict[str, float] = {}
+    cpu_later: list[CpuChange] = []
+    for text in args.cpu:
+        region, cores, seconds, anchor = parse_cpu(text, names)
+        if seconds is None:
+            if region in cpu:
+                raise RunError(f"--cpu {text!r}: {region} has a quota from the start already (later ones: "
+                               f"REGION:CORES@SECONDS)")  # fmt: skip
+            cpu[region] = cores
+        else:
+            cpu_later.append(CpuChange(names.index(region), cores, seconds, anchor))
+    if args.link_burst is not None and not 1500 <= args.link_burst <= 1 << 30:
+        raise RunError(f"--link-burst {args.link_burst}: expected BYTES from 1500 (a packet) to 1 GiB")
     clock = dict(parse_clock(t, names) for t in args.clock)
     twins = sorted({names.index(f.region) for f in faults if f.kind == "twin"})
     counts = [int(c) for c in str(args.ranks_per_region).split(",")]
@@ -218,7 +256,7 @@ def cmd_hosts(args: argparse.Namespace) -> int:
     reason = netns_unavailable_reason()
     if reason:
         raise RunError(f"the hosts test bed cannot run here: {reason}")
-    if cpu and (reason := quota_unavailable_reason()):
+    if (cpu or cpu_later) and (reason := quota_unavailable_reason()):
         raise RunError(f"--cpu: CPU quotas cannot be set here: {reason}")
     # the bed always runs elastic regions: its default floor is every region but one
     min_regions = args.min_regions or sc.reliability.min_regions or max(1, len(names) - 1)
@@ -235,7 +273,8 @@ def cmd_hosts(args: argparse.Namespace) -> int:
     if not env.get(key_env):  # the run key every host holds (and no one else); kept for --resume (checkpoint
         env[key_env] = _bed_key(out)  # markers are signed with it)
     bed = HostsBed(sc.wan_model(), names, out, cpu={names.index(r): c for r, c in cpu.items()},
-                   clock={names.index(r): s for r, s in clock.items()}, twins=twins)  # fmt: skip
+                   clock={names.index(r): s for r, s in clock.items()}, twins=twins, cpu_later=cpu_later,
+                   link_burst=args.link_burst)  # fmt: skip
     try:
         bed.setup()
     except (NetnsError, QuotaError) as exc:
@@ -262,6 +301,7 @@ def cmd_hosts(args: argparse.Namespace) -> int:
         time.sleep(0.5)  # (the quorum service binds first)
         for h in hosts:
             h.start()
+        bed.start_cpu_schedule()
         started = time.monotonic()
         log: list[dict] = []
 
@@ -316,8 +356,11 @@ def _report(out: Path, bed, ends: dict, sent: dict, gone: set, log: list, finish
             checksums.setdefault(name, crc)
     result = {"hosts": {h.name: {"address": h.address, "folder": str(h.folder), "exit": ends[h.name],
                                  "starts": h.starts, "rounds": _rounds(h.folder), "log": str(h.log),
-                                 "cpu": bed.cpu.get(h.region), "tx_bytes": sent[h.name]}
+                                 "cpu": bed.cpu.get(h.region), "tx_bytes": sent[h.name],
+                                 "cpu_later": [{"cores": c.cores, "at_s": c.at_s, "anchor": c.anchor}
+                                               for c in bed.cpu_later if c.region == h.region and not h.twin]}
                         for h in bed.hosts},
+              "cpu_changes": list(bed.cpu_log), "link_burst": bed.link_burst,
               "delay": "netem" if bed.delay_in_kernel else "the ranks' shaper (no sch_netem in this kernel)",
               "faults": log, "finished": finished, "summary_from": str(max(found, key=lambda p: p.stat().st_mtime))
               if found else None, "param_checksums": checksums}  # fmt: skip
@@ -329,11 +372,17 @@ def _report(out: Path, bed, ends: dict, sent: dict, gone: set, log: list, finish
     else:
         for name, h in result["hosts"].items():
             cpu = f"  cpu {h['cpu']:g}" if h["cpu"] is not None else ""
+            cpu += "".join(f"  cpu {c['cores']:g}@{'run+' if c['anchor'] == 'run' else ''}{c['at_s']:g}s"
+                           for c in h["cpu_later"])  # fmt: skip
             print(f"{name:<16} {h['address']:<12} exit {h['exit']}  starts {h['starts']}  rounds {h['rounds']:>3}  "
                   f"checksum {checksums.get(name, '-')}{cpu}")  # fmt: skip
         for f in log:
             print(f"fault: {f['kind']} {f['region']} after round {f['after_round']} ({f['arg'] or 'restarted'}) "
                   f"at {f['time_s']} s")  # fmt: skip
+        for c in result["cpu_changes"]:
+            print(f"cpu: {c['region']} at {c['cores']:g} cores {c['time_s']} s after its host started"
+                  + (f" ({c['after_anchor_s']} s after its run began)" if c["anchor"] == "run" else "")
+                  + (f": {c['error']}" if c.get("error") else ""))  # fmt: skip
         if summary is not None:
             el = summary.get("elastic") or {}
             print(f"rounds {summary.get('rounds')}  tokens {summary.get('tokens')}  final val loss "

@@ -13,7 +13,12 @@ bandwidth (``htb``, a class per destination) and delayed by half the link's RTT 
 CPU quotas (``cpu``: region -> cores): each host runs in a control group of its own with that CPU-time quota
 (:class:`~.quotas.CpuQuotas`) and 100 times a default group's weight (so it gets its quota on a machine busy
 with other work); its command is started inside the group, so every process of the host, a restarted host's
-too, is held to it, and the regions' speeds differ as their GPUs' would.
+too, is held to it, and the regions' speeds differ as their GPUs' would. Quotas that come later
+(``cpu_later``: :class:`CpuChange`, as a container's limit set on running processes, a neighbour's load, or a
+burst that ends would): the host is started in its group without a limit (or at its ``cpu`` quota) and each
+change is set on the running processes that many seconds after the host's first start, or after its run
+folder appeared (the run's start: its imports done, its model, data and calibration about to begin);
+:meth:`HostsBed.start_cpu_schedule` runs them, ``cpu_log`` says when each was set.
 
 Host-level faults: a host lost (every process of it killed, SIGKILL to its process group), started again with
 its folder kept or deleted; a link partitioned for a while (the host's port on the bridge down: every packet
@@ -38,10 +43,23 @@ from pathlib import Path
 from ..network import WanModel
 from ..runtime.distributed.membership import ADVERTISE_ENV, LIGHTHOUSE_ENV
 from .netns import Bridge, NetnsError, ip, namespace_pids, rate_bit, set_up
-from .quotas import CpuQuotas
+from .quotas import CpuQuotas, QuotaError
 
 QUORUM_PORT = 29510
 RDZV_PORT = 29500
+ANCHORS = ("start", "run")  # a CpuChange's clock: the host's first start, or its run folder's appearance
+
+
+@dataclass
+class CpuChange:
+    """Region ``region``'s quota set to ``cores`` (None: no limit) ``at_s`` seconds after its ``anchor``:
+    ``start`` (its host's command first started) or ``run`` (its run folder ``<folder>/run`` appeared)."""
+
+    region: int
+    cores: float | None
+    at_s: float
+    anchor: str = "start"
+    done: bool = False
 
 
 def host_address(slot: int) -> str:
@@ -66,6 +84,7 @@ class Host:
     cgroup: Path | None = None  # the cgroup.procs file of its CPU quota's group: the command starts in it
     clock_s: int = 0  # its clocks' offset from the machine's (a time namespace of its own)
     twin: bool = False  # a second host started as a live region (a misdeployment)
+    started_at: float | None = None  # time.monotonic() of its first start
 
     def command(self) -> list[str]:
         """What starts the host: its argv inside its namespace (in a time namespace whose monotonic and boot
@@ -81,6 +100,8 @@ class Host:
     def start(self) -> None:
         self.folder.mkdir(parents=True, exist_ok=True)
         self.starts += 1
+        if self.started_at is None:
+            self.started_at = time.monotonic()
         n = self.starts
         while (self.folder / f"host-{n}.log").exists():  # (a resumed bed keeps the logs of the first start)
             n += 1
@@ -121,11 +142,16 @@ class HostsBed:
     cpu: dict[int, float] = field(default_factory=dict)  # region -> its CPU quota in cores (none: unlimited)
     clock: dict[int, int] = field(default_factory=dict)  # region -> its host's clocks' offset in seconds
     twins: list[int] = field(default_factory=list)  # regions a second host is started as (a misdeployment)
+    cpu_later: list[CpuChange] = field(default_factory=list)  # quotas set on running hosts (start_cpu_schedule)
+    link_burst: int | None = None  # the links' token bucket in bytes (None: htb's 15k; Bridge.burst_bytes)
     bridge: Bridge = field(default_factory=Bridge)
     hosts: list[Host] = field(default_factory=list)
     quorum: subprocess.Popen | None = None
     quotas: CpuQuotas | None = None
     _timers: list[threading.Timer] = field(default_factory=list)
+    cpu_log: list[dict] = field(default_factory=list)  # the quotas set later, as they were set
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _schedule: threading.Thread | None = None
 
     @property
     def tag(self) -> str:
@@ -150,6 +176,7 @@ class HostsBed:
     # ---- the network --------------------------------------------------------------------------------
     def setup(self) -> None:
         self.bridge.lan_gbps = self.lan_gbps
+        self.bridge.burst_bytes = self.link_burst
         slots = len(self.names) + 1 + len(self.twins)
         self.bridge.open(slots)
         if self.clock and (reason := time_namespace_unavailable_reason()):
@@ -160,10 +187,15 @@ class HostsBed:
         for a in range(len(self.names)):  # (the quorum host and twins: the default class, LAN speed)
             self.bridge.shape(self.ns(a + 1), [(b, host_address(b + 1), rate_bit(self.wan, a, b), self.wan.rtt_s[a][b])
                                                for b in range(len(self.names)) if b != a])  # fmt: skip
-        if self.cpu:  # (QuotaError where control groups cannot be made)
+        if self.cpu or self.cpu_later:  # (QuotaError where control groups cannot be made)
             self.quotas = CpuQuotas(self.tag, weight=self.CPU_WEIGHT)
-            for i, cores in sorted(self.cpu.items()):
-                self.quotas.set(self.names[i], cores)
+            for i in sorted(self.quota_regions):  # (a region with later quotas only: no limit until the first)
+                self.quotas.set(self.names[i], self.cpu.get(i))
+
+    @property
+    def quota_regions(self) -> set[int]:
+        """The regions whose hosts run in a CPU group of their own (a quota now or later)."""
+        return set(self.cpu) | {c.region for c in self.cpu_later}
 
     @property
     def delay_in_kernel(self) -> bool:
@@ -225,8 +257,8 @@ class HostsBed:
         host_env = dict(env, **{"GEOMESH_REGION": self.names[region], LIGHTHOUSE_ENV: self.lighthouse,
                                 ADVERTISE_ENV: address, "GLOO_SOCKET_IFNAME": "eth0", "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "1")})  # fmt: skip
         host = Host(region, name, self.ns(slot), address, folder, torchrun, host_env,
-                    cgroup=self.quotas.procs_file(self.names[region]) if region in self.cpu and self.quotas and not twin
-                    else None, clock_s=self.clock.get(region, 0), twin=twin)  # fmt: skip
+                    cgroup=self.quotas.procs_file(self.names[region]) if region in self.quota_regions and self.quotas
+                    and not twin else None, clock_s=self.clock.get(region, 0), twin=twin)  # fmt: skip
         self.hosts.append(host)
         return host
 
@@ -240,7 +272,51 @@ class HostsBed:
         if restart:
             host.start()
 
+    def start_cpu_schedule(self, poll_s: float = 0.05) -> None:
+        """Set each of ``cpu_later`` on its running host when it is due (a thread, until every one is set or the
+        bed closes); each one set is appended to ``cpu_log``: region, cores, anchor, the seconds after the host's
+        start it was set at (``time_s``) and those after its anchor (``after_anchor_s``)."""
+        if not self.cpu_later or self._schedule is not None:
+            return
+        self._schedule = threading.Thread(target=self._run_cpu_schedule, args=(poll_s,), daemon=True)
+        self._schedule.start()
+
+    def _run_cpu_schedule(self, poll_s: float) -> None:
+        hosts = {h.region: h for h in self.hosts if not h.twin}
+        run_seen: dict[int, float] = {}  # region -> when its run folder was first seen
+        pending = sorted(self.cpu_later, key=lambda c: (c.anchor != "start", c.at_s))
+        while pending and not self._stop.is_set():
+            now = time.monotonic()
+            for change in list(pending):
+                host = hosts.get(change.region)
+                if host is None or host.started_at is None:
+                    continue
+                if change.anchor == "run":
+                    if change.region not in run_seen and (host.folder / "run").is_dir():
+                        run_seen[change.region] = now
+                    anchor = run_seen.get(change.region)
+                else:
+                    anchor = host.started_at
+                if anchor is None or now < anchor + change.at_s:
+                    continue
+                if self.quotas is None or self._stop.is_set():
+                    return
+                entry = {"region": self.names[change.region], "cores": change.cores, "anchor": change.anchor,
+                         "at_s": change.at_s, "time_s": round(now - host.started_at, 3),
+                         "after_anchor_s": round(now - anchor, 3)}  # fmt: skip
+                try:
+                    self.quotas.set(self.names[change.region], change.cores)
+                except QuotaError as exc:  # (said in the bed's result, not a thread's traceback)
+                    entry["error"] = str(exc)
+                change.done = True
+                pending.remove(change)
+                self.cpu_log.append(entry)
+            self._stop.wait(poll_s)
+
     def close(self) -> None:
+        self._stop.set()
+        if self._schedule is not None:
+            self._schedule.join(timeout=5)
         for t in self._timers:
             t.cancel()
         for h in self.hosts:

@@ -3,11 +3,12 @@ destination from a WAN model.
 
 :class:`Bridge` is the one mechanism: a hub namespace holds a bridge (``br0``); every namespace joins it by a veth
 pair at an address of its own; a namespace's egress to each shaped destination is an ``htb`` class at the link's
-bandwidth, delayed by half its RTT where the kernel has ``sch_netem`` (elsewhere ``delay_in_kernel`` is False and
-the ranks' shaper adds the latency: ``--wan latency``), and everything else (its own region, a service) goes at
-LAN speed. Two users: :class:`NetnsWan` (``geomesh launch --wan netns``: a namespace per local rank) and the hosts
-test bed (:class:`~geomesh.testbed.hosts.HostsBed`: a namespace per region's host). Needs root and iproute2
-(:func:`netns_unavailable_reason` says why not); ``close`` deletes every namespace it made.
+bandwidth (a token bucket: ``Bridge.burst_bytes``), delayed by half its RTT where the kernel has ``sch_netem``
+(elsewhere ``delay_in_kernel`` is False and the ranks' shaper adds the latency: ``--wan latency``), and
+everything else (its own region, a service) goes at LAN speed. Two users: :class:`NetnsWan` (``geomesh launch
+--wan netns``: a namespace per local rank) and the hosts test bed (:class:`~geomesh.testbed.hosts.HostsBed`: a
+namespace per region's host). Needs root and iproute2 (:func:`netns_unavailable_reason` says why not); ``close``
+deletes every namespace it made.
 """
 
 from __future__ import annotations
@@ -95,6 +96,10 @@ class Bridge:
     lan_gbps: float = 10.0
     namespaces: list[str] = field(default_factory=list)
     delay_in_kernel: bool = False
+    # a shaped link's token bucket in bytes: None, htb's 15k burst (its ceil bucket smaller still: a link held at
+    # its rate from the first packets); a size, a bucket of that many bytes let through at line rate before the
+    # rate holds (burst and cburst), as a cloud's shaper lets a burst through
+    burst_bytes: int | None = None
 
     @property
     def hub(self) -> str:
@@ -138,7 +143,7 @@ class Bridge:
         for index, address, bits, rtt_s in links:
             cls = self._class(index)
             tc(ns, "class", "add", "dev", self.dev, "parent", "1:", "classid", cls, "htb", "rate", f"{bits}bit",
-               "burst", "15k")  # fmt: skip
+               *self._bucket())  # fmt: skip
             if self.delay_in_kernel:
                 tc(ns, "qdisc", "add", "dev", self.dev, "parent", cls, "netem", "delay", f"{rtt_s / 2 * 1000:.3f}ms",
                    "limit", "100000")  # fmt: skip
@@ -148,7 +153,12 @@ class Bridge:
     def set_rate(self, ns: str, index: int, bits: int) -> None:
         """``ns``'s class for destination ``index`` (:meth:`shape`) at ``bits`` bit/s from now on."""
         tc(ns, "class", "change", "dev", self.dev, "parent", "1:", "classid", self._class(index), "htb", "rate",
-           f"{bits}bit", "burst", "15k")  # fmt: skip
+           f"{bits}bit", *self._bucket())  # fmt: skip
+
+    def _bucket(self) -> list[str]:
+        if self.burst_bytes is None:
+            return ["burst", "15k"]
+        return ["burst", f"{self.burst_bytes}b", "cburst", f"{self.burst_bytes}b"]
 
     @staticmethod
     def _class(index: int) -> str:

@@ -7,7 +7,9 @@ one ends its round early the other has the core to itself, so each one's speed d
 which no per-region speed describes; under quotas each region's speed is its own. A process started in a
 group stays in it, and so do its children: the hosts test bed starts each host's command inside its group
 (:meth:`CpuQuotas.procs_file`), so every process of the host is throttled, restarted hosts too;
-``bench/distributed.py --throttle`` moves running processes in (:meth:`CpuQuotas.set`). A quota is a ceiling,
+``bench/distributed.py --throttle`` moves running processes in (:meth:`CpuQuotas.set`), and a quota may change
+while they run (the bed's quotas applied after a host starts: its group made without a limit, the limit set
+later, as a container's limit or a neighbour's load would come). A quota is a ceiling,
 not a reservation: on a busy machine a region may get less. With ``weight`` (the bed's) each group also weighs
 that many times a default group (``cpu.shares`` / ``cpu.weight``), so on a machine busy with other work it still
 gets its quota (keep the quotas' sum below the machine's cores: the rest is left to that work). Needs the right
@@ -43,9 +45,10 @@ class CpuQuotas:
             raise QuotaError("no cgroup cpu controller here (cgroup v1 cpu.cfs_quota_us or cgroup v2 cpu.max)")
         self.tag, self.groups, self.weight = tag[:12], {}, max(1, int(weight))
 
-    def set(self, region: str, share: float, pids: list[int] = ()) -> None:
-        """Region ``region`` at ``share`` of one core (``share`` > 1: several cores), its group made at the first
-        call; its processes ``pids`` (each with every thread) moved into it."""
+    def set(self, region: str, share: float | None, pids: list[int] = ()) -> None:
+        """Region ``region`` at ``share`` of one core (``share`` > 1: several cores; None: no limit, the group's
+        weight only), its group made at the first call; its processes ``pids`` (each with every thread) moved
+        into it."""
         group = self.groups.get(region)
         if group is None:
             group = self.root / f"geomesh-{self.tag}-{region}"
@@ -57,10 +60,10 @@ class CpuQuotas:
                 raise QuotaError(f"cannot make the control group {group}: {exc.strerror or exc} (root is needed)"
                                  ) from None  # fmt: skip
             self.groups[region] = group
-        quota = max(int(self.MIN_SHARE * self.PERIOD_US), int(share * self.PERIOD_US))
+        quota = -1 if share is None else max(int(self.MIN_SHARE * self.PERIOD_US), int(share * self.PERIOD_US))
         try:
             if self.v2:
-                (group / "cpu.max").write_text(f"{quota} {self.PERIOD_US}\n")
+                (group / "cpu.max").write_text(f"{'max' if quota < 0 else quota} {self.PERIOD_US}\n")
                 if self.weight > 1:
                     (group / "cpu.weight").write_text(f"{min(10_000, 100 * self.weight)}\n")
             else:
@@ -81,13 +84,13 @@ class CpuQuotas:
         return self.groups[region] / "cgroup.procs"
 
     def quota(self, region: str) -> float:
-        """``region``'s quota as the kernel holds it, in cores."""
+        """``region``'s quota as the kernel holds it, in cores (``inf``: no limit)."""
         group = self.groups[region]
         if self.v2:
             quota, period = (group / "cpu.max").read_text().split()[:2]
         else:
             quota, period = (group / "cpu.cfs_quota_us").read_text(), (group / "cpu.cfs_period_us").read_text()
-        return int(quota) / int(period)
+        return float("inf") if quota.strip() in ("max", "-1") else int(quota) / int(period)
 
     def close(self) -> None:
         for group in self.groups.values():
