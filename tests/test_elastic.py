@@ -121,19 +121,24 @@ def kill_region(tag: str, region: str) -> list[dict]:
         time.sleep(0.1)
         pids = processes(tag, region)
     assert pids, f"no process of region {region}"
-    started = []
+    # how every process was started, read before any is killed: once one rank dies, its region's other ranks may
+    # stop on their own before their /proc entries are read (and would not be started again)
+    started = {}
     for pid in pids:
         proc = Path("/proc") / str(pid)
         try:  # (a process of the region that exited meanwhile, e.g. a launcher's child: nothing to kill)
             cmdline = [a.decode() for a in (proc / "cmdline").read_bytes().split(b"\0") if a]
             env = dict(kv.decode().split("=", 1) for kv in (proc / "environ").read_bytes().split(b"\0") if b"=" in kv)
-            cwd = os.readlink(proc / "cwd")
-            os.kill(pid, signal.SIGKILL)
+            started[pid] = {"cmd": cmdline, "env": env, "cwd": os.readlink(proc / "cwd")}
         except (ProcessLookupError, FileNotFoundError):
             continue
-        started.append({"cmd": cmdline, "env": env, "cwd": cwd})
+    for pid in started:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
     assert started, f"every process of region {region} exited before it could be killed"
-    return started
+    return list(started.values())
 
 
 @pytest.mark.parametrize("method", ["geomesh-sign-only", "diloco"])  # the all-gather, the fp32 all-reduce

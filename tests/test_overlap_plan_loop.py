@@ -180,9 +180,9 @@ def test_a_plan_made_before_the_probes_is_made_again_over_the_wan_they_measured(
     class ProbedLoop(PlanLoop):
         def __init__(self, transfer: float):
             self.faults = SimpleNamespace(wan=lambda members: wan.subset(members))
-            self.sharded, self.summed, self.wire_nbytes = None, False, 1_000_000
+            self.sharded, self.summed, self.exchange_switched = None, False, False
             self.method = SimpleNamespace(exchange=lambda w, nbytes: (w.allgather_s(nbytes), 0.0))
-            self.kit = SimpleNamespace(modeled_payload_nbytes=1_000_000)
+            self.kit = SimpleNamespace(modeled_payload_nbytes=1_000_000, payload_nbytes=1_000_000)
             self.wan_measure = WanEstimator()
             self.wan_measure._a, self.wan_measure._b = 1.0, transfer
             self.planned_for, self.made = [0, 1, 2], []

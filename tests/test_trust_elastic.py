@@ -367,7 +367,7 @@ def test_a_members_malformed_spans_are_skipped_and_its_good_ones_recorded():
     """A member's spans are data in its signed round info: a span of an unknown kind, a wrong shape or a string
     for a time is left out of the records, never raised on; its well-formed spans are recorded."""
     from geomesh.runtime.distributed.clock import record_spans
-    from geomesh.runtime.distributed.elastic_state import Records
+    from geomesh.runtime.distributed.records import Records
     from geomesh.telemetry import Telemetry
 
     records: list[dict] = []

@@ -199,10 +199,6 @@ class RoundLoop:
             if planning.wan_measure is not None and run.rounds == 0 and planning.wan_probe_s is None \
                     and not view.healed and len(view.members) > 1:  # (every member at round 0 alike: the first quorum)
                 planning.probe_wan(view.members, self.exchange)
-                # (the probe is WAN time spent once, before round 0, not round 1's overhead: the plan loop would
-                # fold it into every round after it)
-                run._mark("comm_wait")
-                quorum_end = run._cursor
             if run.stopping.spent(run.tokens_done):
                 break
             r = run.rounds  # 0-based index of this round (fault schedule); round records count from 1
