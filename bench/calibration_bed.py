@@ -430,8 +430,6 @@ def report(out: Path, runs: list[dict], token_bucket: bool) -> int:
 
 
 def run(args: argparse.Namespace, out: Path) -> int:
-    from geomesh.config import ConfigError, load_scenario, parse_overrides
-    from geomesh.data import load_corpus
     from geomesh.testbed.netns import netns_unavailable_reason
     from geomesh.testbed.quotas import quota_unavailable_reason
 
@@ -452,16 +450,7 @@ def run(args: argparse.Namespace, out: Path) -> int:
     data["description"] = (f"3 hosts, quotas set after start, links declared {declared:g} Mbit/s"
                            + (f", {declared * args.factor:g} in fact (token bucket, {args.link_burst} B burst)"
                               if tb else ""))  # fmt: skip
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / "scenario.yaml"
-    path.write_text(yaml.safe_dump(data, sort_keys=False))
-    try:
-        sc = load_scenario(str(path), parse_overrides(args.set))
-        if args.set:
-            path.write_text(yaml.safe_dump(sc.to_dict(), sort_keys=False))
-        load_corpus(sc.data)  # the data cache filled once, before any host starts
-    except ConfigError as exc:
-        raise BenchError(str(exc)) from None
+    path, sc = wallclock.write_scenario(out, data, args.set)
     extra = []
     if tb:
         extra = ["--link-burst", str(args.link_burst)]

@@ -441,11 +441,16 @@ def main(argv: list[str] | None = None) -> int:
     (args.out / "table.md").write_text(text + "\n")
     for r in failed:
         print(f"\n{r['label']}: " + "; ".join(r["problems"]))
-        for who, lines in r["evidence"].items():
-            print(f"  {who}:")
-            for line in lines:
-                print(f"    {line[:300]}")
+        print_evidence(r["evidence"])
     return 1 if failed else 0
+
+
+def print_evidence(evidence: dict[str, list[str]]) -> None:
+    """A failed run's evidence: each process's error and warning lines, cut to a line's width."""
+    for who, lines in evidence.items():
+        print(f"  {who}:")
+        for line in lines:
+            print(f"    {line[:300]}")
 
 
 if __name__ == "__main__":

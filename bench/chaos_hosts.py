@@ -67,7 +67,7 @@ from pathlib import Path
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from chaos import BenchError, corpus_paths, read_events  # noqa: E402  (bench/chaos.py: the launch matrix)
+from chaos import BenchError, corpus_paths, print_evidence, read_events  # noqa: E402  (bench/chaos.py: the launch matrix)
 
 NAMES = ("r0-h100", "r1-a100", "r2-t4", "r3-l4")
 METHODS = ("geomesh", "geomesh-overlap")
@@ -536,10 +536,7 @@ def main(argv: list[str] | None = None) -> int:
     for r in failed:
         print(f"\n{r['method']} #{r['index']} ({' '.join(r['faults'])}): " + "; ".join(r["problems"]))
         print(f"  replay: {r['replay']}")
-        for who, lines in r["evidence"].items():
-            print(f"  {who}:")
-            for line in lines:
-                print(f"    {line[:300]}")
+        print_evidence(r["evidence"])
     return 1 if failed else 0
 
 

@@ -342,6 +342,25 @@ def plot(repeats: list[dict[str, dict]], path: Path, budget: float | None) -> No
 
 
 # ---- running ------------------------------------------------------------------------------------------------
+def write_scenario(out: Path, data: dict, sets: list[str] | None) -> tuple[Path, object]:
+    """The bed's scenario ``data`` as ``OUT/scenario.yaml``, with the ``--set`` overrides in it, validated, and the
+    data cache filled once before any host starts: (its path, the loaded scenario)."""
+    from geomesh.config import ConfigError, load_scenario, parse_overrides
+    from geomesh.data import load_corpus
+
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "scenario.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    try:
+        sc = load_scenario(str(path), parse_overrides(sets))
+        if sets:
+            path.write_text(yaml.safe_dump(sc.to_dict(), sort_keys=False))
+        load_corpus(sc.data)
+    except ConfigError as exc:
+        raise BenchError(str(exc)) from None
+    return path, sc
+
+
 def parse_cpu(text: str) -> list[float] | None:
     if text.lower() == "none":
         return None
@@ -472,8 +491,6 @@ def report(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    from geomesh.config import ConfigError, load_scenario, parse_overrides
-    from geomesh.data import load_corpus
     from geomesh.testbed.quotas import quota_unavailable_reason
     from geomesh.testbed.netns import netns_unavailable_reason
 
@@ -492,16 +509,7 @@ def run(args: argparse.Namespace) -> int:
     data = scenario(args.preset, args.seq_len, args.batch, args.inner_steps, args.mbps, args.lr, args.corpus,
                     args.vocab, budget, args.tokens or 10**12)  # fmt: skip
     out = Path(args.out).resolve()
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / "scenario.yaml"
-    path.write_text(yaml.safe_dump(data, sort_keys=False))
-    try:
-        sc = load_scenario(str(path), parse_overrides(args.set))
-        if args.set:
-            path.write_text(yaml.safe_dump(sc.to_dict(), sort_keys=False))
-        load_corpus(sc.data)  # the data cache filled once, before any host starts
-    except ConfigError as exc:
-        raise BenchError(str(exc)) from None
+    path, sc = write_scenario(out, data, args.set)
     timeout_s = (budget or 600) * 3 + 600
     runs: list[dict] = []
     for k in range(args.repeats):
