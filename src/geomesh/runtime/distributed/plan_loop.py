@@ -29,6 +29,9 @@ from ...planner.settle import settled_profiles
 from ...planner.wan import WanEstimator, probe_sizes, time_parts
 from .exchange import Exchanged, reported_overhead_s
 
+# an uncalibrated region's first round (start-up: allocators, kernels, optimizer state) is not its speed; a
+# calibrated region's start-up was the calibration's own warm-up steps, so its round 1 is a measurement (a round 1
+# far off the calibration is its error, or a speed that changed since: re-planned at once, not carried a round)
 WARMUP_ROUNDS = 1
 # (tests: the fault hooks' ``wan`` stand-in replaces each leader's measured wire time, as received, by what the
 # declared WAN K times slower gives it, so that every run measures the same WAN; runtime/hooks.py)
@@ -56,10 +59,10 @@ def online_planner(sc, method, profiles: list[WorkerProfile], calibrated: bool) 
     g = sc.geomesh
     # uncalibrated profiles describe the timing model, not what trains: a first measurement is the factor;
     # wall-clock compute times are noisy: outliers held back, the deadband widened to the regions' noise,
-    # regions that measure alike planned alike; a region's first round (start-up) is not its speed
+    # regions that measure alike planned alike; an uncalibrated region's first round (start-up) is not its speed
     return OnlinePlanner(profiles, method.constraints(sc, len(profiles)), smoothing=g.replan_smoothing,
                          threshold=g.replan_threshold, first_measurement_sets_factor=not calibrated,
-                         noise_k=g.replan_noise_k, warmup_rounds=WARMUP_ROUNDS)  # fmt: skip
+                         noise_k=g.replan_noise_k, warmup_rounds=0 if calibrated else WARMUP_ROUNDS)  # fmt: skip
 
 
 class PlanLoop:
