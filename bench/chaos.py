@@ -1,14 +1,18 @@
 """A fault at every step of a round: the fault-injection matrix of elastic regions, on real processes.
 
 Usage:  PYTHONPATH=src python bench/chaos.py [--out runs/bench-chaos] [--configs geomesh,geomesh-overlap,...]
-        [--points quorum,send,...] [--round 2] [--timeout 300]
+        [--points quorum,send,...] [--actions kill,hang] [--round 2] [--timeout 300]
         PYTHONPATH=src python bench/chaos.py --seed N [--runs K]      (randomized: K faults drawn from seed N)
 
 Each cell is one real ``geomesh launch`` of 3 regions on this machine (Gloo over loopback, no WAN shaping, elastic
 regions: ``--min-regions 2``) on a tiny model and two plays of the bundled corpus. One fault reaches the ranks
 through ``GEOMESH_FAULT_HOOKS`` in the launcher's environment (:mod:`geomesh.runtime.hooks`): region index 1 is
 SIGKILLed at a point of round ``--round`` (every rank of it that reaches the point), or, at ``arrived``, its leader's
-exchange is lost there (``lose``: nothing dies; the round must roll back and all three regions finish).
+exchange is lost there (``lose``: nothing dies; the round must roll back and all three regions finish). With
+``--actions kill,hang`` each point is tried a second time with region 1 *hung* there instead (``hang``: it stops
+responding while its process and torchft's heartbeat live on, as a stuck process does): the others are held at most
+until the round deadline (``HANG_DEADLINE_S`` in those cells), go on without it, and the launcher stops the hung
+process once they have finished.
 
 Configurations (``--configs``), each with calibration and re-planning on (what users run):
 
@@ -26,8 +30,8 @@ not taken), ``checkpoint`` (before its checkpoint of the round is written; that 
 A cell passes when the launch exits 0 within ``--timeout`` seconds, every rank of a surviving region exits 0, the
 fault fired (a kill: the rank's log line and its SIGKILL; a lose: a ``rollback`` record of that round), every
 surviving region ends with one checksum (``summary.json``'s ``param_checksums``, one entry per surviving region),
-the regions at the end are the survivors, the records say what happened (a kill: a ``leave`` of the killed
-region; a lose: no ``leave``, a ``rollback``), the rounds recorded count 1, 2, ... without a gap (overlapped: each
+the regions at the end are the survivors, the records say what happened (a kill or a hang: a ``leave`` of that
+region; a lose: no ``leave``, a ``rollback``; a hung rank is the launcher's to stop: "did not stop"), the rounds recorded count 1, 2, ... without a gap (overlapped: each
 number a round or a rollback, once: a rolled-back overlapped exchange is not trained again under its number), and
 the token budget was reached. Otherwise the cell fails with a short reason; the result keeps the error and
 warning lines of every rank's log as evidence.
@@ -58,6 +62,8 @@ import yaml
 NAMES = ("r0-h100", "r1-a100", "r2-t4")
 CONFIGS = ("geomesh", "geomesh-overlap", "sharded", "geomesh-sparse", "fsdp")
 POINTS = ("quorum", "send", "slices", "arrived", "step", "checkpoint")
+ACTIONS = ("kill", "hang")  # kill: SIGKILL (lose at ``arrived``); hang: stops responding, its process lives on
+HANG_DEADLINE_S = 20.0  # the round deadline of a hang cell (a kill is noticed at once: closed connections)
 ONE_ROUND = 4 * 5 * 32  # DiLoCo's plan of the scenario: b=4, H=5, 32 tokens per sequence, per region
 TOKENS = 5 * len(NAMES) * ONE_ROUND  # about five rounds: a fault in round 2 or 3 leaves rounds after it
 
@@ -103,7 +109,7 @@ class Cell:
     point: str
     round: int = 2
     region: int = 1  # index into NAMES
-    action: str = ""  # "" : kill (lose at ``arrived``)
+    action: str = ""  # "" : kill (lose at ``arrived``); "hang"
 
     @property
     def act(self) -> str:
@@ -111,6 +117,11 @@ class Cell:
 
     def fault(self) -> dict:
         return {"point": self.point, "region": NAMES[self.region], "round": self.round, "action": self.act}
+
+    @property
+    def stops(self) -> str | None:
+        """The region the fault takes out of the run (killed or hung), None for a lost exchange."""
+        return NAMES[self.region] if self.act in ("kill", "hang") else None
 
     def label(self) -> str:
         return f"{self.config}: {self.act} {NAMES[self.region]} at {self.point} of round {self.round}"
@@ -126,7 +137,7 @@ def corpus_paths() -> list[str]:
     return paths
 
 
-def scenario(cfg: Config, paths: list[str]) -> dict:
+def scenario(cfg: Config, paths: list[str], round_deadline_s: float = 120.0) -> dict:
     """A tiny elastic scenario of 3 regions (H100, A100, T4 declared; processes of one speed on this machine): the
     nano model at sequence 32 (also the timing model), a 512-token vocabulary, DiLoCo's plan b=4, H=5 as the
     reference, GeoMesh's plan loop on."""
@@ -149,8 +160,8 @@ def scenario(cfg: Config, paths: list[str]) -> dict:
         "geomesh": {"min_batch": 1, "min_inner_steps": 1, "chunk_size": 256, "round_sequences_factor": 1.0,
                     "calibrate": True, "replan": True, **cfg.geomesh},
         # a generous deadline: a dead region is noticed at once (closed connections), and a slow one must not be
-        # left out because this machine is busy
-        "reliability": {"min_regions": 2, "round_deadline_s": 120},
+        # left out because this machine is busy (a hung one is noticed only there: HANG_DEADLINE_S)
+        "reliability": {"min_regions": 2, "round_deadline_s": round_deadline_s},
     }  # fmt: skip
 
 
@@ -237,7 +248,7 @@ def check(cell: Cell, result, out_of_time: bool, out: Path, rank_regions: list[s
     """What went wrong in one launch (empty: the cell passes) and what the records say happened."""
     problems: list[str] = []
     cfg = config(cell.config)
-    killed = NAMES[cell.region] if cell.act == "kill" else None
+    killed = cell.stops
     survivors = [r for r in NAMES if r != killed]
     seen: dict[str, Any] = {}
     if out_of_time:
@@ -253,7 +264,8 @@ def check(cell: Cell, result, out_of_time: bool, out: Path, rank_regions: list[s
     if bad:
         problems.append("surviving ranks did not exit 0: " + ", ".join(bad))
     logs = {k: (out / "logs" / f"rank{k}.log") for k in range(len(rank_regions))}
-    tag = f"fault hook: kill at {cell.point} of round {cell.round} ({killed}"
+    tag = f"fault hook: {cell.act} at {cell.point} of round {cell.round} ({killed}"
+    stopped = "killed by SIGKILL" if cell.act == "kill" else "did not stop; killed by the launcher"
     if killed is not None:
         fired = [k for k, f in logs.items() if f.exists() and tag in f.read_text(errors="replace")]
         seen["fault_fired_on"] = [f"rank{k}" for k in fired]
@@ -262,9 +274,9 @@ def check(cell: Cell, result, out_of_time: bool, out: Path, rank_regions: list[s
                             f"{sum(e['type'] == 'round' for e in read_events(out / 'events.jsonl'))} rounds)")
         else:
             not_killed = [f"rank{r.rank} {r.describe()}" for r in result.ranks
-                          if r.rank in fired and r.describe() != "killed by SIGKILL"]  # fmt: skip
+                          if r.rank in fired and r.describe() != stopped]  # fmt: skip
             if not_killed:
-                problems.append("a rank the fault fired on was not SIGKILLed: " + ", ".join(not_killed))
+                problems.append(f"a rank the fault fired on ended otherwise than '{stopped}': " + ", ".join(not_killed))
     events = read_events(out / "events.jsonl")
     try:
         summary = json.loads((out / "summary.json").read_text())
@@ -324,7 +336,8 @@ def run_cell(cell: Cell, folder: Path, paths: list[str], timeout: float, collect
         shutil.rmtree(folder)
     folder.mkdir(parents=True)
     path = folder / "scenario.yaml"
-    path.write_text(yaml.safe_dump(scenario(cfg, paths)))
+    deadline = HANG_DEADLINE_S if cell.act == "hang" else 120.0
+    path.write_text(yaml.safe_dump(scenario(cfg, paths, round_deadline_s=deadline)))
     out = folder / "run"
     argv = launch_argv(cfg, path, out, cell.point == "checkpoint", collective_timeout)
     env = {"OMP_NUM_THREADS": "1", "GEOMESH_FAULT_HOOKS": json.dumps([cell.fault()])}
@@ -339,18 +352,22 @@ def run_cell(cell: Cell, folder: Path, paths: list[str], timeout: float, collect
 
 
 # ---- the matrix and the randomized mode ------------------------------------------------------------------------
-def matrix(configs: list[str], points: list[str], round_number: int) -> list[Cell]:
-    return [Cell(c, p, round_number) for p in points for c in configs if p in points_of(c)]
+def matrix(configs: list[str], points: list[str], round_number: int, actions: tuple[str, ...] = ("kill",)) -> list[Cell]:
+    return [Cell(c, p, round_number, action="" if a == "kill" else a)
+            for a in actions for p in points for c in configs if p in points_of(c)]  # fmt: skip
 
 
-def draw(seed: int, runs: int, configs: list[str]) -> list[Cell]:
+def draw(seed: int, runs: int, configs: list[str], actions: tuple[str, ...] = ("kill",)) -> list[Cell]:
     """``runs`` cells drawn from ``seed``: a configuration, a point valid for it, round 2 or 3, any region (a
-    ``lose`` at ``arrived``, a kill elsewhere)."""
+    ``lose`` at ``arrived``, a kill elsewhere; with ``hang`` among ``actions``, a hang or that, drawn last)."""
     rng = random.Random(seed)
     cells = []
     for _ in range(runs):
         c = rng.choice(configs)
-        cells.append(Cell(c, rng.choice(points_of(c)), rng.choice((2, 3)), rng.randrange(len(NAMES))))
+        cell = Cell(c, rng.choice(points_of(c)), rng.choice((2, 3)), rng.randrange(len(NAMES)))
+        if len(actions) > 1 and rng.choice(actions) == "hang":
+            cell = Cell(cell.config, cell.point, cell.round, cell.region, action="hang")
+        cells.append(cell)
     return cells
 
 
@@ -358,16 +375,17 @@ def cell_text(r: dict) -> str:
     return "pass" if r["ok"] else "FAIL: " + r["problems"][0][:90]
 
 
-def table(results: list[dict], configs: list[str], points: list[str]) -> str:
-    by = {(r["cell"]["config"], r["cell"]["point"]): r for r in results}
+def table(results: list[dict], configs: list[str], points: list[str], actions: tuple[str, ...] = ("kill",)) -> str:
+    by = {(r["cell"]["config"], r["cell"]["point"], r["cell"]["action"] or "kill"): r for r in results}
     lines = ["| point | " + " | ".join(configs) + " |", "|---" * (len(configs) + 1) + "|"]
-    for p in points:
-        row = []
-        for c in configs:
-            r = by.get((c, p))
-            row.append("-" if r is None else f"{cell_text(r)} ({r['wall_s']:.0f} s)")
-        act = "lose" if p == "arrived" else "kill"
-        lines.append(f"| {p} ({act}) | " + " | ".join(row) + " |")
+    for a in actions:
+        for p in points:
+            row = []
+            for c in configs:
+                r = by.get((c, p, a))
+                row.append("-" if r is None else f"{cell_text(r)} ({r['wall_s']:.0f} s)")
+            act = "lose" if p == "arrived" and a == "kill" else a
+            lines.append(f"| {p} ({act}) | " + " | ".join(row) + " |")
     return "\n".join(lines)
 
 
@@ -391,6 +409,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=Path("runs/bench-chaos"))
     p.add_argument("--configs", default=",".join(CONFIGS))
     p.add_argument("--points", default=",".join(POINTS))
+    p.add_argument("--actions", default="kill", help="kill (lose at arrived), hang, or both: kill,hang")
     p.add_argument("--round", type=int, default=2, help="the round the matrix's faults are injected in (>= 1)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds one launch may take before it is stopped")
     p.add_argument("--collective-timeout", type=float, default=60.0, help="the launch's own --timeout")
@@ -400,6 +419,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         configs = _names(args.configs, CONFIGS, "configs")
         points = _names(args.points, POINTS, "points")
+        actions = tuple(_names(args.actions, ACTIONS, "actions"))
         if args.round < 1 or args.timeout <= 0 or args.runs < 1:
             raise BenchError("--round, --timeout and --runs must be positive")
         paths = corpus_paths()
@@ -415,12 +435,12 @@ def main(argv: list[str] | None = None) -> int:
     load_corpus(load_scenario(str(warm)).data)
     if args.seed is not None:
         print(f"seed {args.seed} (replay: bench/chaos.py --seed {args.seed} --runs {args.runs} --configs "
-              f"{','.join(configs)})", flush=True)  # fmt: skip
-        cells = draw(args.seed, args.runs, configs)
+              f"{','.join(configs)} --actions {','.join(actions)})", flush=True)  # fmt: skip
+        cells = draw(args.seed, args.runs, configs, actions)
         folders = [args.out / f"seed-{args.seed}" / str(k) for k in range(len(cells))]
     else:
-        cells = matrix(configs, points, args.round)
-        folders = [args.out / c.config / c.point for c in cells]
+        cells = matrix(configs, points, args.round, actions)
+        folders = [args.out / c.config / (c.point if c.act != "hang" else f"{c.point}-hang") for c in cells]
     results = []
     t0 = time.monotonic()
     for cell, folder in zip(cells, folders):
@@ -432,7 +452,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"    also: {problem}", flush=True)
         (args.out / "results.json").write_text(json.dumps({"seed": args.seed, "results": results}, indent=1))
     wall = time.monotonic() - t0
-    text = drawn_table(results) if args.seed is not None else table(results, configs, points)
+    text = drawn_table(results) if args.seed is not None else table(results, configs, points, actions)
     failed = [r for r in results if not r["ok"]]
     text += f"\n\n{len(results) - len(failed)} of {len(results)} cells passed in {wall / 60:.1f} min"
     print("\n" + text)

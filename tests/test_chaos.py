@@ -44,3 +44,24 @@ def test_a_region_killed_before_its_checkpoint_beside_a_region_of_two_fsdp_ranks
     checkpoint of round 2; both ranks of r0-h100 and r2-t4 finish on one θ."""
     result = run(chaos.Cell("fsdp", "checkpoint", 2), tmp_path, small_corpus)
     assert result["seen"]["ranks"]["rank0 r0-h100"] == result["seen"]["ranks"]["rank1 r0-h100"] == "exit code 0"
+
+
+def test_the_matrix_tries_every_point_with_a_kill_and_with_a_hang():
+    """``--actions kill,hang``: every point of every configuration twice, the second time region 1 hung there (it
+    is taken out of the run like a killed one, and its cell gets a short round deadline); a seed drawn without
+    hangs draws what it drew before hangs existed, so earlier failures replay."""
+    configs = ["geomesh", "sharded"]
+    cells = chaos.matrix(configs, list(chaos.POINTS), 2, ("kill", "hang"))
+    kills = [c for c in cells if c.act != "hang"]
+    hangs = [c for c in cells if c.act == "hang"]
+    assert len(kills) == len(hangs) == len(chaos.points_of("geomesh")) + len(chaos.points_of("sharded"))
+    assert {c.fault()["action"] for c in hangs} == {"hang"} and {c.stops for c in hangs} == {"r1-a100"}
+    assert chaos.Cell("geomesh", "arrived").stops is None  # a lost exchange takes no region out
+    assert chaos.draw(7, 12, configs) == chaos.draw(7, 12, configs, ("kill",))
+    assert all(c.act != "hang" for c in chaos.draw(7, 12, configs))
+    assert any(c.act == "hang" for c in chaos.draw(7, 12, configs, ("kill", "hang")))
+    results = [{"cell": {"config": c.config, "point": c.point, "action": c.action}, "ok": True, "problems": [],
+                "wall_s": 1.0} for c in cells]  # fmt: skip
+    rows = chaos.table(results, configs, list(chaos.POINTS), ("kill", "hang")).splitlines()
+    assert "| send (hang) | pass (1 s) | pass (1 s) |" in rows and "| arrived (lose) | pass (1 s) | pass (1 s) |" in rows
+    assert "| slices (hang) | - | pass (1 s) |" in rows
