@@ -258,8 +258,13 @@ def test_an_exchange_that_failed_on_one_region_is_rolled_back_on_every_region(tm
 @pytest.mark.waits
 def test_a_hung_region_misses_the_deadline_and_is_left_out(tmp_path, small_corpus):
     """A region that stops responding before its exchange (its heartbeat goes on, as in a stuck process) holds
-    the others only until reliability.round_deadline_s; they re-form the quorum without it and finish."""
-    path = scenario(tmp_path, small_corpus, round_deadline_s=6)
+    the others only until reliability.round_deadline_s; they re-form the quorum without it and finish. The
+    deadline (the quorum service's join timeout too) is longer than QUORUM_ATTEMPT_S: when each quorum request
+    was shorter than the join timeout, every request restarted the service's wait for the hung region (alive,
+    never asking), and no quorum formed until --timeout."""
+    from geomesh.runtime.distributed.membership import QUORUM_ATTEMPT_S
+
+    path = scenario(tmp_path, small_corpus, round_deadline_s=QUORUM_ATTEMPT_S + 1)
     out = tmp_path / "run"
     args = cli_launch.build_parser().parse_args([*argv(path, out, 7680), "--timeout", "30"])
     result = cli_launch.launch(args, extra_env={"OMP_NUM_THREADS": "1", "GEOMESH_TEST_KILL_MID_ROUND": "r2-t4:2:hang"})

@@ -58,7 +58,7 @@ from .clock import record_spans
 from .deadline import MEASURED_ROUNDS, adaptive_deadline_s, deadline_history
 from .exchange import Exchanged, RoundView, reported_overhead_s, round_idle
 from .layout import RegionLayout, region_layout
-from .membership import (LIGHTHOUSE_ENV, ExchangeFailed, Membership, MembershipError, RunFinished,
+from .membership import (LIGHTHOUSE_ENV, ExchangeFailed, Membership, MembershipError, RunFinished, join_timeout_s,
                          group_store_host)  # fmt: skip
 from .wan_shaper import WanShaper, ring_allgather_bytes, ring_allreduce_bytes
 
@@ -144,6 +144,7 @@ class QuorumExchange:
                 load_state_dict=self.state.load_state_dict,
                 store_addr=group_store_host(lighthouse, self.names[self.me]),
                 store_port=int(os.environ.get("MASTER_PORT", "29500")), names=self.names,
+                join_timeout_s=join_timeout_s(self.sc.reliability),
             )  # fmt: skip
         except MembershipError as exc:
             raise RunError(str(exc)) from None

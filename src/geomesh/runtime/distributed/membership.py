@@ -94,8 +94,19 @@ class DuplicateRegion(MembershipError):
 DEFAULT_FRAME_LIMIT = 256 << 20  # the largest frame a leader accepts (a round's envelope carries a payload)
 WARN_LIMIT = 50  # rejected frames warned about on stderr; the rest only counted
 # one quorum request's bound (requests repeat until --timeout): a few Lighthouse heartbeat timeouts, so that a
-# region the Lighthouse dropped while it was cut off registers again soon after its link returns
+# region the Lighthouse dropped while it was cut off registers again soon after its link returns. Never shorter than
+# the Lighthouse's join timeout and a margin (quorum_attempt_s): torchft takes a request's arrival as the member's
+# join time, and waits for live regions that have not asked yet until the earliest join time is a join timeout
+# old, so requests repeated faster than that restart the wait each time, and a hung region that still heartbeats
+# (alive, never asking) would hold every quorum until --timeout
 QUORUM_ATTEMPT_S = 15.0
+JOIN_MARGIN_S = 5.0
+
+
+def quorum_attempt_s(join_timeout_s: float) -> float:
+    """How long one quorum request waits before it is made again (:data:`QUORUM_ATTEMPT_S`), given the quorum
+    service's join timeout (:func:`join_timeout_s`)."""
+    return max(QUORUM_ATTEMPT_S, float(join_timeout_s) + JOIN_MARGIN_S)
 
 
 def bind_address(host: str) -> str:
@@ -160,11 +171,13 @@ class Membership:
     def __init__(self, *, region: int, name: str, lighthouse: str, min_regions: int, deadline_s: float,
                  quorum_timeout_s: float, state_dict: Callable[[], Any], load_state_dict: Callable[[Any], None],
                  store_addr: str, store_port: int, key: bytes | None = None, run_id: str | None = None,
-                 frame_limit: int = DEFAULT_FRAME_LIMIT, names: list[str] | None = None):  # fmt: skip
+                 frame_limit: int = DEFAULT_FRAME_LIMIT, names: list[str] | None = None,
+                 join_timeout_s: float = 0.0):  # fmt: skip
         """``key``/``run_id``: what frames and healing are signed with (default: this process's
         :func:`~geomesh.runtime.distributed.frames.run_trust`); ``frame_limit``: the largest frame accepted
         from a member (a round's envelope with its payload must fit); ``names``: the scenario's region names,
-        so that a rejected member is named by the region it is (or claims to be)."""
+        so that a rejected member is named by the region it is (or claims to be); ``join_timeout_s``: the quorum
+        service's join timeout (:func:`join_timeout_s` of the scenario), which one quorum request outlasts."""
         os.environ.setdefault("RUST_LOG", "error")
         import logging
 
@@ -200,6 +213,7 @@ class Membership:
         self.names = list(names) if names is not None else None
         self.deadline = timedelta(seconds=deadline_s)
         self.quorum_timeout = timedelta(seconds=quorum_timeout_s)
+        self.attempt_s = quorum_attempt_s(join_timeout_s)
         self.lighthouse = lighthouse
         self.min_regions = min_regions
         self.pg = ProcessGroupGloo(timeout=self.deadline)
@@ -273,7 +287,7 @@ class Membership:
                 raise RunFinished(note)
             left = give_up - time.monotonic()
             try:
-                self.manager.start_quorum(timeout=timedelta(seconds=max(min(QUORUM_ATTEMPT_S, left), 0.1)))
+                self.manager.start_quorum(timeout=timedelta(seconds=max(min(self.attempt_s, left), 0.1)))
                 return
             except Exception as exc:  # noqa: BLE001 - torchft raises RuntimeError/TimeoutError from its RPCs
                 if not _timed_out(exc) or give_up - time.monotonic() <= 0:
