@@ -113,6 +113,30 @@ def wait_for_round(out: Path, proc: subprocess.Popen, k: int, timeout: float = 1
         time.sleep(0.05)
 
 
+def hang_at(region: str, point: str, round_number: int) -> dict[str, str]:
+    """The launch environment that makes every rank of ``region`` hang at ``point`` of round ``round_number``
+    (:mod:`geomesh.runtime.hooks`), for :func:`kill_hung_region`."""
+    from geomesh.runtime.hooks import HOOKS_ENV
+
+    return {HOOKS_ENV: json.dumps([{"point": point, "region": region, "round": round_number, "action": "hang"}])}
+
+
+def kill_hung_region(tag: str, out: Path, proc: subprocess.Popen, region: str, ranks: list[int], point: str,
+                     round_number: int, timeout: float = 180) -> list[dict]:  # fmt: skip
+    """Once every rank of ``region`` (launch ranks ``ranks``) says in its log that it hung at ``point`` of round
+    ``round_number`` (:func:`hang_at`), SIGKILL them (:func:`kill_region`): a region lost at a known point of a
+    round, not wherever the test's poll happens to land (a kill during the commit vote lets some survivors commit
+    the round and the others heal from them: an outcome the test would be asserting on a race)."""
+    line = f"fault hook: hang at {point} of round {round_number} ({region}"
+    deadline = time.monotonic() + timeout
+    logs = [out / "logs" / f"rank{k}.log" for k in ranks]
+    while not all(f.exists() and line in f.read_text(errors="replace") for f in logs):
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        assert time.monotonic() < deadline, f"{region} never reached {point} of round {round_number}"
+        time.sleep(0.05)
+    return kill_region(tag, region)
+
+
 def kill_region(tag: str, region: str) -> list[dict]:
     """SIGKILL every process of ``region``; returns how each was started (command line, environment, folder)."""
     pids = processes(tag, region)
@@ -143,7 +167,8 @@ def kill_region(tag: str, region: str) -> list[dict]:
 
 @pytest.mark.parametrize("method", ["geomesh-sign-only", "diloco"])  # the all-gather, the fp32 all-reduce
 def test_survivors_that_did_not_touch_the_lost_region_are_not_held_to_the_deadline(tmp_path, small_corpus, method):
-    """4 regions, the first of 2 ranks: a region is killed mid-run (every process of it). It is left out and
+    """4 regions, the first of 2 ranks: a region is killed mid-round (every process of it, its inner steps of
+    round 3 done and its payload not sent, while the others wait in the exchange). It is left out and
     the survivors finish: every round from the one it was lost in goes on without it, what it trained then is
     lost tokens, and no rank outlives the launcher. Gloo's ring all-gather fails at once only on the dead
     region's neighbours; the others wait on a neighbour that has left the collective. The leaders that see the
@@ -153,11 +178,11 @@ def test_survivors_that_did_not_touch_the_lost_region_are_not_held_to_the_deadli
     path = scenario(tmp_path, small_corpus, slowdown=2.0, gpus=("H100", "A100", "V100", "T4"), min_regions=3,
                     round_deadline_s=600)  # fmt: skip
     out, tag = tmp_path / "run", uuid.uuid4().hex
-    proc = start([*argv(path, out, 7680 * 2, method=method, ranks="2,1,1,1"), "--timeout", "120"], tag, out)
-    try:
-        wait_for_round(out, proc, 2)
+    proc = start([*argv(path, out, 7680 * 2, method=method, ranks="2,1,1,1"), "--timeout", "120"], tag, out,
+                 extra_env=hang_at("r2-v100", "send", 3))  # fmt: skip
+    try:  # (lost mid-round: its inner steps done, its payload not sent, the others in the exchange)
+        kill_hung_region(tag, out, proc, "r2-v100", [3], "send", 3)
         killed_at = time.monotonic()
-        kill_region(tag, "r2-v100")
         stdout, stderr = launch_output_or_stacks(proc, tag, out, 240)
         took = time.monotonic() - killed_at
     finally:
@@ -458,10 +483,9 @@ def test_an_overlapped_elastic_run_rolls_back_a_lone_failure_and_survives_a_kill
     path = scenario(tmp_path, small_corpus, slowdown=2.0, plan_loop=True)
     out, tag = tmp_path / "run", uuid.uuid4().hex
     proc = start(argv(path, out, 7680 * 2, method="geomesh-overlap"), tag, out,
-                 extra_env={"GEOMESH_TEST_LOSE_EXCHANGE": "r0-h100:2"})  # fmt: skip
-    try:
-        wait_for_round(out, proc, 5)
-        kill_region(tag, "r1-a100")
+                 extra_env={"GEOMESH_TEST_LOSE_EXCHANGE": "r0-h100:2", **hang_at("r1-a100", "send", 6)})  # fmt: skip
+    try:  # (lost with its round 6 trained and its exchange not launched, round 5's in flight)
+        kill_hung_region(tag, out, proc, "r1-a100", [1], "send", 6)
         stdout, stderr = launch_output_or_stacks(proc, tag, out, 240)
     finally:
         proc.kill()
