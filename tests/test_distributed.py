@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -117,6 +118,23 @@ def test_an_exchange_without_a_barrier_books_the_wait_for_the_slowest():
     assert wait_for_slowest_s(infos, 1.0) == pytest.approx(1.5)
     assert wait_for_slowest_s(infos, 2.5) == 0.0  # the slowest waits for nobody
     assert wait_for_slowest_s([], 1.0) == 0.0
+
+
+def test_two_launches_at_once_never_hand_out_the_same_port(monkeypatch, tmp_path):
+    """A picked port is reserved on this machine for PORT_RESERVED_S (its ranks bind it seconds later on a busy
+    machine): 200 picks over a range of 400 ports are 200 different ports (random picks alone would almost surely
+    repeat one), a port claimed once is refused to the next claim, and a claim older than the window is taken
+    over."""
+    from geomesh.runtime.distributed import transport
+
+    monkeypatch.setattr(transport, "PORT_RESERVATIONS", tmp_path / "ports")
+    monkeypatch.setattr(transport, "LOWEST_PICKED_PORT", 20000)
+    monkeypatch.setattr(transport, "ephemeral_ports", lambda: (20400, 60999))  # 400 ports: repeats are likely
+    picks = [transport.free_port() for _ in range(200)]
+    assert len(set(picks)) == len(picks) and all(20000 <= p < 20400 for p in picks)
+    now = time.time()
+    assert transport.reserve_port(40001, now) and not transport.reserve_port(40001, now + 1)
+    assert transport.reserve_port(40001, now + transport.PORT_RESERVED_S + 1)
 
 
 def test_a_local_launch_port_is_free_and_below_the_ephemeral_range(monkeypatch, tmp_path):

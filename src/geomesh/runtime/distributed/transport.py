@@ -30,6 +30,7 @@ import random
 import socket
 import struct
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,6 +51,31 @@ MAX_CONTROL_BYTES = 16 * 2**20  # a control message (round info, plan, state hea
 
 EPHEMERAL_RANGE_FILE = "/proc/sys/net/ipv4/ip_local_port_range"
 LOWEST_PICKED_PORT = 10000
+# a picked port is this machine's launches' for this long (a file per port in PORT_RESERVATIONS): enough for the
+# ranks it is meant for to import torch and bind it on a busy machine, so two launches at once (of one user) never
+# hand out the same port while their ranks start
+PORT_RESERVED_S = 120.0
+PORT_RESERVATIONS = Path(tempfile.gettempdir()) / f"geomesh-ports-{os.getuid() if hasattr(os, 'getuid') else 0}"
+
+
+def reserve_port(port: int, now: float | None = None) -> bool:
+    """Claim ``port`` for this launch unless another launch on this machine claimed it within
+    :data:`PORT_RESERVED_S` (an exclusive create: two claims at once cannot both succeed; an older claim is
+    taken over)."""
+    now = time.time() if now is None else now
+    try:
+        PORT_RESERVATIONS.mkdir(mode=0o700, exist_ok=True)
+        mark = PORT_RESERVATIONS / str(port)
+        try:
+            os.close(os.open(mark, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+            return True
+        except FileExistsError:
+            if now - mark.stat().st_mtime < PORT_RESERVED_S:
+                return False
+            os.utime(mark, (now, now))  # a stale claim: this launch's now
+            return True
+    except OSError:  # (no writable temporary folder: the bind check alone)
+        return True
 
 
 def ephemeral_ports() -> tuple[int, int]:
@@ -67,7 +93,9 @@ def free_port(host: str = "127.0.0.1") -> int:
     ephemeral range: a port the kernel hands out is also any outgoing connection's source port, so on a busy
     machine one of its own connections (Gloo opens many) took it between this check and the rank's bind
     (``EADDRINUSE``, and the launch failed). Random, so that two launches at once rarely pick the same one;
-    an ephemeral port where none below the range is free."""
+    an ephemeral port where none below the range is free. Two launches on one machine do not pick the same port
+    within :data:`PORT_RESERVED_S` (:func:`reserve_port`): a port is free until its rank binds it, seconds later
+    on a busy machine, and another launch's random pick could land on it meanwhile."""
     low, _ = ephemeral_ports()
     pick = random.SystemRandom()
     for _ in range(32 if low > LOWEST_PICKED_PORT else 0):
@@ -77,6 +105,7 @@ def free_port(host: str = "127.0.0.1") -> int:
                 s.bind((host, port))
             except OSError:
                 continue
+        if reserve_port(port):
             return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
