@@ -20,7 +20,9 @@ Configurations (``--configs``), each with calibration and re-planning on (what u
 - ``geomesh-overlap``: the exchange hidden behind the next round's compute;
 - ``sharded``: ``geomesh`` over the sharded exchange (``geomesh.exchange: sharded``);
 - ``geomesh-sparse``: top-k sign payloads with error feedback;
-- ``fsdp``: ``geomesh`` with a region of two ranks (``--ranks-per-region 2,1,1``, every region's strategy fsdp).
+- ``fsdp``: ``geomesh`` with a region of two ranks (``--ranks-per-region 2,1,1``, every region's strategy fsdp);
+- ``streaming``: the Streaming DiLoCo baseline (two fragments synchronised in turn, FP4, H=4): a region's fragments
+  that did not sync train on from round to round, so a healed or rolled-back region restarts them from θ.
 
 Points (``--points``; :data:`geomesh.runtime.hooks.POINTS`): ``quorum`` (before the round's quorum), ``send`` (its
 inner steps done, its payload not sent), ``slices`` (sharded only: its slices sent, its combined shard not),
@@ -60,7 +62,7 @@ from typing import Any
 import yaml
 
 NAMES = ("r0-h100", "r1-a100", "r2-t4")
-CONFIGS = ("geomesh", "geomesh-overlap", "sharded", "geomesh-sparse", "fsdp")
+CONFIGS = ("geomesh", "geomesh-overlap", "sharded", "geomesh-sparse", "fsdp", "streaming")
 POINTS = ("quorum", "send", "slices", "arrived", "step", "checkpoint")
 ACTIONS = ("kill", "hang")  # kill: SIGKILL (lose at ``arrived``); hang: stops responding, its process lives on
 HANG_DEADLINE_S = 20.0  # the round deadline of a hang cell (a kill is noticed at once: closed connections)
@@ -79,6 +81,7 @@ class Config:
     ranks: str = "1,1,1"  # --ranks-per-region
     strategy: str = "ddp"
     geomesh: dict = field(default_factory=dict)  # scenario geomesh.* fields beyond the plan loop's
+    inner_steps: int = 5  # DiLoCo's H (streaming: a multiple of its 2 fragments)
 
 
 def config(name: str) -> Config:
@@ -93,6 +96,8 @@ def config(name: str) -> Config:
         return Config(name, "geomesh-sparse")
     if name == "fsdp":
         return Config(name, "geomesh", ranks="2,1,1", strategy="fsdp")
+    if name == "streaming":
+        return Config(name, "streaming-diloco", inner_steps=4)
     raise BenchError(f"configuration {name!r}: expected one of {', '.join(CONFIGS)}")
 
 
@@ -154,8 +159,8 @@ def scenario(cfg: Config, paths: list[str], round_deadline_s: float = 120.0) -> 
         "timing_model": {"n_layers": 2, "hidden": 96, "seq_len": 32, "vocab": 512},
         "model": {"preset": "nano", "seq_len": 32},
         "data": {"paths": paths, "vocab_size": 512, "val_fraction": 0.05},
-        "training": {"tokens": TOKENS, "batch": 4, "inner_steps": 5, "inner_lr": 0.003, "eval_sequences": 16,
-                     "zero_shot_items": 0},
+        "training": {"tokens": TOKENS, "batch": 4, "inner_steps": cfg.inner_steps, "inner_lr": 0.003,
+                     "eval_sequences": 16, "zero_shot_items": 0},
         # rounds as small as the budget; calibration and re-planning on: what users run
         "geomesh": {"min_batch": 1, "min_inner_steps": 1, "chunk_size": 256, "round_sequences_factor": 1.0,
                     "calibrate": True, "replan": True, **cfg.geomesh},

@@ -39,6 +39,15 @@ def test_a_lost_exchange_in_the_sharded_exchange_rolls_the_round_back_on_every_r
 
 
 @pytest.mark.waits
+def test_a_lost_streaming_exchange_rolls_back_every_regions_fragments_to_theta(tmp_path, small_corpus):
+    """Streaming DiLoCo's regions keep their unsynced fragments from round to round; r1-a100's leader loses round
+    2's exchange after every fragment payload arrived: every region rolls the round back (its local fragments to
+    θ) and trains it again with the same fragment, and all three finish on one θ."""
+    seen = run(chaos.Cell("streaming", "arrived", 2), tmp_path, small_corpus)["seen"]
+    assert seen["regions_at_end"] == list(chaos.NAMES) and [r for r, _ in seen["rollbacks"]].count(2) >= 1
+
+
+@pytest.mark.waits
 def test_a_region_killed_before_its_checkpoint_beside_a_region_of_two_fsdp_ranks(tmp_path, small_corpus):
     """Every region checkpoints every round, r0-h100 of two ranks with FSDP: r1-a100 dies before writing its
     checkpoint of round 2; both ranks of r0-h100 and r2-t4 finish on one θ."""

@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, Literal
+from typing import Any, Callable, ClassVar, Literal
 
 import torch
 
@@ -39,6 +39,10 @@ class Method:
     name: str
     description: str
     kind: Literal["outer", "ddp", "async"]
+
+    def check(self, scenario: ScenarioConfig) -> None:
+        """ConfigError (one line) when this method cannot run ``scenario``; both runtimes ask before training
+        (``geomesh launch`` before any process starts)."""
 
 
 @dataclass(frozen=True)
@@ -64,6 +68,17 @@ class OuterLoopMethod(Method):
             return SignCodec(manifest, chunk_size=g.chunk_size, scale=g.scale, error_feedback=g.error_feedback,
                              key=key)  # fmt: skip
         return DenseCodec(manifest, weighting=self.weighting, key=key)
+
+    def round_codec(self, codec: Codec, round_index: int) -> Codec:
+        """The codec of the payloads of round ``round_index`` (0-based, the round every region agrees on): what
+        a receiver screens and combines them with, and what sizes their slots. The method's one codec here; a
+        method whose payload changes from round to round (Streaming DiLoCo's fragments) returns that round's
+        and moves ``codec``'s schedule to the round."""
+        return codec
+
+    # a method whose workers keep trained state from one round into the next (Streaming DiLoCo's fragments
+    # that did not sync): a worker given θ whole (healed, or its round rolled back) starts them from θ again
+    keeps_local_state: ClassVar[bool] = False
 
     def outer_settings(self, scenario: ScenarioConfig) -> tuple[float, float]:
         """(lr, momentum) of the outer Nesterov step every worker applies; both runtimes build it from this."""

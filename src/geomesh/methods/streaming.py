@@ -23,12 +23,14 @@ What is not modeled: the paper's overlap of a fragment's exchange with the next 
 overlap machinery (methods/overlap.py) overlaps *whole-model* updates: its eager start and its rebase move
 every tensor onto θ, and its last-round split re-fragments the payload, none of which holds for a model whose
 fragments are at different points of their schedules. So every sync is waited for; the exchange per sync is
-1/F of the model's, which is what the staggering buys here. The distributed runtime refuses the method
-(:attr:`StreamingMethod.distributed_refusal`): its region broadcasts and its apply step hold θ whole.
+1/F of the model's, which is what the staggering buys here.
 
-A worker's place in the schedule lives in its :class:`~geomesh.codec.fragments.FragmentCodec` (and in
-checkpoints with it); a worker that leaves and rejoins would come back off schedule, so membership faults are
-refused in one line.
+A worker's place in the schedule lives in its :class:`~geomesh.codec.fragments.FragmentCodec`. In the emulated
+runtime a worker that leaves and rejoins would come back off schedule, so the scenario's membership faults are
+refused in one line. The distributed runtime (``geomesh launch``, static or elastic) puts every region on the
+round every region agreed on (:meth:`StreamingMethod.round_codec`): round r carries fragment r mod F, its slots
+are that fragment's size and its codec screens them, and a region that was healed or rolled back restarts its
+local fragments from θ (``keeps_local_state``).
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
 from ..codec import Manifest, QuantCodec
 from ..codec.fragments import FragmentCodec
@@ -79,9 +81,8 @@ class StreamingMethod(OuterLoopMethod):
 
     fragments: int = 2
     payload: Literal["fp4", "int8"] = "fp4"
-    distributed_refusal: ClassVar[str] = (
-        "runs in the emulated runtime only (`geomesh train` / `geomesh bench`): the distributed runtime "
-        "broadcasts and steps θ whole, and its fragments are at different points of their schedules")
+
+    keeps_local_state: ClassVar[bool] = True  # the fragments that did not sync this round train on
 
     def interval(self, scenario: ScenarioConfig) -> int:
         """Inner steps between two syncs (H/F); H must be a multiple of F (torchft refuses the same)."""
@@ -103,19 +104,30 @@ class StreamingMethod(OuterLoopMethod):
         return plan_uniform(profiles, scenario.training.batch, self.interval(scenario), exchange_bytes=exchange_bytes,
                             exchange_s=exchange_s, allow_drop=allow_drop)  # fmt: skip
 
-    def make_codec(self, manifest: Manifest, scenario: ScenarioConfig, key: bytes | None = None) -> FragmentCodec:
+    def check(self, scenario: ScenarioConfig) -> None:
         faults = [f.kind for f in getattr(scenario, "faults", None) or [] if f.kind in ("leave", "join")]
         if faults:
             raise ConfigError(f"--method {self.name}: the scenario has {faults[0]} faults; a worker that rejoins "
                               f"cannot tell where the fragments' staggered schedule is (remove the leave/join "
                               f"faults, or run another method)")  # fmt: skip
         self.interval(scenario)
+
+    def make_codec(self, manifest: Manifest, scenario: ScenarioConfig, key: bytes | None = None) -> FragmentCodec:
+        self.check(scenario)
         chunk = _compression(scenario).quant_chunk_size
 
         def make(m: Manifest) -> QuantCodec:
             return QuantCodec(m, fmt=self.payload, chunk_size=chunk, weighting=self.weighting, key=key)
 
         return FragmentCodec(manifest, strided_fragments(manifest, self.fragments), make)
+
+    def round_codec(self, codec: FragmentCodec, round_index: int) -> Any:
+        """Round ``round_index`` carries fragment ``round_index mod F``: its codec (a payload of another fragment
+        is refused by it as a manifest mismatch, and its slots are that fragment's size). ``codec``'s schedule
+        moves to the round, so a region that missed rounds (healed, or its round rolled back) sends what the
+        others send."""
+        codec.syncs = round_index
+        return codec.codecs[codec.current]
 
     def local_phase(self, worker: Worker, steps: int, batch: int, global_params: Tensors, codec: FragmentCodec,
                     lr_at_step: Callable[[int], float]) -> tuple[bytes | None, InnerResult]:  # fmt: skip

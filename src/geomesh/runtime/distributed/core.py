@@ -58,9 +58,7 @@ class RankFailure(RuntimeError):
 def check_distributed_support(scenario: ScenarioConfig, method: Method, elastic: bool = False) -> None:
     """Refuse, in one line, what the distributed runtime cannot run (before any process starts, and on every
     rank): the asynchronous baseline, a sharded ddp baseline, scenario faults the run cannot honour."""
-    refusal = getattr(method, "distributed_refusal", None)  # a method that says it cannot run here
-    if refusal:
-        raise ConfigError(f"--method {method.name}: {refusal}")
+    method.check(scenario)
     if method.kind == "async":
         raise ConfigError(f"--method {method.name}: runs in the emulated runtime only (`geomesh train`); the "
                           "distributed runtime runs ddp and the round-based methods")  # fmt: skip

@@ -414,7 +414,7 @@ class QuorumExchange:
             return shaper_s(self.loop, members)
         shaper = WanShaper(self._wan(members), self.run.options.wan)
         return shaper.allreduce_s(4 * (self.loop.d + 1)) if self.loop.summed else shaper.allgather_s(
-            self.loop.kit.payload_nbytes)  # fmt: skip
+            self.loop.slot_nbytes)  # fmt: skip
 
     def exchange(self, payload: bytes | None, summed: torch.Tensor | None, info: dict[str, Any],
                  members: list[int], round_number: int | None = None) -> Exchanged:  # fmt: skip
@@ -459,7 +459,7 @@ class QuorumExchange:
                 self._note_rejections()
                 infos = [{k: v for k, v in e.items() if k != "payload"} for e in envelopes]
                 gathered = {e["region"]: e["payload"] for e in envelopes}
-                sent += ring_allgather_bytes(self.loop.kit.payload_nbytes, len(envelopes))
+                sent += ring_allgather_bytes(self.loop.slot_nbytes, len(envelopes))
                 arrived = arrivals_digest(gathered, gathered)
             if run.hooks.at("arrived", self.names[self.me], number, rank=run.rank):
                 raise ExchangeFailed("fault hook: the connection broke after the payloads arrived")
@@ -552,7 +552,7 @@ class QuorumExchange:
             run._mark("other")
             t = run.totals
             t["bytes_sent"] += result.wan_bytes * len(infos)
-            t["proxy_bytes_sent"] += self.loop.kit.payload_nbytes * (len(took_part) - len(outcome["dropped"]))
+            t["proxy_bytes_sent"] += self.loop.slot_nbytes * (len(took_part) - len(outcome["dropped"]))
             t["comm_s"] += result.comm_s
             run.round_idle.append(round_idle(infos))
             self._emit({"type": "round", "round": number, "time": run._now(), "tokens": run.tokens_done,

@@ -245,7 +245,7 @@ class StaticExchange:
         if summed is not None:
             summed = run.transport.all_reduce_sum(summed, run.leaders_group)
         else:  # each slot signed for its sender and round: "no update" cannot be forged, nor a slot replayed
-            slots = run.transport.all_gather_payloads(payload, loop.kit.payload_nbytes, run.leaders_group, self.n,
+            slots = run.transport.all_gather_payloads(payload, loop.slot_nbytes, run.leaders_group, self.n,
                                                       run.rounds + 1)  # fmt: skip
             payloads = {k: (s if not isinstance(s, Rejected) else None) for k, s in enumerate(slots)}
         infos = run.transport.all_gather_json(info, run.leaders_group, self.n,

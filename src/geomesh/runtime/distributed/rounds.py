@@ -68,6 +68,9 @@ class RoundLoop:
         self.params = {k: p.detach() for k, p in run.global_model.named_parameters()}
         self.kit = RoundKit.build(method, sc, self.params, key=payload_key(sc))
         self.codec, self.combiner, self.outer = self.kit.codec, self.kit.combiner, self.kit.outer
+        # the codec of the round in progress: what screens and combines its payloads and sizes their slots (the
+        # combiner, or Streaming DiLoCo's fragment of the round: methods/base.py, round_codec)
+        self.round_combiner = self.combiner
         self.d = self.kit.manifest.numel
         # dense contributions are summed by an all-reduce, unless a run key signs them: then the plan shards
         # them (runtime/distributed/sharded.py: signed slices, each owner screens and sums its shard; a ring
@@ -116,6 +119,11 @@ class RoundLoop:
         self._evaluation_due = False  # (elastic plain rounds) the last round's evaluation, run after this quorum
         self._exchange_end: float | None = None
         self._overhead_tail = 0.0
+
+    @property
+    def slot_nbytes(self) -> int:
+        """One gathered payload of the round in progress (its slot's size on the wire)."""
+        return self.round_combiner.payload_nbytes()
 
     @property
     def sharded(self):
@@ -192,6 +200,8 @@ class RoundLoop:
             if view.healed:  # the live state first (its plan loop too), then this round's news, as the others
                 self._evaluation_due = False  # (of the θ it held before: not the run's)
                 self.healed_round_plan = self.exchange.apply_healed(view.state)
+                if method.keeps_local_state:  # (its local state is of rounds the run went on without)
+                    run.worker.load_global(self.params)
                 self.hooks.forget(self.names[self.me])  # (a restarted process healed into the run: not killed again)
             planning = self.planning
             if view.calibration:
@@ -202,6 +212,8 @@ class RoundLoop:
             if run.stopping.spent(run.tokens_done):
                 break
             r = run.rounds  # 0-based index of this round (fault schedule); round records count from 1
+            self.round_combiner = method.round_codec(self.combiner, r)
+            method.round_codec(self.codec, r)  # (what this region sends: the round's, whatever rounds it missed)
             # 2. faults and plan
             effects, new_faults = self.faults.at_round(r, view.members, run._now())
             for record in new_faults:
@@ -478,6 +490,8 @@ class RoundLoop:
         from .owners import OwnerResiduals
 
         run = self.run
+        if self.method.keeps_local_state:  # what the round trained locally is rolled back with it
+            run.worker.load_global(self.params)
         if snapshot is not None:
             if snapshot["codec"] is not None:
                 self.codec.load_state_dict(snapshot["codec"])
@@ -594,7 +608,7 @@ class RoundLoop:
                                                                       device=run.device)  # fmt: skip
             summed = run.transport.broadcast(summed, run.leader, run.region_group)
             return Exchanged(head["infos"], None, summed, head["comm_s"], head["wan_bytes"])
-        nbytes = self.kit.payload_nbytes
+        nbytes = self.slot_nbytes
         packed = torch.zeros(self.n * nbytes, dtype=torch.uint8)
         if run.is_leader:
             for i, p in result.payloads.items():
@@ -636,9 +650,9 @@ class RoundLoop:
                 return {"took_part": took_part, "rejected": [], "dropped": [], "lost": {self.me}, "update": None}
             out = {i for i, _ in rejected}
             arrived, screened_out, dropped = screen_slots(
-                self.combiner, {i: p for i, p in result.payloads.items() if i in took_part and i not in out})
+                self.round_combiner, {i: p for i, p in result.payloads.items() if i in took_part and i not in out})
             rejected += screened_out
-            combined = combine_payloads(self.combiner, list(arrived.values()), self.run.device)
+            combined = combine_payloads(self.round_combiner, list(arrived.values()), self.run.device)
         if combined is not None and not all(bool(torch.isfinite(t).all()) for t in combined.values()):
             rejected.extend((i, "the combined update is not finite") for i in took_part)
             combined = None
