@@ -2,6 +2,8 @@
 
 Usage:  PYTHONPATH=src python bench/chaos_hosts.py --seed N [--runs K] [--methods geomesh,geomesh-overlap]
         [--out /tmp/chaos-hosts/seed-N] [--only I] [--tokens T] [--timeout 360] [--src DIR] [--recheck]
+        (--methods may also name streaming-diloco: its scenario has H=4, two rounds of H/2 steps per DiLoCo round,
+        so give it about half the --tokens for as many rounds)
 
 Each run is one ``geomesh hosts`` bed (:mod:`geomesh.cli.hosts`) of 4 regions, each a host of its own (network
 namespace, address, folder, torchrun), the quorum service alone, GeoMesh's plan loop on (calibration and
@@ -70,7 +72,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from chaos import BenchError, corpus_paths, print_evidence, read_events  # noqa: E402  (bench/chaos.py: the launch matrix)
 
 NAMES = ("r0-h100", "r1-a100", "r2-t4", "r3-l4")
-METHODS = ("geomesh", "geomesh-overlap")
+METHODS = ("geomesh", "geomesh-overlap")  # the default run
+KNOWN = (*METHODS, "streaming-diloco")  # --methods may name these (streaming: H=4, a multiple of its 2 fragments)
 ONE_ROUND = 4 * 5 * 32  # DiLoCo's plan of the scenario: b=4, H=5, 32 tokens per sequence, per region
 ROUNDS = 30  # the budget: about this many rounds of all 4 regions (losses make more, smaller rounds)
 TOKENS = ROUNDS * len(NAMES) * ONE_ROUND
@@ -115,7 +118,7 @@ def draw(seed: int, runs: int, method: str, rounds: int = ROUNDS) -> list[Run]:
     return drawn
 
 
-def scenario(paths: list[str], tokens: int, rtt_ms: float) -> dict:
+def scenario(paths: list[str], tokens: int, rtt_ms: float, inner_steps: int = 5) -> dict:
     """4 elastic regions on the bed: the nano model at sequence 32 (also the timing model), a 512-token
     vocabulary, b=4, H=5, the plan loop on; long links (the exchange waits, using no CPU) so that the run outlasts
     a lost host's restart."""
@@ -128,7 +131,7 @@ def scenario(paths: list[str], tokens: int, rtt_ms: float) -> dict:
         "timing_model": {"n_layers": 2, "hidden": 96, "seq_len": 32, "vocab": 512},
         "model": {"preset": "nano", "seq_len": 32},
         "data": {"paths": paths, "vocab_size": 512, "val_fraction": 0.05},
-        "training": {"tokens": tokens, "batch": 4, "inner_steps": 5, "inner_lr": 0.003, "eval_sequences": 16,
+        "training": {"tokens": tokens, "batch": 4, "inner_steps": inner_steps, "inner_lr": 0.003, "eval_sequences": 16,
                      "zero_shot_items": 0},
         "geomesh": {"min_batch": 1, "min_inner_steps": 1, "chunk_size": 256, "round_sequences_factor": 1.0,
                     "calibrate": True, "replan": True},
@@ -431,7 +434,8 @@ def run_one(run: Run, folder: Path, paths: list[str], args, seed: int) -> dict:
         if folder.exists():
             shutil.rmtree(folder)
         folder.mkdir(parents=True)
-        path.write_text(yaml.safe_dump(scenario(paths, args.tokens, args.rtt)))
+        h = 4 if run.method == "streaming-diloco" else 5
+        path.write_text(yaml.safe_dump(scenario(paths, args.tokens, args.rtt, h)))
         code, out, err, wall = run_bed(argv, folder, args.timeout + 60, args.src)
         (folder / "bed.stdout").write_text(out)
         (folder / "bed.stderr").write_text(err)
@@ -491,8 +495,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     try:
         methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-        if not methods or any(m not in METHODS for m in methods):
-            raise BenchError(f"--methods {args.methods!r}: expected names from {', '.join(METHODS)}")
+        if not methods or any(m not in KNOWN for m in methods):
+            raise BenchError(f"--methods {args.methods!r}: expected names from {', '.join(KNOWN)}")
         if args.runs < 1 or args.timeout <= 60 or args.tokens < 1:
             raise BenchError("--runs and --tokens must be positive, --timeout over 60")
         paths = corpus_paths()

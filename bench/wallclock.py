@@ -2,6 +2,7 @@
 
 Usage:  python bench/wallclock.py [--out runs/bench-wallclock] [--repeats 3] [--time-budget 240]
         [--methods diloco,geomesh,geomesh-overlap,geomesh-sparse,torchft-diloco] [--cpu 0.5,0.25,0.15]
+        (also: geomesh-sparse-overlap, streaming-diloco)
         [--cpu-at [run+]SECONDS] [--mbps 10] [--preset micro] [--seq-len 64] [--batch 8] [--inner-steps 10]
         [--tokens N]
 
@@ -56,7 +57,7 @@ from statistics import median
 import yaml
 
 METHODS = ("diloco", "geomesh", "geomesh-overlap", "geomesh-sparse", "torchft-diloco")  # the default run
-KNOWN = (*METHODS, "geomesh-sparse-overlap")  # --methods may name these
+KNOWN = (*METHODS, "geomesh-sparse-overlap", "streaming-diloco")  # --methods may name these
 NAMES = ("r0-h100", "r1-a100", "r2-t4")
 BASELINES = (("diloco", "diloco"), ("torchft-diloco", "torchft"))  # (method, key): times to its final loss
 
