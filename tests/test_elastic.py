@@ -509,3 +509,24 @@ def test_an_overlapped_elastic_run_rolls_back_a_lone_failure_and_survives_a_kill
     assert summary["tokens"] >= 7680 * 2 and summary["final_val_loss"] is not None
     checksums = summary["param_checksums"]
     assert list(checksums) == ["r0-h100", "r2-t4"] and len(set(checksums.values())) == 1
+
+
+def test_torchft_reports_a_handled_failure_in_one_line_without_its_traceback(capsys):
+    """torchft's Manager logs a failed group set-up with ``logger.exception``; the region handles it (it asks for
+    another quorum) and says so itself: torchft's report stays one line, its traceback is not printed, and what it
+    logs below ERROR is not printed at all."""
+    import logging
+
+    from geomesh.runtime.distributed.torchft_logs import quiet_torchft_logs
+
+    quiet_torchft_logs()
+    quiet_torchft_logs()  # (idempotent: one handler)
+    log = logging.getLogger("torchft.manager")
+    try:
+        raise TimeoutError("wait timeout after 60000ms, keys: /torchft/5/0/0/2")
+    except TimeoutError as exc:
+        log.exception(f"[r1/0 - step 0] got exception in pg configure: {exc}")
+    log.info("quorum formed")
+    err = capsys.readouterr().err
+    assert err == "torchft: [r1/0 - step 0] got exception in pg configure: wait timeout after 60000ms, keys: " \
+                  "/torchft/5/0/0/2\n", err  # fmt: skip

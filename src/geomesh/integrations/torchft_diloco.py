@@ -39,13 +39,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import math
 import os
 import socket
 import sys
 import time
-import warnings
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -159,9 +157,9 @@ class TorchftRegion:
             self.lr_tokens = plan_tokens_in_time(plan, sc.model.seq_len, tr.time_budget_s, tr.batch * sc.model.seq_len)
 
     def connect(self) -> None:
-        os.environ.setdefault("RUST_LOG", "error")
-        logging.getLogger("torchft").setLevel(logging.ERROR)
-        warnings.filterwarnings("ignore", message="The 'warn' method is deprecated")
+        from ..runtime.distributed.torchft_logs import quiet_torchft_logs
+
+        quiet_torchft_logs()
         from torchft.local_sgd import DiLoCo
         from torchft.manager import Manager
         from torchft.process_group import ProcessGroupGloo

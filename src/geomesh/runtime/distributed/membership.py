@@ -54,7 +54,6 @@ import struct
 import sys
 import time
 import uuid
-import warnings
 from contextlib import contextmanager
 from dataclasses import replace
 from datetime import timedelta
@@ -63,6 +62,7 @@ from typing import Any, Callable
 import torch
 
 from .service import QuorumService, hostport, start_lighthouse  # noqa: F401 - (its users import it from here)
+from .torchft_logs import quiet_torchft_logs
 from .frames import (HEAD_NBYTES, Context, Rejected, frame_nbytes, open_frame, pack_pieces, run_trust, seal,
                      split_pieces)
 
@@ -178,11 +178,7 @@ class Membership:
         from a member (a round's envelope with its payload must fit); ``names``: the scenario's region names,
         so that a rejected member is named by the region it is (or claims to be); ``join_timeout_s``: the quorum
         service's join timeout (:func:`join_timeout_s` of the scenario), which one quorum request outlasts."""
-        os.environ.setdefault("RUST_LOG", "error")
-        import logging
-
-        logging.getLogger("torchft").setLevel(logging.ERROR)
-        warnings.filterwarnings("ignore", message="The 'warn' method is deprecated")  # torchft's own logger
+        quiet_torchft_logs()
         from torchft.manager import Manager
         from torchft.process_group import ProcessGroupGloo
 
