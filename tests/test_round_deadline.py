@@ -102,3 +102,44 @@ def test_an_elastic_run_holds_each_exchange_to_the_measured_deadline_and_drops_a
     el = result.summary["elastic"]
     assert el["round_deadline_mode"] == "adaptive" and el["deadlines_s"] == [r["deadline_s"] for r in rounds]
     assert el["regions_at_end"] == ["r0-h100", "r1-a100"]
+
+
+def test_a_quorum_member_missing_at_the_group_set_up_is_given_up_on_before_the_deadline():
+    """A member that died right after its quorum formed never joins the group's set-up: the others give up on it
+    after the set-up's bound (here 1 s), not the round deadline, and ask for the next quorum; a group that did form
+    keeps the deadline for its collectives (here 4 s)."""
+    import socket
+    import threading
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    from geomesh.runtime.distributed.quorum_group import QuorumGroup
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)  # (the quorum's store)
+
+    def group():
+        return QuorumGroup(timeout=timedelta(seconds=4), setup=timedelta(seconds=1))
+
+    alone = group()
+    with pytest.raises(dist.DistStoreError, match="after 1000ms"):  # (the member of rank 1 never comes)
+        alone.configure(f"127.0.0.1:{port}/quorum1", "r0", 0, 2)
+    pair = [group(), group()]
+    both = [threading.Thread(target=pair[k].configure, args=(f"127.0.0.1:{port}/quorum2", f"r{k}", k, 2))
+            for k in range(2)]  # fmt: skip
+    for t in both:
+        t.start()
+    for t in both:
+        t.join()
+    # the group formed and works; its collectives wait the deadline
+    assert all(pg.parent._get_backend(torch.device("cpu")).options._timeout == timedelta(seconds=4) for pg in pair)
+    xs = [torch.ones(3), torch.ones(3)]
+    works = [pg.allreduce([x], dist.AllreduceOptions()) for pg, x in zip(pair, xs)]
+    for w in works:
+        w.wait()
+    assert all(torch.equal(x, torch.full((3,), 2.0)) for x in xs)
+    del server

@@ -180,9 +180,9 @@ class Membership:
         service's join timeout (:func:`join_timeout_s` of the scenario), which one quorum request outlasts."""
         quiet_torchft_logs()
         from torchft.manager import Manager
-        from torchft.process_group import ProcessGroupGloo
 
         from .heal import HealError, HealTransport
+        from .quorum_group import QuorumGroup
 
         check_reachable(lighthouse, min(quorum_timeout_s, 30.0))
         trust = run_trust()
@@ -212,7 +212,7 @@ class Membership:
         self.attempt_s = quorum_attempt_s(join_timeout_s)
         self.lighthouse = lighthouse
         self.min_regions = min_regions
-        self.pg = ProcessGroupGloo(timeout=self.deadline)
+        self.pg = QuorumGroup(timeout=self.deadline)  # (its set-up waits for a dead member SETUP_S, not the deadline)
         # replica ids sort in scenario order (the quorum ranks follow them); torchft appends a fresh uuid, so a
         # restarted region is a new replica of the same name
         with _manager_server_bound_to(bind_ip):
