@@ -115,6 +115,7 @@ def test_a_quorum_member_missing_at_the_group_set_up_is_given_up_on_before_the_d
     import torch
     import torch.distributed as dist
 
+    from geomesh.runtime.distributed.deadline import setup_s
     from geomesh.runtime.distributed.quorum_group import QuorumGroup
 
     with socket.socket() as s:
@@ -126,6 +127,8 @@ def test_a_quorum_member_missing_at_the_group_set_up_is_given_up_on_before_the_d
         return QuorumGroup(timeout=timedelta(seconds=4), setup=timedelta(seconds=1))
 
     alone = group()
+    # 20 s on short links, ten round trips of the slowest on long ones, never past the round deadline
+    assert (setup_s(60, 0.08), setup_s(60, 3.0), setup_s(5, 1.5)) == (20.0, 30.0, 5.0)
     with pytest.raises(dist.DistStoreError, match="after 1000ms"):  # (the member of rank 1 never comes)
         alone.configure(f"127.0.0.1:{port}/quorum1", "r0", 0, 2)
     pair = [group(), group()]

@@ -1,6 +1,7 @@
 """The adaptive round deadline (``reliability.round_deadline_mode: adaptive``): how long an elastic exchange
 waits for a member, from the recent rounds' measured work. Pure: every leader computes it from the same round
-records (which a healed region receives too), so the leaders agree."""
+records (which a healed region receives too), so the leaders agree. And how long a quorum's group set-up waits
+for a member (:func:`setup_s`), which is not the deadline: the members of a quorum meet within round trips."""
 
 from __future__ import annotations
 
@@ -12,6 +13,13 @@ from .exchange import round_work_s
 
 MEASURED_ROUNDS = 3  # rounds measured before an adaptive deadline replaces the fixed one (the first may warm up)
 MIN_SPREAD = 0.1  # the least spread assumed, as a fraction of the median (see adaptive_deadline_s)
+SETUP_S = 20.0  # how long a quorum's group set-up waits for a member that was in the quorum (on short links)
+
+
+def setup_s(deadline_s: float, rtt_s: float) -> float:
+    """How long a quorum's group set-up waits for its members (:mod:`.quorum_group`): :data:`SETUP_S`, or ten round
+    trips of ``rtt_s`` (the slowest declared link's) where that is longer; at most the round deadline."""
+    return min(float(deadline_s), max(SETUP_S, 10.0 * float(rtt_s)))
 
 
 def adaptive_deadline_s(history: list[float], *, multiple: float, floor_s: float, cap_s: float,

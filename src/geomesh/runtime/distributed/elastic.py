@@ -55,7 +55,7 @@ from .agreement import RoundAgreement, RoundHeader, arrivals_digest, commit_deci
 from .elastic_state import RegionState
 from .records import RunRecords
 from .clock import record_spans
-from .deadline import MEASURED_ROUNDS, adaptive_deadline_s, deadline_history
+from .deadline import MEASURED_ROUNDS, adaptive_deadline_s, deadline_history, setup_s
 from .exchange import Exchanged, RoundView, reported_overhead_s, round_idle
 from .layout import RegionLayout, region_layout
 from .membership import (LIGHTHOUSE_ENV, ExchangeFailed, Membership, MembershipError, RunFinished, join_timeout_s,
@@ -145,6 +145,7 @@ class QuorumExchange:
                 store_addr=group_store_host(lighthouse, self.names[self.me]),
                 store_port=int(os.environ.get("MASTER_PORT", "29500")), names=self.names,
                 join_timeout_s=join_timeout_s(self.sc.reliability),
+                setup_s=setup_s(self.deadline_s, max(max(row) for row in self.sc.wan_model().rtt_s)),
             )  # fmt: skip
         except MembershipError as exc:
             raise RunError(str(exc)) from None

@@ -172,12 +172,13 @@ class Membership:
                  quorum_timeout_s: float, state_dict: Callable[[], Any], load_state_dict: Callable[[Any], None],
                  store_addr: str, store_port: int, key: bytes | None = None, run_id: str | None = None,
                  frame_limit: int = DEFAULT_FRAME_LIMIT, names: list[str] | None = None,
-                 join_timeout_s: float = 0.0):  # fmt: skip
+                 join_timeout_s: float = 0.0, setup_s: float | None = None):  # fmt: skip
         """``key``/``run_id``: what frames and healing are signed with (default: this process's
         :func:`~geomesh.runtime.distributed.frames.run_trust`); ``frame_limit``: the largest frame accepted
         from a member (a round's envelope with its payload must fit); ``names``: the scenario's region names,
         so that a rejected member is named by the region it is (or claims to be); ``join_timeout_s``: the quorum
-        service's join timeout (:func:`join_timeout_s` of the scenario), which one quorum request outlasts."""
+        service's join timeout (:func:`join_timeout_s` of the scenario), which one quorum request outlasts;
+        ``setup_s``: how long a quorum's group set-up waits for its members (:func:`.quorum_group.setup_s`)."""
         quiet_torchft_logs()
         from torchft.manager import Manager
 
@@ -212,7 +213,7 @@ class Membership:
         self.attempt_s = quorum_attempt_s(join_timeout_s)
         self.lighthouse = lighthouse
         self.min_regions = min_regions
-        self.pg = QuorumGroup(timeout=self.deadline)  # (its set-up waits for a dead member SETUP_S, not the deadline)
+        self.pg = QuorumGroup(self.deadline, None if setup_s is None else timedelta(seconds=setup_s))
         # replica ids sort in scenario order (the quorum ranks follow them); torchft appends a fresh uuid, so a
         # restarted region is a new replica of the same name
         with _manager_server_bound_to(bind_ip):

@@ -4,10 +4,10 @@ members a bounded time.
 Each quorum re-forms the group: every member publishes its address in the quorum's store and waits for the others'.
 torchft waits with the group's one timeout, the round deadline (60 s by default), so a member that died right after
 the quorum formed held every other member there for the whole deadline before it could ask for a quorum without
-it. Members that answered the same quorum a moment ago meet within seconds (a few round trips); so the set-up waits
-at most :data:`SETUP_S` (never longer than the deadline), and a member that is not there by then is dead or cut
-off: the set-up fails, the region reports it and asks for the next quorum. The group's collectives keep the
-deadline.
+it. Members that answered the same quorum a moment ago meet within a few round trips; so the set-up waits
+:func:`~.deadline.setup_s` (20 s, or ten round trips of the slowest declared link where that is longer, never
+longer than the deadline). A member that is not there by then is dead or cut off: the set-up fails, the region
+reports it and asks for the next quorum. The group's collectives keep the deadline.
 """
 
 from __future__ import annotations
@@ -16,15 +16,14 @@ from datetime import timedelta
 from typing import Any
 
 import torch
-
 from torchft.process_group import ProcessGroupGloo
 
-SETUP_S = 20.0  # how long a group's set-up waits for a member that was in its quorum
+from .deadline import SETUP_S
 
 
 class QuorumGroup(ProcessGroupGloo):
     """torchft's ``ProcessGroupGloo`` whose set-up (the members' rendezvous in the quorum's store) waits at most
-    ``setup`` (default: :data:`SETUP_S`, at most ``timeout``); its collectives wait ``timeout``."""
+    ``setup`` (default: :data:`~.deadline.SETUP_S`; at most ``timeout``); its collectives wait ``timeout``."""
 
     def __init__(self, timeout: timedelta, setup: timedelta | None = None) -> None:
         super().__init__(timeout=timeout)
