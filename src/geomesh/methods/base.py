@@ -41,8 +41,9 @@ class Method:
     kind: Literal["outer", "ddp", "async"]
 
     def check(self, scenario: ScenarioConfig) -> None:
-        """ConfigError (one line) when this method cannot run ``scenario``; both runtimes ask before training
-        (``geomesh launch`` before any process starts)."""
+        """ConfigError (one line) when this method cannot run ``scenario``: the distributed runtime asks before any
+        process starts (:func:`~geomesh.runtime.distributed.core.check_distributed_support`), a method's codec when
+        it is made."""
 
 
 @dataclass(frozen=True)
