@@ -16,8 +16,9 @@ Two implementations: :class:`StaticExchange`, the leaders' ``torch.distributed``
 come back and are healed).
 
 Payloads travel as the raw bytes their codec wrote (one size per round, the round codec's: the same every round,
-or Streaming DiLoCo's fragment of the round; an absent update is a slot of zeros); round infos are JSON. Nothing a peer sends is unpickled, and nothing is trusted before the loop
-screens it: a bad payload costs its sender's update this round, never the run.
+or Streaming DiLoCo's fragment of the round; an absent update is a slot of zeros); round infos are JSON. Nothing
+a peer sends is unpickled, and nothing is trusted before the loop screens it: a bad payload costs its sender's
+update this round, never the run.
 """
 
 from __future__ import annotations

@@ -178,7 +178,7 @@ class Membership:
         from a member (a round's envelope with its payload must fit); ``names``: the scenario's region names,
         so that a rejected member is named by the region it is (or claims to be); ``join_timeout_s``: the quorum
         service's join timeout (:func:`join_timeout_s` of the scenario), which one quorum request outlasts;
-        ``setup_s``: how long a quorum's group set-up waits for its members (:func:`.quorum_group.setup_s`)."""
+        ``setup_s``: how long a quorum's group set-up waits for its members (:func:`.deadline.setup_s`)."""
         quiet_torchft_logs()
         from torchft.manager import Manager
 

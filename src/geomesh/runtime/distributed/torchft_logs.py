@@ -24,9 +24,6 @@ class OneLine(logging.Formatter):
 class ToStderr(logging.StreamHandler):
     """A handler that writes to whatever ``sys.stderr`` is when a record comes (as logging's last resort does)."""
 
-    def __init__(self) -> None:
-        super().__init__()
-
     @property
     def stream(self):  # type: ignore[override]
         return sys.stderr
