@@ -24,19 +24,34 @@ def geomesh_cache(tmp_path_factory) -> Path:
     return cache
 
 
-@pytest.fixture(autouse=True)
-def ranks_from_a_zygote(request, monkeypatch):
+@pytest.fixture(scope="session", autouse=True)
+def ranks_from_a_zygote():
     """Ranks that a launch in this process starts are forked from a process that imported torch once
-    (tests/rank_zygote.py): the same command, without paying torch's import per rank. A test that finds its
-    ranks by their /proc environment (or that watches how they are started) is marked ``exec_ranks``;
+    (tests/rank_zygote.py): the same command, without paying torch's import per rank. Session-wide, so the
+    launches that module fixtures make are forked too (a function fixture would patch after them).
     ``GEOMESH_TEST_EXEC_RANKS=1`` starts every rank the product's way."""
-    if request.node.get_closest_marker("exec_ranks") or os.environ.get("GEOMESH_TEST_EXEC_RANKS") == "1":
+    if os.environ.get("GEOMESH_TEST_EXEC_RANKS") == "1":
+        yield
         return
     import rank_zygote
 
     from geomesh.cli import ranks
 
-    monkeypatch.setattr(ranks, "start_rank", rank_zygote.start_rank)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(ranks, "start_rank", rank_zygote.start_rank)
+        yield
+
+
+@pytest.fixture(autouse=True)
+def exec_ranks_where_marked(request, monkeypatch):
+    """A test that finds its ranks by their /proc environment (or that watches how they are started) is marked
+    ``exec_ranks``: its ranks start the product's way."""
+    if request.node.get_closest_marker("exec_ranks"):
+        import rank_zygote
+
+        from geomesh.cli import ranks
+
+        monkeypatch.setattr(ranks, "start_rank", rank_zygote.product_start_rank)
 
 
 @pytest.fixture(scope="session")
