@@ -14,6 +14,7 @@ import json
 
 import pytest
 import torch
+from conftest import QUICK_CALIBRATION
 from test_sharded_sparse_distributed import TOKENS, _launch
 
 from geomesh.network import WanModel
@@ -164,6 +165,9 @@ def test_overlapped_sharded_launch_as_users_run_it(tmp_path, small_corpus, elast
     assert [e["round"] for e in rounds] == list(range(1, s["rounds"] + 1))
     warned = [e for e in events if e.get("type") == "warning"]
     assert [w["worker"] for w in warned] == ["r2-t4"] and "slice of shard" in warned[0]["message"]
+    (calibration,) = [e for e in events if e.get("type") == "calibration"]  # in the scenario's short windows
+    assert {(p["extra"]["window_s"], p["extra"]["budget_s"]) for p in calibration["profiles"].values()} == {
+        (QUICK_CALIBRATION["calibration_window_s"], QUICK_CALIBRATION["calibration_budget_s"])}  # fmt: skip
     checksums = s["param_checksums"]  # per rank (static runs) or per region (elastic ones)
     assert len(checksums) == (4 if elastic else 5)
     assert len(set(checksums.values() if isinstance(checksums, dict) else checksums)) == 1

@@ -20,7 +20,7 @@ import uuid
 import pytest
 import torch
 import yaml
-from conftest import tiny_scenario_dict
+from conftest import sustained_calibration, tiny_scenario_dict
 from test_elastic import MEASURED_ENV, fixed_profiles, processes, start, wait_for_round
 
 from geomesh.cli import launch as cli_launch
@@ -30,8 +30,11 @@ from geomesh.telemetry import read_events
 QUOTA_REASON = quota_unavailable_reason()
 
 
-def write(tmp_path, small_corpus, gpus=("A100", "A100", "A100"), elastic=False, training=None, **geomesh):
+def write(tmp_path, small_corpus, gpus=("A100", "A100", "A100"), elastic=False, training=None, sustained=False,
+          **geomesh):  # fmt: skip
     data = tiny_scenario_dict(small_corpus, gpus, **(training or {}))
+    if sustained:
+        sustained_calibration(data)
     data["geomesh"].update({"calibrate": False, "replan": True, **geomesh})
     if elastic:
         data["reliability"] = {"min_regions": 2, "round_deadline_s": 120}
@@ -88,7 +91,7 @@ def test_regions_slowed_mid_run_are_replanned(tmp_path, small_corpus, elastic):
 def test_wrong_datasheet_gpus_are_balanced_by_calibration(tmp_path, small_corpus):
     """H100, A100 and T4 declared, processes that all run at one speed: the datasheet plan gives the 'H100' several
     times the T4's work; calibrated in place, round 0's plan is close to even."""
-    path = write(tmp_path, small_corpus, gpus=("H100", "A100", "T4"), calibrate=True, replan=False)
+    path = write(tmp_path, small_corpus, gpus=("H100", "A100", "T4"), calibrate=True, replan=False, sustained=True)
     plans = {}
     for name, extra in (("datasheet", ["--no-calibrate"]), ("calibrated", [])):
         out = tmp_path / name
@@ -100,7 +103,10 @@ def test_wrong_datasheet_gpus_are_balanced_by_calibration(tmp_path, small_corpus
         plans[name] = [e["plan"] for e in read_events(out / "events.jsonl") if e["type"] == "plan"][-1]
         if name == "calibrated":
             assert set(result.summary["calibration_s"]) == {"r0-h100", "r1-a100", "r2-t4"}
-            assert [e for e in read_events(out / "events.jsonl") if e["type"] == "calibration"]
+            (calibration,) = [e for e in read_events(out / "events.jsonl") if e["type"] == "calibration"]
+            # the scenario's windows (the product's: geomesh.calibration_window_s, geomesh.calibration_budget_s)
+            assert {(p["extra"]["window_s"], p["extra"]["budget_s"]) for p in calibration["profiles"].values()} == {
+                (0.5, 10.0)}  # fmt: skip
     spread = {k: work(p, "r0-h100") / work(p, "r2-t4") for k, p in plans.items()}
     assert spread["datasheet"] > 2.5 and spread["calibrated"] < spread["datasheet"] / 2, spread
 

@@ -186,6 +186,11 @@ class GeoMeshConfig:
     # the distributed runtime measures each region's step time in place before round 0 and plans from that
     # (a region given --profile keeps its file); false: plan from the datasheet model (a fast start)
     calibrate: bool = True
+    # a timed sample of the calibration lasts at least this long (seconds): five periods of a 100 ms CPU quota,
+    # so throttling is inside it; longer for GPUs whose boost clock lasts seconds (src/geomesh/profiler.py)
+    calibration_window_s: float = 0.5
+    # a larger micro-batch, or a table measured again, starts only while it fits this many seconds of the start
+    calibration_budget_s: float = 10.0
     # the WAN measured in place (docs/distributed.md, "The WAN measured"): every exchange is a measurement of the
     # links, the plan's exchange time comes from the measured WAN and the round is re-planned when it drifts; the
     # declared WAN is the prior. false, or calibrate: false (--no-calibrate): the declared WAN throughout
@@ -617,6 +622,10 @@ def validate(cfg: ScenarioConfig) -> ScenarioConfig:
     _require(0 < g.replan_threshold < 10, "geomesh.replan_threshold", g.replan_threshold, "expected (0, 10)")
     _require(0 <= g.replan_smoothing < 1, "geomesh.replan_smoothing", g.replan_smoothing, "expected [0, 1)")
     _require(0 <= g.replan_noise_k <= 10, "geomesh.replan_noise_k", g.replan_noise_k, "expected [0, 10]")
+    _require(_number(g.calibration_window_s) and 0 < g.calibration_window_s <= 60, "geomesh.calibration_window_s",
+             g.calibration_window_s, "expected (0, 60] seconds")  # fmt: skip
+    _require(_number(g.calibration_budget_s) and 0 < g.calibration_budget_s <= 3600, "geomesh.calibration_budget_s",
+             g.calibration_budget_s, "expected (0, 3600] seconds")  # fmt: skip
     _require(g.overlap_start in ("own", "mixture", "stale"), "geomesh.overlap_start", g.overlap_start,
              "expected 'own', 'mixture' or 'stale'")  # fmt: skip
     _require(g.overlap_tail_fragments is None or (isinstance(g.overlap_tail_fragments, int)

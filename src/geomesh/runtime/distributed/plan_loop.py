@@ -230,7 +230,9 @@ class PlanLoop:
         top = max([self.tr.batch, *(w.micro_batch for w in datasheet.workers)])
         worker = self.run.worker
         cap = getattr(worker, "max_proxy_micro_batch", None)
-        cal = calibrate_worker(worker, default_micro_batches(top, cap * worker.size if cap else None, self.tr.batch))
+        g = self.plan_sc.geomesh
+        cal = calibrate_worker(worker, default_micro_batches(top, cap * worker.size if cap else None, self.tr.batch),
+                               window_s=g.calibration_window_s, budget_s=g.calibration_budget_s)  # fmt: skip
         return {"profile": cal.profile.to_json(), "seconds": cal.seconds}
 
     def use_calibration(self, shared: dict[int, dict[str, Any] | None]) -> None:
