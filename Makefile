@@ -25,18 +25,18 @@ $(STAMP): pyproject.toml Makefile
 #   collection order, not reordered by their number of tests);
 # - beside them, the tests marked waits (elastic runs whose processes mostly wait on purpose: they would hold a
 #   worker's core idle): the hosts test bed's (marked bed), two at a time (each bed is network namespaces,
-#   addresses and CPU groups of its own; hosts that compute are held to CPU quotas), and the others one at a
-#   time (on this machine's loopback, where two at once could pick the same free port); their output follows
-#   the workers'.
+#   addresses and CPU groups of its own; hosts that compute are held to CPU quotas), and the others two at a
+#   time too (on this machine's loopback: two launches never pick the same free port, transport.reserve_port);
+#   their output follows the workers'.
 WAITS_LOG := .pytest-waits.log
 BED_LOG := .pytest-bed.log
 
 test: $(STAMP)
 	@$(PY) -m pytest -q -p no:cacheprovider -n 2 --dist load -m "waits and bed" > $(BED_LOG) 2>&1 & bed=$$!; \
-	$(PY) -m pytest -q -p no:cacheprovider -m "waits and not bed" > $(WAITS_LOG) 2>&1 & waits=$$!; \
+	$(PY) -m pytest -q -p no:cacheprovider -n 2 --dist load -m "waits and not bed" > $(WAITS_LOG) 2>&1 & waits=$$!; \
 	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder -m "not waits"; workers=$$?; \
 	wait $$waits; waited=$$?; wait $$bed; bedded=$$?; \
-	echo "tests marked waits (one at a time, beside the workers):"; cat $(WAITS_LOG); \
+	echo "tests marked waits (two at a time, beside the workers):"; cat $(WAITS_LOG); \
 	echo "tests marked waits on the hosts test bed (two at a time, beside the workers):"; cat $(BED_LOG); \
 	test $$workers -eq 0 && test $$waited -eq 0 && test $$bedded -eq 0
 

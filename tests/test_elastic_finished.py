@@ -25,7 +25,7 @@ def region_cmd(path: Path, folder: Path, region: str, port: str, tag: str) -> tu
            "MASTER_PORT": str(_port()), "GEOMESH_REGION": region, "OMP_NUM_THREADS": "1", KEY_ENV: KEY,
            "TORCHFT_LIGHTHOUSE": f"http://127.0.0.1:{port}", "GEOMESH_ADVERTISE_HOST": "127.0.0.1", TAG_ENV: tag}
     cmd = [sys.executable, "-m", "geomesh.run", str(path), "--method", "geomesh-sign-only", "--out",
-           str(folder / region), "--tokens", str(3 * 640), "--timeout", "60", "--quiet"]  # fmt: skip
+           str(folder / region), "--tokens", str(3 * 640), "--timeout", "30", "--quiet"]  # fmt: skip
     return cmd, env
 
 
@@ -37,7 +37,7 @@ def test_a_region_started_after_the_run_finished_exits_at_once_with_one_line(tmp
     tag = uuid.uuid4().hex
     try:
         procs = {}
-        for region in ("r0-h100", "r1-a100"):  # (they wait --timeout for r2-t4 at the start, then go on)
+        for region in ("r0-h100", "r1-a100"):  # (they wait --timeout, 30 s, for r2-t4 at the start, then go on)
             cmd, env = region_cmd(path, tmp_path, region, port, tag)
             procs[region] = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE,
                                              stderr=subprocess.PIPE, text=True)  # fmt: skip
@@ -53,7 +53,7 @@ def test_a_region_started_after_the_run_finished_exits_at_once_with_one_line(tmp
     lines = [ln for ln in late.stdout.splitlines() if "finished" in ln]
     assert len(lines) == 1 and "the run finished at round" in lines[0] and "without this region" in lines[0], late
     assert "r0-h100" in lines[0] and "r1-a100" in lines[0]
-    # (without the board it waits its --timeout for a quorum and exits 1 with "no quorum ... within 60s")
+    # (without the board it waits its --timeout for a quorum and exits 1 with "no quorum ... within 30s")
     assert "no quorum" not in late.stderr
 
 
