@@ -152,23 +152,44 @@ def pytest_collection_modifyitems(config, items):
 
 def ranks_with_keys(path, out, method: str, tokens: int, keys: list[str], key_env: str = "GEOMESH_TEST_RUN_KEY"):
     """A static run started rank by rank (``python -m geomesh.run``, one process per region, as a deployment
-    starts them), rank i with run key ``keys[i]`` in ``key_env``: (their exit codes, their stderr)."""
+    starts them, through :func:`geomesh.cli.ranks.start_rank`: forked from the rank zygote in a test), rank i with
+    run key ``keys[i]`` in ``key_env``: (their exit codes, their output)."""
     import socket
-    import subprocess
     import sys
+    import threading
+
+    from geomesh.cli import ranks
+    from geomesh.runtime.lifeline import LIFELINE_ENV, Lifeline
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     src = str(Path(__file__).resolve().parents[1] / "src")
-    procs = []
-    for rank, key in enumerate(keys):
-        env = {**os.environ, "PYTHONPATH": src, "RANK": str(rank), "WORLD_SIZE": str(len(keys)),
-               "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
-               key_env: key}  # fmt: skip
-        env.pop("GEOMESH_REGION", None)
-        procs.append(subprocess.Popen([sys.executable, "-m", "geomesh.run", str(path), "--method", method, "--out",
-                                       str(out), "--tokens", str(tokens), "--quiet", "--timeout", "60"],
-                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))  # fmt: skip
-    errs = [p.communicate(timeout=240)[1] for p in procs]
-    return [p.returncode for p in procs], errs
+    lifeline, procs = Lifeline(), []
+    try:
+        for rank, key in enumerate(keys):
+            env = {**os.environ, "PYTHONPATH": src, "RANK": str(rank), "WORLD_SIZE": str(len(keys)),
+                   "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                   "OMP_NUM_THREADS": "1", key_env: key, LIFELINE_ENV: str(lifeline.read_fd)}  # fmt: skip
+            env.pop("GEOMESH_REGION", None)
+            cmd = [sys.executable, "-m", "geomesh.run", str(path), "--method", method, "--out", str(out), "--tokens",
+                   str(tokens), "--quiet", "--timeout", "60"]  # fmt: skip
+            procs.append(ranks.start_rank(cmd, env, lifeline.read_fd, None))
+        logs = [""] * len(procs)
+
+        def read(i: int) -> None:  # (each pipe drained at once: a rank blocked on a full pipe would hold the others)
+            logs[i] = procs[i].stdout.read()
+
+        readers = [threading.Thread(target=read, args=(i,), daemon=True) for i in range(len(procs))]
+        for t in readers:
+            t.start()
+        for p in procs:
+            p.wait(timeout=240)
+        for t in readers:
+            t.join(timeout=30)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                ranks.kill(p)
+        lifeline.close()
+    return [p.returncode for p in procs], logs

@@ -71,7 +71,9 @@ def test_sigkill_every_process_then_resume_is_bit_identical(tmp_path, small_corp
     out = tmp_path / "run"
     tag = uuid.uuid4().hex
     env = {**os.environ, "PYTHONPATH": SRC, "OMP_NUM_THREADS": "1", TAG_ENV: tag}
-    cmd = [sys.executable, "-m", "geomesh.cli", *argv(path, out, "--checkpoint-every", "1", "--keep", "2")]
+    # (its ranks forked from a zygote, tests/zygote_launch.py: their /proc environment is the zygote's, tagged too)
+    cmd = [sys.executable, str(Path(__file__).with_name("zygote_launch.py")),
+           *argv(path, out, "--checkpoint-every", "1", "--keep", "2")]  # fmt: skip
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 240
     try:
@@ -87,7 +89,7 @@ def test_sigkill_every_process_then_resume_is_bit_identical(tmp_path, small_corp
             except ProcessLookupError:
                 pass
         proc.wait(timeout=30)
-    assert proc.returncode == -9 and len(pids) == 4  # the launcher and its 3 ranks
+    assert proc.returncode == -9 and len(pids) == 5  # the launcher, the zygote and the 3 ranks it forked
     assert not (out / "summary.json").exists()  # it really was interrupted
     for _ in range(100):  # the kernel reaps the orphaned ranks
         if not tagged_pids(tag):

@@ -93,10 +93,14 @@ def processes(tag: str, region: str | None = None) -> list[int]:
     return found
 
 
-def start(cmd: list[str], tag: str, out: Path, extra_env: dict[str, str] | None = None) -> subprocess.Popen:
+def start(cmd: list[str], tag: str, out: Path, extra_env: dict[str, str] | None = None,
+          forked: bool = False) -> subprocess.Popen:  # fmt: skip
+    """``geomesh CMD`` as a process of its own, its environment tagged. ``forked``: its ranks are forked from a
+    zygote (tests/zygote_launch.py): for a test that kills all of the tag's processes, not one region's."""
     env = {**{k: v for k, v in os.environ.items() if k != "GEOMESH_REGION"}, "PYTHONPATH": SRC,
            "OMP_NUM_THREADS": "1", TAG_ENV: tag, **(extra_env or {})}  # the launcher must not look like a region's
-    return subprocess.Popen([sys.executable, "-m", "geomesh.cli", *cmd], env=env, stdout=subprocess.PIPE,
+    entry = [str(Path(__file__).with_name("zygote_launch.py"))] if forked else ["-m", "geomesh.cli"]
+    return subprocess.Popen([sys.executable, *entry, *cmd], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)  # fmt: skip
 
 

@@ -37,7 +37,7 @@ def test_sigkill_every_region_then_resume_is_bit_identical(tmp_path, small_corpu
     assert "elastic" not in done.summary
     out, tag = tmp_path / "run", uuid.uuid4().hex
     cmd = [*argv(path, out, 7680, ranks=ranks), "--checkpoint-every", "1"]
-    proc = start(cmd, tag, out)
+    proc = start(cmd, tag, out, forked=True)
     try:
         deadline = time.monotonic() + 240
         while not all((out / "checkpoints" / r / "round-000002").is_dir() for r in ("r0-h100", "r1-a100", "r2-t4")):

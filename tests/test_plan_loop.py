@@ -12,8 +12,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 import uuid
 
@@ -142,7 +140,7 @@ def test_a_resumed_run_plans_as_the_uninterrupted_one(tmp_path, small_corpus):
     assert any(r > 3 and why.startswith("the WAN measured") for r, why in reasons[1:]), reasons
     out, tag = tmp_path / "run", uuid.uuid4().hex
     cmd = [*base, "--out", str(out), "--checkpoint-every", "1", "--keep", "2"]
-    proc = start(cmd, tag, out, RESUMED_WAN_ENV)
+    proc = start(cmd, tag, out, RESUMED_WAN_ENV, forked=True)
     try:
         deadline = time.monotonic() + 240
         while not (out / "checkpoints" / "round-000003").is_dir():
@@ -165,10 +163,9 @@ def test_a_resumed_run_plans_as_the_uninterrupted_one(tmp_path, small_corpus):
     assert all(online["history"][n] for n in online["factors"]) and set(online["level"]) == set(online["factors"])
     assert loop["wan"]["observations"] == 4 + 2  # the probes, the exchanges of rounds 1 and 2
     assert loop["wire"]["wire_round"] == 3 and loop["wire"]["wire_s"] > 0
-    env = {**os.environ, "OMP_NUM_THREADS": "1", **RESUMED_WAN_ENV}
-    resumed = subprocess.run([sys.executable, "-m", "geomesh.cli", *cmd, "--resume"], env=env, capture_output=True,
-                             text=True, timeout=300)  # fmt: skip
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    resumed = cli_launch.launch(cli_launch.build_parser().parse_args([*cmd, "--resume"]),
+                                extra_env={"OMP_NUM_THREADS": "1", **RESUMED_WAN_ENV})  # fmt: skip
+    assert resumed.code == 0, resumed.message
     summary = json.loads((out / "summary.json").read_text())
     assert summary["replans"] == done.summary["replans"] == len(reasons)
     assert summary["wan_measured"] == done.summary["wan_measured"]
