@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -126,11 +127,13 @@ def hang_at(region: str, point: str, round_number: int) -> dict[str, str]:
 
 
 def kill_hung_region(tag: str, out: Path, proc: subprocess.Popen, region: str, ranks: list[int], point: str,
-                     round_number: int, timeout: float = 180) -> list[dict]:  # fmt: skip
+                     round_number: int, timeout: float = 180, forked: bool = False) -> list[dict]:  # fmt: skip
     """Once every rank of ``region`` (launch ranks ``ranks``) says in its log that it hung at ``point`` of round
     ``round_number`` (:func:`hang_at`), SIGKILL them (:func:`kill_region`): a region lost at a known point of a
     round, not wherever the test's poll happens to land (a kill during the commit vote lets some survivors commit
-    the round and the others heal from them: an outcome the test would be asserting on a race)."""
+    the round and the others heal from them: an outcome the test would be asserting on a race). ``forked``: a
+    launch whose ranks a zygote forked (``start(..., forked=True)``): the processes the hook lines name are
+    killed, and nothing is returned (their /proc identity is the zygote's: they cannot be started again from it)."""
     line = f"fault hook: hang at {point} of round {round_number} ({region}"
     deadline = time.monotonic() + timeout
     logs = [out / "logs" / f"rank{k}.log" for k in ranks]
@@ -138,7 +141,23 @@ def kill_hung_region(tag: str, out: Path, proc: subprocess.Popen, region: str, r
         assert proc.poll() is None, proc.communicate()[1][-3000:]
         assert time.monotonic() < deadline, f"{region} never reached {point} of round {round_number}"
         time.sleep(0.05)
-    return kill_region(tag, region)
+    if not forked:
+        return kill_region(tag, region)
+    pattern = re.escape(line) + r", rank \d+, pid (\d+)\)"
+    pids = {int(pid) for f in logs for pid in re.findall(pattern, f.read_text(errors="replace"))}
+    assert len(pids) == len(ranks), (region, pids)
+    for pid in pids:
+        os.kill(pid, signal.SIGKILL)  # (hung: alive until killed)
+    return []
+
+
+def gone_within(tag: str, seconds: float) -> list[int]:
+    """The processes tagged ``tag`` still there ``seconds`` after the test's launch ended (a zygote that forked
+    its ranks ends when its launcher does, moments later)."""
+    deadline = time.monotonic() + seconds
+    while (left := processes(tag)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return left
 
 
 def kill_region(tag: str, region: str) -> list[dict]:
@@ -183,15 +202,15 @@ def test_survivors_that_did_not_touch_the_lost_region_are_not_held_to_the_deadli
                     round_deadline_s=600)  # fmt: skip
     out, tag = tmp_path / "run", uuid.uuid4().hex
     proc = start([*argv(path, out, 7680 * 2, method=method, ranks="2,1,1,1"), "--timeout", "120"], tag, out,
-                 extra_env=hang_at("r2-v100", "send", 3))  # fmt: skip
+                 extra_env=hang_at("r2-v100", "send", 3), forked=True)  # fmt: skip
     try:  # (lost mid-round: its inner steps done, its payload not sent, the others in the exchange)
-        kill_hung_region(tag, out, proc, "r2-v100", [3], "send", 3)
+        kill_hung_region(tag, out, proc, "r2-v100", [3], "send", 3, forked=True)
         killed_at = time.monotonic()
         stdout, stderr = launch_output_or_stacks(proc, tag, out, 240)
         took = time.monotonic() - killed_at
     finally:
         proc.kill()
-        left = processes(tag)  # the launcher has exited: every rank should have too
+        left = gone_within(tag, 10)  # the launcher has exited: every rank should have too
         kill_all(tag)  # on a failure, no rank outlives the test
     assert proc.returncode == 0, stderr[-3000:]
     assert took < 120, f"the survivors waited {took:.0f}s: someone sat out the round deadline"
@@ -487,9 +506,10 @@ def test_an_overlapped_elastic_run_rolls_back_a_lone_failure_and_survives_a_kill
     path = scenario(tmp_path, small_corpus, slowdown=2.0, plan_loop=True)
     out, tag = tmp_path / "run", uuid.uuid4().hex
     proc = start(argv(path, out, 7680 * 2, method="geomesh-overlap"), tag, out,
-                 extra_env={"GEOMESH_TEST_LOSE_EXCHANGE": "r0-h100:2", **hang_at("r1-a100", "send", 6)})  # fmt: skip
+                 extra_env={"GEOMESH_TEST_LOSE_EXCHANGE": "r0-h100:2", **hang_at("r1-a100", "send", 6)},
+                 forked=True)  # fmt: skip
     try:  # (lost with its round 6 trained and its exchange not launched, round 5's in flight)
-        kill_hung_region(tag, out, proc, "r1-a100", [1], "send", 6)
+        kill_hung_region(tag, out, proc, "r1-a100", [1], "send", 6, forked=True)
         stdout, stderr = launch_output_or_stacks(proc, tag, out, 240)
     finally:
         proc.kill()

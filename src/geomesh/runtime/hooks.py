@@ -128,8 +128,9 @@ class FaultHooks:
             if not due or (f.region is not None and f.region != region) or (f.rank is not None and f.rank != rank):
                 continue
             f.fired = True
-            print(f"fault hook: {f.action} at {point} of round {round_number} ({region}, rank {rank})",
-                  file=sys.stderr, flush=True)  # fmt: skip
+            # (the pid: a harness kills the process the line names, whichever way the process was started)
+            print(f"fault hook: {f.action} at {point} of round {round_number} ({region}, rank {rank}, pid "
+                  f"{os.getpid()})", file=sys.stderr, flush=True)  # fmt: skip
             if f.action == "lose":
                 lose = True
                 continue
