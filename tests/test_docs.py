@@ -381,7 +381,10 @@ def test_the_tutorial_runs_on_the_hosts_bed(tmp_path, small_corpus):
                                   ["bash", "-c", _on_the_bed(region_blocks[name])], dict(env))  # fmt: skip
             bed.hosts.append(host)
             hosts.append(host)
-        time.sleep(1.0)  # (the quorum service binds first)
+        deadline = time.monotonic() + 120  # the quorum service listens first (it says so)
+        while "listening on" not in (quorum_dir / "quorum.log").read_text(errors="replace"):
+            assert time.monotonic() < deadline and bed.quorum.poll() is None, (quorum_dir / "quorum.log").read_text()
+            time.sleep(0.1)
         for h in hosts:
             h.start()
         lost = hosts[1]
@@ -389,8 +392,11 @@ def test_the_tutorial_runs_on_the_hosts_bed(tmp_path, small_corpus):
         while max((e.get("round", 0) for e in _records(hosts[0].folder) if e.get("type") == "round"), default=0) < 2:
             assert time.monotonic() < deadline and all(h.proc.poll() is None for h in hosts), _tail(hosts)
             time.sleep(0.5)
-        lost.kill()  # the region is lost, every process of it ...
-        time.sleep(2.0)
+        lost.kill()  # the region is lost, every process of it, and the others see it ...
+        deadline = time.monotonic() + 300
+        while not any(e.get("type") == "leave" and e.get("region") == lost.name for e in _records(hosts[0].folder)):
+            assert time.monotonic() < deadline and hosts[0].proc.poll() is None, _tail(hosts)
+            time.sleep(0.2)
         lost.start()  # ... and its block is run again, unchanged
         assert hosts_mod.wait_all(hosts, 600), "the run did not end in time\n" + _tail(hosts)
         assert [h.proc.returncode for h in hosts] == [0] * len(hosts), _tail(hosts)
