@@ -30,10 +30,11 @@ def ranks_from_a_zygote():
     (tests/rank_zygote.py): the same command, without paying torch's import per rank. Session-wide, so the
     launches that module fixtures make are forked too (a function fixture would patch after them).
     ``GEOMESH_TEST_EXEC_RANKS=1`` starts every rank the product's way."""
-    if os.environ.get("GEOMESH_TEST_EXEC_RANKS") == "1":
+    import rank_zygote
+
+    if os.environ.get(rank_zygote.EXEC_RANKS_ENV) == "1":
         yield
         return
-    import rank_zygote
 
     from geomesh.cli import ranks
 

@@ -36,6 +36,7 @@ import time
 from geomesh.cli.ranks import start_rank as product_start_rank  # bound before the tests replace it
 
 RANK_MODULE = "geomesh.run"
+EXEC_RANKS_ENV = "GEOMESH_TEST_EXEC_RANKS"  # "1": every rank starts the product's way (tests/conftest.py)
 MAX_MESSAGE = 1 << 20  # a request: the command and its environment
 
 
