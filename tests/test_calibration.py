@@ -82,8 +82,10 @@ def test_the_measured_profile_plans_the_region(tiny_scenario):
     assert profile.extra["memory_max_micro_batch"] == worker.max_proxy_micro_batch
     assert profile.extra["seq_len"] == sc.model.seq_len and profile.extra["calibration_s"] == result.seconds
     assert "peak_memory_bytes" not in profile.extra  # CUDA only
-    # how well the medians are known: the planner's measure of what the table can tell apart
-    assert 0 <= profile.extra["table_noise"] < 1 and table_noise(profile) == profile.extra["table_noise"]
+    # how well the medians are known: the planner's measure of what the table can tell apart (its size is the
+    # machine's: one-step samples on a busy one scatter by more than 2x)
+    noise = profile.extra["table_noise"]
+    assert math.isfinite(noise) and noise >= 0 and table_noise(profile) == noise
     # as a `geomesh profile` file would be: it round-trips and plans the region in place of the cost model
     assert WorkerProfile.from_json(profile.to_json()).table == profile.table
     profiles = sc.worker_profiles({sc.regions[1].name: profile})
