@@ -10,7 +10,7 @@ import math
 
 import pytest
 import yaml
-from conftest import tiny_scenario_dict
+from conftest import sustained_calibration, tiny_scenario_dict
 
 from geomesh.cli import launch as cli_launch
 from geomesh.hardware import WorkerProfile
@@ -160,7 +160,8 @@ def test_a_static_run_plans_the_evaluating_region_less_work(tmp_path, small_corp
     region 0 evaluates θ after every round (128 sequences), and keeps the run's records. Its rounds' overhead,
     measured, re-plans the run: region 0 computes less than the others, and the records carry every region's
     overhead."""
-    data = tiny_scenario_dict(small_corpus, ("A100", "A100", "A100"), eval_sequences=128)
+    # (the product's calibration windows: the re-plans read the overhead against the calibrated compute)
+    data = sustained_calibration(tiny_scenario_dict(small_corpus, ("A100", "A100", "A100"), eval_sequences=128))
     data["geomesh"].update({"calibrate": True, "replan": True})
     path = tmp_path / "scenario.yaml"
     path.write_text(yaml.safe_dump(data))
