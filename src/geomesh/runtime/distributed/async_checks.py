@@ -3,7 +3,8 @@ before any process starts (``geomesh launch`` checks it, and every rank again at
 
 - elastic regions (``--min-regions``): refused. The parameter server's θ lives on one rank; a torchft quorum has
   nothing to agree on when regions never meet, and a lost server would lose θ (not built; docs/reliability.md);
-- scenario faults: refused (the loop injects none; the emulated twin ignores them with a warning);
+- scenario faults: refused, but ``corrupt`` (a remote region's push damaged on the wire; ``at_round`` is the
+  region's push number, 0-based: the server rejects it and drops that update only);
 - a time budget: refused (the token budget ends the run: the server counts the tokens that reached θ);
 - ``fsdp`` regions: refused (θ is whole on every rank: pulls and pushes carry all of it);
 - checkpoints: none are written (in-flight, stale work is not checkpointable here, as in the twin): a cadence is
@@ -23,10 +24,14 @@ def check_async_support(scenario: ScenarioConfig, method: Method, elastic: bool)
     if elastic:
         raise ConfigError(f"{name}: not with elastic regions (reliability.min_regions / --min-regions): its "
                           "parameter server runs in one static world; run it without --min-regions")  # fmt: skip
-    if scenario.faults:
-        kinds = ", ".join(sorted({f.kind for f in scenario.faults}))
-        raise ConfigError(f"{name}: the scenario has faults ({kinds}); the distributed asynchronous loop does not "
-                          "inject them (remove the scenario's faults)")  # fmt: skip
+    others = sorted({f.kind for f in scenario.faults if f.kind != "corrupt"})
+    if others:
+        raise ConfigError(f"{name}: the scenario has faults ({', '.join(others)}); the distributed asynchronous loop "
+                          "injects only corrupt (a region's push damaged on the wire; remove the others)")  # fmt: skip
+    server = [f.region for f in scenario.faults if f.region == scenario.regions[0].name]
+    if server:
+        raise ConfigError(f"{name}: a corrupt fault of region {server[0]}, the parameter server's, whose pushes do "
+                          "not cross the WAN (name another region)")  # fmt: skip
     if scenario.training.time_budget_s is not None:
         raise ConfigError(f"{name}: not with a time budget (--time-budget, training.time_budget_s); give it a token "
                           "budget (--tokens)")  # fmt: skip

@@ -73,6 +73,8 @@ class RegionCycle:
         self.comm_s = 0.0  # seconds of push and pull, all cycles
         self.last_comm_s = 0.0
         self.cycles = 0
+        # the scenario's corrupt faults: (the region's push number, 0-based; the region) damaged on the wire
+        self.corrupt = {(f.at_round, f.region) for f in sc.faults if f.kind == "corrupt"}
 
     def run_cycles(self) -> None:
         run, tr = self.run, self.run.scenario.training
@@ -127,7 +129,8 @@ class RegionCycle:
         since = time.perf_counter()
         body = {"delta": None if delta is None else {k: v.to("cpu") for k, v in delta.items()}, "info": info}
         run.transport.op = f"push {number} of region {self.name} to the parameter server"
-        buf = pack(PUSH, body, region=self.me, number=number, sender=run.rank, width=self.width)
+        damaged = (number, self.name) in self.corrupt
+        buf = pack(PUSH, body, region=self.me, number=number, sender=run.rank, width=self.width, damaged=damaged)
         dist.send(buf, dst=self.server_rank, group=self.group)
         self.sent += self.width
         run.transport.op = f"pull {number} of region {self.name} from the parameter server"
@@ -198,6 +201,7 @@ def run_async(run: RankRun) -> dict[str, Any]:
     fields = run._exchange_fields(width, 4 * sum(t.numel() for t in params.values()), 4 * sc.timing().params,
                                   shaper_s, "push_pull")  # fmt: skip
     fields.update({"server": names[method.server], "dyLU_inner_steps": dict(zip(names, steps)),
-                   "async_order": order_name,
+                   "async_order": order_name, "tokens_lost": run.tokens_lost,
+                   "rejected_payloads": int(run.telemetry.counters.get("rejected_payloads", 0)),
                    "cycles": {n: i["cycles"] for n, i in zip(names, leaders)} if leaders else None})  # fmt: skip
     return fields

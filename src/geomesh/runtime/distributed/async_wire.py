@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from ..faults import corrupt_payload
 from .frames import HEAD_NBYTES, Context, Opened, Rejected, frame_nbytes, open_frame, run_trust, seal
 from .heal import _tensor_layout
 
@@ -35,12 +36,16 @@ def message_width(params: dict[str, torch.Tensor]) -> int:
     return biggest + JSON_SLACK
 
 
-def pack(kind: str, body: dict[str, Any], *, region: int, number: int, sender: int, width: int) -> torch.Tensor:
+def pack(kind: str, body: dict[str, Any], *, region: int, number: int, sender: int, width: int,
+         damaged: bool = False) -> torch.Tensor:  # fmt: skip
     """``body`` as a ``kind`` frame of ``region``'s push ``number`` from global rank ``sender``, zero-padded to
-    ``width`` bytes (a uint8 tensor, ready for a point-to-point send)."""
+    ``width`` bytes (a uint8 tensor, ready for a point-to-point send); ``damaged``: one byte of it flipped after
+    signing (the scenario's ``corrupt`` fault: damage on the wire)."""
     trust = run_trust()
     frame = seal(body, ctx=Context(run_id=trust.run_id, kind=kind, round=number, scope=region), sender=sender,
                  key=trust.key).to_bytes()  # fmt: skip
+    if damaged:
+        frame = corrupt_payload(frame)
     if len(frame) > width:
         raise ValueError(f"an {kind} frame of {len(frame)} bytes, wider than the run's {width}")
     out = torch.zeros(width, dtype=torch.uint8)
