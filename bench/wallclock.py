@@ -57,7 +57,8 @@ from statistics import median
 import yaml
 
 METHODS = ("diloco", "geomesh", "geomesh-overlap", "geomesh-sparse", "torchft-diloco")  # the default run
-KNOWN = (*METHODS, "geomesh-sparse-overlap", "streaming-diloco")  # --methods may name these
+KNOWN = (*METHODS, "geomesh-sparse-overlap", "streaming-diloco", "async-local-sgd")  # --methods may name these
+TOKEN_BUDGET_ONLY = ("async-local-sgd",)  # its parameter server ends the run on tokens, not on a time budget
 NAMES = ("r0-h100", "r1-a100", "r2-t4")
 BASELINES = (("diloco", "diloco"), ("torchft-diloco", "torchft"))  # (method, key): times to its final loss
 
@@ -501,6 +502,9 @@ def run(args: argparse.Namespace) -> int:
         raise BenchError(f"--methods {args.methods!r}: expected some of {', '.join(KNOWN)}")
     if args.repeats < 1 or (args.tokens is None and not 0 < args.time_budget < math.inf) or args.mbps <= 0:
         raise BenchError("--repeats >= 1, --time-budget > 0 seconds and --mbps > 0 expected")
+    untimed = [m for m in methods if m in TOKEN_BUDGET_ONLY]
+    if untimed and args.tokens is None:
+        raise BenchError(f"--methods {','.join(untimed)}: runs under a token budget only; give --tokens N")
     cpu = parse_cpu(args.cpu)
     if args.cpu_at is not None and not parse_at(args.cpu_at):
         raise BenchError(f"--cpu-at {args.cpu_at!r}: expected SECONDS or run+SECONDS (at least 0)")

@@ -108,7 +108,10 @@ def test_the_table_shows_the_median_and_range_over_repeats_and_missing_runs():
 
 @pytest.mark.parametrize("args, line", [
     (["--methods", "diloco,ddp"], "error: --methods 'diloco,ddp': expected some of diloco, geomesh, geomesh-overlap, "
-                                  "geomesh-sparse, torchft-diloco, geomesh-sparse-overlap, streaming-diloco"),
+                                  "geomesh-sparse, torchft-diloco, geomesh-sparse-overlap, streaming-diloco, "
+                                  "async-local-sgd"),
+    (["--methods", "diloco,async-local-sgd"], "error: --methods async-local-sgd: runs under a token budget only; "
+                                              "give --tokens N"),
     (["--cpu", "1,0.5"], "error: --cpu '1,0.5': expected 3 core counts, r0,r1,r2 (or none)"),
     (["--repeats", "0"], "error: --repeats >= 1, --time-budget > 0 seconds and --mbps > 0 expected"),
 ])  # fmt: skip

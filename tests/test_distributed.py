@@ -281,7 +281,7 @@ def test_a_dead_rank_stops_the_others_with_a_clear_error(tmp_path, small_corpus)
         (["--nproc", "0"], "--nproc 0"),
         (["--nproc", "4"], "does not fit"),
         (["--nproc", "3", "--wan", "carrier-pigeon"], "--wan 'carrier-pigeon'"),
-        (["--nproc", "3", "--method", "async-local-sgd"], "runs in the emulated runtime only"),
+        (["--nproc", "3", "--method", "async-local-sgd", "--min-regions", "2"], "not with elastic regions"),
         (["--nproc", "3", "--method", "sgd9000"], "unknown method 'sgd9000'"),
         (["--nproc", "3", "--ranks-per-region", "1,x"], "--ranks-per-region"),
         (["--nproc", "3", "--set", "training.tokens=-1"], "training.tokens"),

@@ -81,6 +81,12 @@ def _check(args: argparse.Namespace):
         if reason:
             raise RunError(f"--wan netns: {reason}; use --wan shaper")
     check_distributed_support(scenario, method, elastic=_elastic(args, scenario))
+    if method.kind == "async":  # (runtime/distributed/async_checks.py: --resume refused, checkpoints warned about)
+        from ..runtime.distributed.async_checks import check_async_launch
+
+        note = check_async_launch(scenario, method, resume=bool(args.resume))
+        if note:
+            print(note, file=sys.stderr, flush=True)
     if _elastic(args, scenario):
         if args.wan == "netns":
             raise ConfigError("--wan netns: not with elastic regions (min_regions >= 1); use --wan shaper or none")

@@ -55,7 +55,8 @@ def _one_of(allowed: tuple[str, ...]) -> Callable[[str], str | None]:
 
 RUN_ARGS: list[RunArg] = [
     RunArg("scenario", "a preset name or a YAML file (the same on every rank)"),
-    RunArg("--method", "ddp, diloco, geomesh or another round-based method (`geomesh train --help`)", required=True),
+    RunArg("--method", "ddp, diloco, geomesh, another round-based method (`geomesh train --help`) or "
+           "async-local-sgd", required=True),
     RunArg("--out", "run folder (written by rank 0): summary.json, events.jsonl", required=True, type=Path,
            option="out_dir"),
     RunArg("--tokens", "token budget (the same as --set training.tokens=N)", type=int, field="training.tokens"),
@@ -90,6 +91,10 @@ RUN_ARGS: list[RunArg] = [
     RunArg("--profile", "a measured profile for a region", action="append", metavar="REGION=FILE",
            option="profiles"),
     RunArg("--save-params", "rank 0 writes DIR/final_params.pt", action="store_true", option="save_params"),
+    RunArg("--async-order", "async-local-sgd: the order in which the parameter server applies the regions' pushes: "
+           "arrival (as they arrive, default) or modeled (the emulated run's order of modeled arrivals, waiting for "
+           "each region's turn: the same θ as `geomesh train`, bit for bit)", default="arrival",
+           option="async_order", check=_one_of(("arrival", "modeled"))),
     RunArg("--quiet", "no progress lines", action="store_true"),
     RunArg("--resume", "continue the interrupted run in --out from its newest checkpoint (same command)",
            action="store_true", option="resume"),

@@ -60,6 +60,7 @@ class DistOptions(CommonOptions):
     save_params: bool = False  # rank 0 writes out_dir/final_params.pt (the global model's state_dict)
     elastic_region: str | None = None  # elastic: this world is this region's ranks only
     lighthouse: str | None = None  # elastic: the quorum service (default $TORCHFT_LIGHTHOUSE)
+    async_order: str = "arrival"  # async-local-sgd: the server applies pushes as they arrive, or "modeled"
 
 
 def resolve_run(options: CommonOptions, scenario: ScenarioConfig) -> tuple[int, int, float | None]:

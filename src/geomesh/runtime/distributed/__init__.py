@@ -39,7 +39,8 @@ checksum to rank 0, which alone writes ``events.jsonl``, ``summary.json`` and ``
 Modules
 -------
 This package's ``__init__`` only picks the loop for the run (:class:`DistributedRun`): :mod:`.rounds`
-(round-based methods), :mod:`.ddp` (the DDP baseline) or :mod:`.elastic` (elastic regions), all over
+(round-based methods), :mod:`.ddp` (the DDP baseline), :mod:`.async_loop` (the asynchronous baseline, with its
+parameter server :mod:`.async_server`) or :mod:`.elastic` (elastic regions), all over
 :mod:`.core` (set-up, clock, records, checkpoints, summary), :mod:`.layout` (ranks and regions),
 :mod:`.region` (a region's worker), :mod:`.transport` and :mod:`.checkpoints`.
 """
@@ -48,6 +49,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from .async_loop import run_async
 from .ddp import run_ddp
 from .rounds import run_rounds
 from .core import (
@@ -79,4 +81,6 @@ class DistributedRun(RankRun):
     def _run_loop(self) -> dict[str, Any]:
         if self.method.kind == "ddp":
             return run_ddp(self)
+        if self.method.kind == "async":
+            return run_async(self)
         return run_rounds(self)

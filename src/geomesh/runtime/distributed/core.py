@@ -35,6 +35,7 @@ from ...telemetry import Telemetry, write_json_atomic
 from ...worker import resolve_precision
 from ..checkpoint_state import truncate_events
 from ..hooks import HOOKS_ENV, LEGACY, FaultHooks, HooksError
+from .async_checks import check_async_support
 from .clock import WallClock, record_spans
 from .checkpoints import DistCheckpointError, check_resume, fingerprint
 from .folder import prepare_shared_run_dir
@@ -57,11 +58,11 @@ class RankFailure(RuntimeError):
 
 def check_distributed_support(scenario: ScenarioConfig, method: Method, elastic: bool = False) -> None:
     """Refuse, in one line, what the distributed runtime cannot run (before any process starts, and on every
-    rank): the asynchronous baseline, a sharded ddp baseline, scenario faults the run cannot honour."""
+    rank): what the asynchronous baseline cannot do, a sharded ddp baseline, scenario faults the run cannot
+    honour."""
     method.check(scenario)
     if method.kind == "async":
-        raise ConfigError(f"--method {method.name}: runs in the emulated runtime only (`geomesh train`); the "
-                          "distributed runtime runs ddp and the round-based methods")  # fmt: skip
+        return check_async_support(scenario, method, elastic)  # (runtime/distributed/async_checks.py)
     if method.kind == "ddp":
         sharded = [r.name for r in scenario.regions if r.strategy == "fsdp"]
         if sharded:

@@ -39,6 +39,16 @@ class WanShaper:
             return self._latency_only(2 * (self.wan.n - 1))
         return self.wan.allreduce_s(nbytes)
 
+    def push_pull_s(self, i: int, j: int, nbytes: int) -> float:
+        """A push of ``nbytes`` from region ``i`` to region ``j`` and the pull of as many back (the asynchronous
+        baseline's exchange): two one-way transfers of latency + bytes / bandwidth (none inside one region)."""
+        if self.mode == "none" or i == j:
+            return 0.0
+        one_way = self.wan.rtt_s[i][j] / 2
+        if self.mode == "latency":
+            return 2 * one_way
+        return 2 * (one_way + nbytes / self.wan.bandwidth_Bps[i][j])
+
     def _latency_only(self, ring_steps: int) -> float:
         return max(0, ring_steps) * self.wan.ring_step_s(0.0)
 

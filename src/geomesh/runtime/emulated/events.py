@@ -3,7 +3,6 @@ time, where a worker's update lands at the parameter server when its upload arri
 
 from __future__ import annotations
 
-import heapq
 import warnings
 from typing import Any
 
@@ -21,41 +20,35 @@ class EventsLoop(EmulatedCore):
     def _run_async(self, cluster: Cluster) -> dict[str, Any]:
         """An event queue ordered by modeled time: a worker's update lands when its upload arrives at the
         parameter server, computed from the (by then stale) parameters it pulled when it started."""
-        from ...methods.async_local_sgd import AsyncLocalSGDMethod, dynamic_local_updates
+        from ...methods.async_local_sgd import (NO_CHECKPOINTS, AsyncLocalSGDMethod, dynamic_local_updates,
+                                                modeled_arrivals, modeled_cycle)
         from ...outer import DelayedNesterov
-        from ...planner import split_batch
 
         method: AsyncLocalSGDMethod = self.method  # type: ignore[assignment]
         if self.scenario.faults:
             warnings.warn(f"{method.name}: the emulated runtime does not inject faults into the asynchronous "
                           f"baseline; the scenario's {len(self.scenario.faults)} fault(s) are ignored")  # fmt: skip
         if self.checkpoint_every > 0:
-            warnings.warn(f"{method.name}: no checkpoints are written (its in-flight, stale work is not "
-                          f"checkpointable here); the run cannot be resumed")  # fmt: skip
+            warnings.warn(f"{method.name}: {NO_CHECKPOINTS}")
         tr = self.scenario.training
         n = len(cluster.workers)
         params = cluster.global_params
         outer = DelayedNesterov(params, lr=tr.outer_lr, momentum=tr.outer_momentum, n_workers=n, c=method.c)
-        wan = self.scenario.actual_wan_model()  # the cluster's WAN (the declared one unless wan.actual says not)
         fp32_bytes = 4 * self.scenario.timing().params
         steps = dynamic_local_updates(cluster.profiles, tr.batch, tr.inner_steps)
         plan = plan_uniform(cluster.profiles, tr.batch, tr.inner_steps)
         for wp, h in zip(plan.workers, steps):
             wp.inner_steps = h
         self._record_plan(plan)
-        splits = [split_batch(tr.batch, p.max_micro_batch) for p in cluster.profiles]
-        compute = [h * p.step_s(*sp) for h, p, sp in zip(steps, cluster.profiles, splits)]
-        # one transfer of the fp32 buffer between a worker and the server (zero for the server's own region)
-        transfer = [0.0 if i == method.server else wan.rtt_s[i][method.server] / 2
-                    + fp32_bytes / wan.bandwidth_Bps[i][method.server] for i in range(n)]  # fmt: skip
+        compute, transfer = modeled_cycle(self.scenario, cluster.profiles, steps, method.server)
+        order = modeled_arrivals(compute, transfer)  # the event queue: arrivals by modeled time
         seq = self.scenario.model.seq_len
         names = self._names()
         spans: list[tuple[str, str, float, float, int]] = []
         deltas: list[dict[str, torch.Tensor] | None] = [None] * n
-        queue: list[tuple[float, int]] = []
 
         def start(i: int, t: float) -> None:
-            """Worker i pulls θ at time t, trains, and its upload will arrive at the server later."""
+            """Worker i pulls θ at time t, trains, and its upload will arrive at the server later (``order``)."""
             worker, h = cluster.workers[i], steps[i]
             begin = self.tokens_done
             tokens = h * tr.batch * seq
@@ -68,13 +61,12 @@ class EventsLoop(EmulatedCore):
             deltas[i] = worker.pseudo_gradient(params) if result.finite else None
             spans.append((names[i], "compute", t, t + compute[i], self.rounds))
             spans.append((names[i], "comm_wait", t + compute[i], t + compute[i] + transfer[i], self.rounds))
-            heapq.heappush(queue, (t + compute[i] + transfer[i], i))
 
         for i in range(n):
             start(i, 0.0)
         last_loss = self._evaluate(cluster)
         while self.tokens_done < self.budget:
-            arrival, i = heapq.heappop(queue)
+            arrival, i = next(order)
             self.clock = arrival
             if deltas[i] is not None:
                 outer.step(deltas[i])
