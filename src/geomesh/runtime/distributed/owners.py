@@ -1,7 +1,7 @@
 """The shard owners' error-feedback residuals in a distributed checkpoint: a leader that owns a shard of a
 re-sparsified sparse exchange (:class:`~geomesh.codec.sharded_sparse.ShardedSparseExchange`) keeps what its
 combined shard left out, and a resumed run's owners must send what the uninterrupted run's would. Saved and
-restored by :class:`~geomesh.runtime.distributed.checkpoints.RunCheckpointer`; the layouts are the round
+restored by :class:`~geomesh.runtime.distributed.run_checkpoint.RunCheckpointer`; the layouts are the round
 loop's (:mod:`.sharded`)."""
 
 from __future__ import annotations

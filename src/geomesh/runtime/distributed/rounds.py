@@ -41,7 +41,7 @@ from ...methods.overlap import round_compute_s
 from ...planner import Plan
 from ..faults import RoundFaults, corrupt_payload, optimizer_finite, poisoned
 from ..payloads import combine_payloads, screen_payload, screen_slots
-from .checkpoints import RunCheckpointer
+from .run_checkpoint import RunCheckpointer
 from .core import RankRun
 from .exchange import Exchanged, StaticExchange, wait_for_slowest_s
 from .plan_loop import PlanLoop
