@@ -410,7 +410,7 @@ class QuorumExchange:
         if len(members) < 2:
             return 0.0
         if self.loop.sharded is not None:  # the sharded exchange of these members (runtime/distributed/sharded.py)
-            from .sharded import shaper_s
+            from .sharded_loop import shaper_s
 
             return shaper_s(self.loop, members)
         shaper = WanShaper(self._wan(members), self.run.options.wan)
@@ -441,7 +441,7 @@ class QuorumExchange:
         try:
             since = time.perf_counter()
             if self.loop.sharded is not None and summed is None:
-                from .sharded import quorum_sharded_exchange
+                from .sharded_loop import quorum_sharded_exchange
 
                 sharded = quorum_sharded_exchange(self, payload, info, deadline)
                 infos = sharded["infos"]
