@@ -58,8 +58,8 @@ from .clock import record_spans
 from .deadline import MEASURED_ROUNDS, adaptive_deadline_s, deadline_history, setup_s
 from .exchange import Exchanged, RoundView, reported_overhead_s, round_idle
 from .layout import RegionLayout, region_layout
-from .membership import (LIGHTHOUSE_ENV, ExchangeFailed, Membership, MembershipError, RunFinished, join_timeout_s,
-                         group_store_host)  # fmt: skip
+from .membership import ExchangeFailed, Membership, RunFinished
+from .service import LIGHTHOUSE_ENV, MembershipError, group_store_host, join_timeout_s
 from .wan_shaper import WanShaper, ring_allgather_bytes, ring_allreduce_bytes
 
 __all__ = ["QuorumExchange", "RegionLayout", "adaptive_deadline_s", "deadline_history", "region_layout"]
