@@ -310,7 +310,7 @@ def test_a_hung_region_misses_the_deadline_and_is_left_out(tmp_path, small_corpu
     deadline (the quorum service's join timeout too) is longer than QUORUM_ATTEMPT_S: when each quorum request
     was shorter than the join timeout, every request restarted the service's wait for the hung region (alive,
     never asking), and no quorum formed until --timeout."""
-    from geomesh.runtime.distributed.membership import QUORUM_ATTEMPT_S
+    from geomesh.runtime.distributed.service import QUORUM_ATTEMPT_S
 
     path = scenario(tmp_path, small_corpus, round_deadline_s=QUORUM_ATTEMPT_S + 1)
     out = tmp_path / "run"
@@ -385,7 +385,7 @@ def test_regions_running_different_jobs_stop_with_one_error_each(tmp_path, small
     """Two regions started by hand (as two torchruns would) with different seeds: the header exchange over the
     quorum compares a hash of scenario, method, seed and budget; the odd region stops with one line, and the
     other, now short of min_regions, stops when its quorum times out. Nothing hangs."""
-    from geomesh.runtime.distributed.membership import start_lighthouse
+    from geomesh.runtime.distributed.service import start_lighthouse
 
     path = scenario(tmp_path, small_corpus)
     lighthouse = start_lighthouse(2, 20.0)

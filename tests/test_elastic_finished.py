@@ -15,7 +15,7 @@ from test_elastic import SRC, TAG_ENV, kill_all, scenario
 from test_trust_elastic import KEY_ENV, _port
 
 from geomesh.runtime.distributed.board import RunBoard
-from geomesh.runtime.distributed.membership import start_lighthouse
+from geomesh.runtime.distributed.service import start_lighthouse
 
 KEY = "the run's secret, 32 bytes long!"
 

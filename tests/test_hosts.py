@@ -274,7 +274,7 @@ def test_a_region_advertising_loopback_to_a_quorum_service_elsewhere_is_one_line
     with a store timeout and C++ frames). On one machine (the quorum service on loopback too) it is right."""
     import socket
 
-    from geomesh.runtime.distributed.membership import ADVERTISE_ENV, MembershipError, group_store_host
+    from geomesh.runtime.distributed.service import ADVERTISE_ENV, MembershipError, group_store_host
 
     monkeypatch.delenv(ADVERTISE_ENV, raising=False)
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")

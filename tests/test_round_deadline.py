@@ -13,7 +13,7 @@ import pytest
 
 from geomesh.config import ConfigError, ReliabilityConfig, _validate_reliability
 from geomesh.runtime.distributed.deadline import MEASURED_ROUNDS, adaptive_deadline_s, deadline_history
-from geomesh.runtime.distributed.membership import join_timeout_s
+from geomesh.runtime.distributed.service import join_timeout_s
 
 RULE = {"multiple": 4.0, "floor_s": 1.0, "cap_s": 60.0, "window": 8}
 

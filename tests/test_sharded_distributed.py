@@ -292,7 +292,7 @@ def test_elastic_regions_take_the_plan_s_sharded_exchange():
     from geomesh.config import load_scenario
     from geomesh.methods import get_method
     from geomesh.methods.base import RoundKit, proxy_manifest
-    from geomesh.runtime.distributed.sharded import layout_for, loop_exchange
+    from geomesh.runtime.distributed.sharded_loop import layout_for, loop_exchange
 
     sc = load_scenario("default", {"geomesh.exchange": "sharded"})
     m = get_method("geomesh")

@@ -84,7 +84,7 @@ def test_a_region_lost_in_the_middle_of_the_sharded_exchange(tmp_path, small_cor
     never sent (the test hook): the survivors' next collective fails, so the round does not commit; they roll
     it back (the owners' residuals too), re-form the quorum and train the round again with two shards; the
     failed attempt's tokens are lost, and the survivors agree on θ."""
-    from geomesh.runtime.distributed.sharded import TEST_KILL_ENV
+    from geomesh.runtime.distributed.sharded_loop import TEST_KILL_ENV
 
     path = sharded_scenario(tmp_path / "s", small_corpus, "sharded", bits=8)
     out = tmp_path / "run"

@@ -158,7 +158,7 @@ def run_regions_by_hand(path: Path, folder: Path, tokens: int, keys: dict[str, s
     each region's exit code and stderr."""
     from test_elastic import TAG_ENV, stderr_or_stacks
 
-    from geomesh.runtime.distributed.membership import start_lighthouse
+    from geomesh.runtime.distributed.service import start_lighthouse
 
     lighthouse = start_lighthouse(2, 20.0)
     port = lighthouse.address().rsplit(":", 1)[-1].strip("/")

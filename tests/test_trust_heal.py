@@ -302,7 +302,8 @@ def _listening() -> dict[int, str]:
 def test_a_leader_s_servers_listen_on_the_advertised_address_only(monkeypatch):
     from torch.distributed import TCPStore
 
-    from geomesh.runtime.distributed.membership import Membership, start_lighthouse
+    from geomesh.runtime.distributed.membership import Membership
+    from geomesh.runtime.distributed.service import start_lighthouse
 
     monkeypatch.setenv("GEOMESH_ADVERTISE_HOST", "127.0.0.1")
     lighthouse = start_lighthouse(1, 10.0)
@@ -321,13 +322,13 @@ def test_a_leader_s_servers_listen_on_the_advertised_address_only(monkeypatch):
 
 
 def test_a_cluster_lighthouse_needs_the_address_to_listen_on(monkeypatch, capsys):
-    from geomesh.runtime.distributed import membership
+    from geomesh.runtime.distributed import service
 
     monkeypatch.delenv("GEOMESH_ADVERTISE_HOST", raising=False)
-    assert membership.main(["--min-regions", "2"]) == 2
+    assert service.main(["--min-regions", "2"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: --host: the address to listen on is needed")
-    assert membership.main(["--min-regions", "2", "--host", "no-such-host.invalid"]) == 2
+    assert service.main(["--min-regions", "2", "--host", "no-such-host.invalid"]) == 2
     assert "does not resolve on this host" in capsys.readouterr().err
 
 

@@ -23,6 +23,7 @@ from geomesh import checkpoint as ckpt
 from geomesh.cli import launch as cli_launch
 from geomesh.errors import CheckpointError
 from geomesh.runtime.distributed import checkpoints as dist_checkpoint
+from geomesh.runtime.distributed import resume as dist_resume
 
 
 class RunsCode:
@@ -162,9 +163,9 @@ def test_the_run_key_signs_the_marker(tmp_path):
     marker["files"]["rank-0.json"] = ckpt.file_digest(folder / "rank-0.json")
     (folder / "geomesh.json").write_text(json.dumps(marker))
     with pytest.warns(UserWarning, match=r"round-000002.*tag does not match.*previous intact checkpoint \(round 1\)"):
-        round_index, _, _ = dist_checkpoint.check_resume(tmp_path, {}, tmp_path, key=key)
+        round_index, _, _ = dist_resume.check_resume(tmp_path, {}, tmp_path, key=key)
     assert round_index == 1
-    assert dist_checkpoint.check_resume(tmp_path, {}, tmp_path)[0] == 2  # without the key: the hashes match
+    assert dist_resume.check_resume(tmp_path, {}, tmp_path)[0] == 2  # without the key: the hashes match
 
 
 def test_a_truncated_file_is_skipped_and_none_intact_is_one_error(tmp_path):
@@ -173,10 +174,10 @@ def test_a_truncated_file_is_skipped_and_none_intact_is_one_error(tmp_path):
     distcp = next(folder.glob("*.distcp"))
     distcp.write_bytes(distcp.read_bytes()[:10])
     with pytest.warns(UserWarning, match="has 10 bytes, its marker says"):
-        assert dist_checkpoint.check_resume(tmp_path, {}, tmp_path)[0] == 1
+        assert dist_resume.check_resume(tmp_path, {}, tmp_path)[0] == 1
     (tmp_path / "round-000001" / "rank-0.json").unlink()
     with pytest.raises(dist_checkpoint.DistCheckpointError, match="no intact checkpoint.*rank-0.json is missing"):
-        dist_checkpoint.check_resume(tmp_path, {}, tmp_path)
+        dist_resume.check_resume(tmp_path, {}, tmp_path)
 
 
 def test_an_older_unhashed_checkpoint_is_refused(tmp_path):

@@ -215,7 +215,7 @@ def cmd_hosts(args: argparse.Namespace) -> int:
     from ..config import load_scenario, parse_overrides
     from ..methods import get_method
     from ..testbed.hosts import HostsBed, wait_all
-    from ..runtime.distributed.membership import join_timeout_s
+    from ..runtime.distributed.service import join_timeout_s
     from ..testbed.quotas import QuotaError, quota_unavailable_reason
     from ..testbed.netns import NetnsError, netns_unavailable_reason
 

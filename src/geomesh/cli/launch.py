@@ -95,7 +95,8 @@ def _check(args: argparse.Namespace):
 
     key = payload_key(scenario)  # a missing or short run key: one error before anything starts
     if args.resume:  # refused before anything in the run folder is touched
-        from ..runtime.distributed.checkpoints import DistCheckpointError, check_resume, fingerprint
+        from ..runtime.distributed.checkpoints import DistCheckpointError
+        from ..runtime.distributed.resume import check_resume, fingerprint
 
         seed, tokens = scenario.training.seed, scenario.training.tokens
         run_id = (read_lock(Path(args.out)) or {}).get("run_id")

@@ -25,7 +25,7 @@ from .run_args import rank_argv
 
 
 def launch_elastic(args: argparse.Namespace, env: dict[str, str], scenario, layout) -> LaunchResult:
-    from ..runtime.distributed.membership import ADVERTISE_ENV, LIGHTHOUSE_ENV, join_timeout_s, start_lighthouse
+    from ..runtime.distributed.service import ADVERTISE_ENV, LIGHTHOUSE_ENV, join_timeout_s, start_lighthouse
 
     min_regions = scenario.reliability.min_regions
     # every region of a launch is on this machine: the quorum service listens on loopback only

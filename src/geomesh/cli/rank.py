@@ -109,7 +109,8 @@ def _main(args: argparse.Namespace) -> int:
         from ..config import ConfigError, load_scenario, parse_overrides
         from ..methods import get_method
         from ..runtime.distributed import DistributedRun, parse_ranks_per_region, rank_layout
-        from ..runtime.distributed.membership import MembershipError, RunFinished
+        from ..runtime.distributed.membership import RunFinished
+        from ..runtime.distributed.service import MembershipError
 
         validate(args)
         scenario = load_scenario(args.scenario, parse_overrides(scenario_overrides(args)))

@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..network import WanModel
-from ..runtime.distributed.membership import ADVERTISE_ENV, LIGHTHOUSE_ENV
+from ..runtime.distributed.service import ADVERTISE_ENV, LIGHTHOUSE_ENV
 from .netns import Bridge, NetnsError, ip, namespace_pids, rate_bit, set_up
 from .quotas import CpuQuotas, QuotaError
 

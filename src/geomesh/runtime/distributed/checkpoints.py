@@ -1,6 +1,7 @@
-"""Checkpoints of the distributed runtime, written and read with ``torch.distributed.checkpoint`` (DCP).
-This file is long because writing, verifying and reading a checkpoint are one format: what is written, what is
-checked before anything is read, and what is restored sit together so that none of them drifts from the others.
+"""The checkpoint folder of the distributed runtime, written, verified and read with ``torch.distributed.checkpoint``
+(DCP): what is written, what is checked before anything is read, and what is restored are one format and sit
+together here, so that none of them drifts from the others. What a run's ranks put into a checkpoint is
+:mod:`.run_checkpoint`; which checkpoint a resumed run starts from is :mod:`.resume`.
 
 A checkpoint is a folder ``<run folder>/checkpoints/round-NNNNNN/`` that holds the tensors, written by DCP
 (its ``.metadata`` and one or more ``__<rank>_<k>.distcp`` files), every rank's other state as JSON
@@ -15,7 +16,7 @@ Nothing is deserialised before it is verified, and nothing in a checkpoint can r
 
 - on ``--resume`` every rank checks the newest checkpoint's files against the marker (sizes, hashes, the
   tag) and the ranks agree on the verdict; a damaged or changed one is skipped by all of them together, with a
-  warning, for the previous intact one (:func:`check_resume`); none intact is one error;
+  warning, for the previous intact one (:func:`.resume.check_resume`); none intact is one error;
 - DCP's ``.metadata`` is a pickle: it is read once into memory, its hash checked against the marker, and only
   then unpickled, by an unpickler that builds DCP's own metadata classes, ``torch.Size``, dtypes and paths
   and nothing else (:class:`_MetadataUnpickler`); every file it points to must be one the marker lists;
@@ -24,23 +25,6 @@ Nothing is deserialised before it is verified, and nothing in a checkpoint can r
   checkpoint whose metadata claims one is refused (:class:`_TensorOnlyPlanner`);
 - the non-tensor state (the data position, the loop's counters and plans, the RNGs' Python and numpy states,
   the optimizer's hyper-parameters, telemetry totals) is JSON, hash-checked before it is parsed.
-
-What a rank contributes (flat keys; DCP flattens nested dicts and lists of plain values):
-
-- ``global.params.<name>`` θ and ``global.outer.buf.<name>`` the outer Nesterov momentum (the same on every
-  rank, written once): by the ranks of the regions that hold them whole, or, when every region shards them
-  (``strategy: fsdp``), as region 0's shards; every rank reads them back into its own layout (DCP reshards);
-  with overlap also ``global.overlap.last.<name>``, the last combined update (the exchange in flight is
-  waited for before a checkpoint, so nothing else of the overlapped round is pending);
-- ``region.<name>.model`` / ``.optim``: the region's replica and inner AdamW state, through
-  ``torch.distributed.checkpoint.state_dict`` (``get_model_state_dict`` / ``get_optimizer_state_dict``,
-  which also cover DDP and FSDP2), ``.codec.<tensor>`` the error-feedback residual, ``.stream`` the data
-  position, ``.precision`` the region's precision, its skipped steps and its fp16 loss scaler's state (scale,
-  growth tracker, settings: JSON, so a resumed fp16 region scales its losses as the uninterrupted one would);
-- ``rank.<r>``: the rank's RNG states and its clock (span cursor and spans not yet sent);
-- ``run.loop``: rounds, tokens, plans, the time budget's state (whether it is spent, the elapsed time the
-  regions agreed on), byte totals (JSON, the same on every rank); ``run.rank0``: the
-  telemetry totals, evaluations, counters and the byte offset of ``events.jsonl`` (rank 0 only).
 
 Atomicity: every rank writes its ``rank-<r>.json`` and DCP writes into ``.tmp-round-NNNNNN/``; once every rank
 is done (``dcp.save`` is collective and returns after the metadata is written), the coordinating rank hashes
@@ -58,16 +42,13 @@ import os
 import pickle
 import re
 import shutil
-import warnings
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from ... import checkpoint as ckpt
-from ...errors import CheckpointError, RunError
-from .. import checkpoint_state
+from ...errors import CheckpointError
 
 MARKER = "geomesh.json"
 FORMAT = 2  # 2: every file hashed in the marker, non-tensor state as JSON (1 had neither and is not read)
@@ -82,13 +63,6 @@ def rank_file(rank: int) -> str:
 
 class DistCheckpointError(RuntimeError):
     """No usable checkpoint, or one that belongs to another run (the message says which and why)."""
-
-
-def fingerprint(scenario, method: str, seed: int, tokens: int, counts) -> dict[str, Any]:
-    """What a checkpoint must agree with to be resumed (the emulated runtime's fingerprint + the layout)."""
-    fp = checkpoint_state.run_fingerprint(scenario, method, seed, tokens)
-    fp["ranks_per_region"] = list(counts)
-    return fp
 
 
 def list_complete(directory: Path) -> list[tuple[int, Path, dict[str, Any]]]:
@@ -135,79 +109,6 @@ def verify(path: Path, marker: dict[str, Any], key: bytes | None) -> None:
     except (CheckpointError, ValueError, TypeError, KeyError) as exc:
         raise DistCheckpointError(str(exc)) from None
     read_metadata(path, files)  # hashes can be rewritten by whoever rewrote a file: it must also be DCP's own
-
-
-def choose_intact(directory: Path, rounds: list[int], key: bytes | None,
-                  agree: Callable[[bool], bool] | None = None) -> tuple[tuple[int, Path, dict[str, Any]] | None, list[str]]:  # fmt: skip
-    """The newest of ``rounds`` whose checkpoint verifies, and why each newer one was skipped.
-
-    ``agree(intact_here)`` returns whether every rank found the same checkpoint intact (a collective: all
-    ranks check the same candidates in the same order, so they fall back together); without it, this
-    process's verdict is the answer."""
-    problems = []
-    for round_index in sorted(rounds, reverse=True):
-        path = Path(directory) / f"round-{round_index:06d}"
-        marker, problem = None, None
-        try:
-            marker = json.loads((path / MARKER).read_text())
-            if not isinstance(marker, dict) or int(marker["round"]) != round_index:
-                raise ValueError("its marker names another round")
-            verify(path, marker, key)
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            problem = f"checkpoint {path}: its marker is unreadable ({exc})"
-        except DistCheckpointError as exc:
-            problem = str(exc)
-        everywhere = problem is None if agree is None else agree(problem is None)
-        if everywhere:
-            return (round_index, path, marker), problems  # type: ignore[return-value]
-        problems.append(problem or f"checkpoint {path}: another rank found it damaged")
-    return None, problems
-
-
-def check_resume(out_dir: Path, fp: dict[str, Any], directory: Path | None = None, *, key: bytes | None = None,
-                 run_id: str | None = None, rounds: list[int] | None = None,
-                 agree: Callable[[bool], bool] | None = None, warn: bool = True) -> tuple[int, Path, dict[str, Any]]:  # fmt: skip
-    """The newest intact checkpoint of ``out_dir`` (or of ``directory``: one region's, with elastic regions),
-    after checking that it belongs to this run (its fingerprint, and its run id when both are known).
-
-    A damaged or changed newer checkpoint is skipped (``warn``: with a warning) for the previous intact one;
-    none intact is a DistCheckpointError. ``rounds`` (default: the complete checkpoints found here) and
-    ``agree`` let the ranks of a run check the same candidates and decide together (:func:`choose_intact`)."""
-    directory = Path(directory or ckpt.checkpoint_dir(out_dir))
-    if rounds is None:
-        rounds = [r for r, _, _ in list_complete(directory)]
-    if not rounds:
-        newest(directory)  # the one wording of "no checkpoint"
-    chosen, problems = choose_intact(directory, rounds, key, agree)
-    if chosen is None:
-        raise DistCheckpointError(f"--resume {out_dir}: no intact checkpoint in {directory}: {'; '.join(problems)}; "
-                                  "start a new run folder")  # fmt: skip
-    round_index, path, marker = chosen
-    if problems and warn:
-        for problem in problems:
-            warnings.warn(f"{problem}; resuming from the previous intact checkpoint (round {round_index})",
-                          stacklevel=2)  # fmt: skip
-    theirs = marker.get("fingerprint")
-    if theirs != json.loads(json.dumps(fp, default=str)):
-        diffs = ckpt.differences(theirs, json.loads(json.dumps(fp, default=str)))
-        raise DistCheckpointError(
-            f"--resume {out_dir}: the checkpoint of round {round_index} belongs to another run (scenario hash "
-            f"{ckpt.fingerprint_hash(theirs or {})}, this one {ckpt.fingerprint_hash(fp)}): {'; '.join(diffs)}. "
-            "Resume with the same scenario, method, seed, token budget and ranks, or start a new run folder"
-        )
-    if run_id is not None and marker.get("run_id") not in (None, run_id):
-        raise DistCheckpointError(f"--resume {out_dir}: the checkpoint of round {round_index} was written by run "
-                                  f"{marker.get('run_id')}, not by this folder's run {run_id}; start a new run "
-                                  "folder")  # fmt: skip
-    return round_index, path, marker
-
-
-def rng_state() -> dict[str, Any]:
-    """The generators' states as DCP stores them (Python's as text)."""
-    return checkpoint_state.rng_state(python_as_text=True)
-
-
-set_rng_state = checkpoint_state.set_rng_state
 
 
 def split_plain(state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -385,7 +286,7 @@ def _tensor_only_planner():
 def load(path: Path, state: dict[str, Any], process_group=None, key: bytes | None = None) -> dict[str, Any]:
     """Fill ``state`` (this rank's template: tensors are loaded in place, the rest from this rank's JSON)
     from the checkpoint at ``path``. The marker's tag (with ``key``) and the hashes of the files read here
-    are checked before each is parsed; :func:`check_resume` verified every file on every rank before."""
+    are checked before each is parsed; :func:`.resume.check_resume` verified every file on every rank before."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
@@ -445,164 +346,3 @@ def stored_keys(path: Path) -> set[str]:
                 raise DistCheckpointError(f"checkpoint {path}: {name} does not match its SHA-256 in the marker")
             keys |= _flat_keys(json.loads(blob)["state"])
     return keys
-
-
-# ---- a run's state -------------------------------------------------------------------------------------
-
-
-class RunCheckpointer:
-    """Builds this rank's part of a distributed run's checkpoint (:class:`~geomesh.runtime.distributed.core.RankRun`) and
-    restores it. ``params`` is θ (the global model's parameters), ``outer`` the outer optimizer, ``codec``
-    this rank's encoder (its error-feedback residual); the ``ddp`` baseline has neither (None), and its θ is
-    the replica every rank holds (``params`` empty: the region's model is saved)."""
-
-    def __init__(self, run, params: dict[str, torch.Tensor], outer, codec, fp: dict[str, Any],
-                 directory: Path | None = None, extra=None, load_extra=None, overlap=None, owners=None):  # fmt: skip
-        """``extra()`` returns ``{"common": ..., "rank0": ...}`` (plain JSON values: a loop's own state, the
-        same on every rank / rank 0's only) and ``load_extra(that)`` restores it (elastic regions). ``overlap``:
-        the overlapped round's state (its last combined update; nothing is in flight at a checkpoint).
-        ``owners``: a shard owner's residuals (:class:`~geomesh.runtime.distributed.owners.OwnerResiduals`)."""
-        self.run, self.params, self.outer, self.codec, self.fp = run, params, outer, codec, fp
-        self.overlap, self.owners = overlap, owners
-        self.directory = directory or ckpt.checkpoint_dir(run.out_dir)
-        self.extra, self.load_extra = extra, load_extra
-        from ...methods.base import payload_key
-
-        self.key = payload_key(run.scenario)  # signs the marker; checked before a resume reads anything
-
-    def _region_key(self) -> str:
-        return f"region.{self.run.scenario.regions[self.run.region].name}"
-
-    def state(self) -> dict[str, Any]:
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
-
-        run, worker = self.run, self.run.worker
-        reg = self._region_key()
-        state: dict[str, Any] = {}
-        if run.saves_global:  # one layout of θ per checkpoint: DCP reads it back into any layout
-            state.update({f"global.params.{k}": v for k, v in self.params.items()})
-            state.update({f"global.outer.buf.{k}": v for k, v in (self.outer.buf if self.outer else {}).items()})
-            if self.overlap is not None and self.overlap.last is not None:
-                state.update({f"global.overlap.last.{k}": v for k, v in self.overlap.last.items()})
-        state[f"{reg}.model"] = get_model_state_dict(worker.model)
-        if worker.optimizer.state:  # AdamW has state once it stepped
-            state[f"{reg}.optim"] = get_optimizer_state_dict(worker.model, worker.optimizer)
-        residual = getattr(self.codec, "residual", None) or {}
-        state.update({f"{reg}.codec.{k}": v.detach().cpu().clone() for k, v in residual.items()})
-        if self.owners is not None:
-            self.owners.save_into(state, f"{reg}.owners.")
-        state[f"{reg}.stream"] = json.dumps(worker.stream.state_dict())
-        state[f"{reg}.precision"] = json.dumps(worker.precision_state())
-        state[f"rank.{run.rank}"] = {"rng": rng_state(), "clock": json.dumps(
-            {"cursor": run._cursor, "spans": run._spans})}  # fmt: skip
-        state["run.loop"] = json.dumps({"rounds": run.rounds, "tokens_done": run.tokens_done,
-                                        "plans": [p.to_json() for p in run.plans],
-                                        "time_budget": run.stopping.state_dict()})  # fmt: skip
-        if self.extra is not None:
-            extra = self.extra()
-            state["run.extra"] = json.dumps(extra["common"])
-            if run.rank == 0:
-                state["run.extra0"] = json.dumps(extra["rank0"])
-        if run.rank == 0:
-            state["run.rank0"] = json.dumps({**run.telemetry.state_dict(), "run_totals": dict(run.totals)})
-        return state
-
-    def save(self, keep: int) -> Path:
-        run = self.run
-        from ..run_folder import run_id_of
-
-        marker = {"tokens": run.tokens_done, "fingerprint": self.fp, "world_size": run.world,
-                  "run_id": run_id_of(run.out_dir)}  # fmt: skip
-        if run.rank == 0:
-            events = Path(run.out_dir) / "events.jsonl"
-            marker["events_offset"] = ckpt.durable_size(events) if events.exists() else 0
-        return save(self.directory, run.rounds, self.state(), keep=keep, coordinator=run.rank == 0,
-                    marker=marker, rank=run.rank, key=self.key)  # fmt: skip
-
-    def restore(self, path: Path) -> None:
-        """Load the checkpoint at ``path`` into the run (every rank, collective); a checkpoint that fails its
-        checks here (changed since :func:`check_resume` verified it) is one RunError."""
-        from torch.distributed.checkpoint.state_dict import (
-            get_model_state_dict,
-            get_optimizer_state_dict,
-            set_model_state_dict,
-            set_optimizer_state_dict,
-        )
-
-        run, worker = self.run, self.run.worker
-        reg = self._region_key()
-        try:
-            keys = stored_keys(path)
-        except (DistCheckpointError, OSError, ValueError, KeyError, TypeError) as exc:
-            raise RunError(f"--resume: checkpoint {path}: {exc}") from None
-        state: dict[str, Any] = {f"global.params.{k}": v for k, v in self.params.items()}
-        for k, v in self.params.items():
-            if f"global.outer.buf.{k}" in keys:
-                state[f"global.outer.buf.{k}"] = torch.zeros_like(v)
-            if f"global.overlap.last.{k}" in keys:
-                state[f"global.overlap.last.{k}"] = torch.zeros_like(v)
-        state[f"{reg}.model"] = get_model_state_dict(worker.model)
-        has_optim = any(k.startswith(f"{reg}.optim.") for k in keys)
-        if has_optim:  # a fresh AdamW gets its state's shape (lr 0, zero gradients) to be loaded into
-            state[f"{reg}.optim"] = get_optimizer_state_dict(worker.model, worker.optimizer)
-        residual = {}
-        for k, v in self.params.items():
-            if f"{reg}.codec.{k}" in keys:
-                residual[k] = state[f"{reg}.codec.{k}"] = torch.zeros(v.shape, dtype=torch.float32)
-        try:
-            if self.owners is not None:
-                self.owners.request(state, keys, f"{reg}.owners.")
-        except ValueError as exc:
-            raise RunError(f"--resume: checkpoint {path}: {exc}") from None
-        state[f"{reg}.stream"] = ""
-        if f"{reg}.precision" in keys:  # (a checkpoint of an older version has none: the scaler starts afresh)
-            state[f"{reg}.precision"] = ""
-        state[f"rank.{run.rank}"] = {"rng": rng_state(), "clock": ""}
-        state["run.loop"] = ""
-        if run.rank == 0:
-            state["run.rank0"] = ""
-        if "run.extra" in keys:
-            state["run.extra"] = ""
-            if run.rank == 0:
-                state["run.extra0"] = ""
-        try:
-            load(path, state, key=self.key)
-        except DistCheckpointError as exc:
-            raise RunError(f"--resume: {exc}") from None
-        with torch.no_grad():
-            if self.outer is not None:
-                self.outer.buf = {k: state[f"global.outer.buf.{k}"] for k in self.params
-                                  if f"global.outer.buf.{k}" in state}  # fmt: skip
-            if self.overlap is not None and f"global.overlap.last.{next(iter(self.params))}" in state:
-                self.overlap.last = {k: state[f"global.overlap.last.{k}"] for k in self.params}
-        set_model_state_dict(worker.model, state[f"{reg}.model"])
-        if has_optim:
-            set_optimizer_state_dict(worker.model, worker.optimizer, state[f"{reg}.optim"])
-        if residual and hasattr(self.codec, "load_state_dict"):
-            self.codec.load_state_dict({"residual": residual})
-        worker.stream.load_state_dict(json.loads(state[f"{reg}.stream"]))
-        if state.get(f"{reg}.precision"):
-            worker.load_precision_state(json.loads(state[f"{reg}.precision"]))
-        mine = state[f"rank.{run.rank}"]
-        set_rng_state(mine["rng"])
-        clock = json.loads(mine["clock"])
-        run._cursor = float(clock["cursor"])
-        run._spans = [tuple(s) for s in clock["spans"]]
-        loop = json.loads(state["run.loop"])
-        from ...planner import Plan
-
-        run.rounds, run.tokens_done = int(loop["rounds"]), int(loop["tokens_done"])
-        run.plans = [Plan.from_json(p) for p in loop["plans"]]
-        run.stopping.load_state_dict(loop.get("time_budget"))  # a resumed run keeps the time its budget has spent
-        if run.rank == 0:
-            r0 = json.loads(state["run.rank0"])
-            run.telemetry.load_state_dict(r0)
-            run.totals.update(r0["run_totals"])
-        if self.load_extra is not None and "run.extra" in state:
-            self.load_extra({"common": json.loads(state["run.extra"]),
-                             "rank0": json.loads(state["run.extra0"]) if run.rank == 0 else None})  # fmt: skip
-        try:  # after the loop's own state: it names the exchange the owners belong to
-            if self.owners is not None:
-                self.owners.load_from(state, f"{reg}.owners.")
-        except ValueError as exc:
-            raise RunError(f"--resume: checkpoint {path}: {exc}") from None

@@ -37,7 +37,8 @@ from ..checkpoint_state import truncate_events
 from ..hooks import HOOKS_ENV, LEGACY, FaultHooks, HooksError
 from .async_checks import check_async_support
 from .clock import WallClock, record_spans
-from .checkpoints import DistCheckpointError, check_resume, fingerprint
+from .checkpoints import DistCheckpointError
+from .resume import check_resume, fingerprint
 from .folder import prepare_shared_run_dir
 from .layout import rank_layout, region_layout
 from .stopping import StoppingRule

@@ -27,7 +27,7 @@ import torch
 
 from ...planner import Plan, plan_uniform
 from ...worker import inner_lr
-from .checkpoints import RunCheckpointer
+from .run_checkpoint import RunCheckpointer
 from .core import RankRun, params_checksum
 from .wan_shaper import WanShaper, tx_bytes
 

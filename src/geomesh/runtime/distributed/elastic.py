@@ -58,8 +58,8 @@ from .clock import record_spans
 from .deadline import MEASURED_ROUNDS, adaptive_deadline_s, deadline_history, setup_s
 from .exchange import Exchanged, RoundView, reported_overhead_s, round_idle
 from .layout import RegionLayout, region_layout
-from .membership import (LIGHTHOUSE_ENV, ExchangeFailed, Membership, MembershipError, RunFinished, join_timeout_s,
-                         group_store_host)  # fmt: skip
+from .membership import ExchangeFailed, Membership, RunFinished
+from .service import LIGHTHOUSE_ENV, MembershipError, group_store_host, join_timeout_s
 from .wan_shaper import WanShaper, ring_allgather_bytes, ring_allreduce_bytes
 
 __all__ = ["QuorumExchange", "RegionLayout", "adaptive_deadline_s", "deadline_history", "region_layout"]
@@ -410,7 +410,7 @@ class QuorumExchange:
         if len(members) < 2:
             return 0.0
         if self.loop.sharded is not None:  # the sharded exchange of these members (runtime/distributed/sharded.py)
-            from .sharded import shaper_s
+            from .sharded_loop import shaper_s
 
             return shaper_s(self.loop, members)
         shaper = WanShaper(self._wan(members), self.run.options.wan)
@@ -441,7 +441,7 @@ class QuorumExchange:
         try:
             since = time.perf_counter()
             if self.loop.sharded is not None and summed is None:
-                from .sharded import quorum_sharded_exchange
+                from .sharded_loop import quorum_sharded_exchange
 
                 sharded = quorum_sharded_exchange(self, payload, info, deadline)
                 infos = sharded["infos"]

@@ -1,8 +1,8 @@
 """What an elastic region holds besides its exchange (:mod:`geomesh.runtime.distributed.elastic`), as one state:
 θ and the outer optimizer with the run's counters, plans, records, the plan loop's state and the time budget's,
 which a live region sends a region that joins or falls behind (torchft's recovery, :meth:`RegionState.state_dict`),
-and this region's part of its checkpoint (:class:`~geomesh.runtime.distributed.checkpoints.RunCheckpointer` into
-``DIR/checkpoints/<region>``): the membership statistics, the data streams and the last round's members."""
+and this region's part of its checkpoint (:class:`~geomesh.runtime.distributed.run_checkpoint.RunCheckpointer`
+into ``DIR/checkpoints/<region>``): the membership statistics, the data streams and the last round's members."""
 
 from __future__ import annotations
 

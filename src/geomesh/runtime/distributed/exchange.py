@@ -226,7 +226,7 @@ class StaticExchange:
             return 0.0
         loop = self.loop
         if loop.sharded is not None:  # the sharded exchange (runtime/distributed/sharded.py)
-            from .sharded import shaper_s
+            from .sharded_loop import shaper_s
 
             return shaper_s(loop, members)
         shaper = WanShaper(loop.faults.wan(members), self.run.options.wan)
@@ -237,7 +237,7 @@ class StaticExchange:
                  members: list[int]) -> Exchanged:  # fmt: skip
         run, loop = self.run, self.loop
         if loop.sharded is not None and summed is None:  # the plan picked the sharded exchange
-            from .sharded import static_sharded_exchange
+            from .sharded_loop import static_sharded_exchange
 
             return Exchanged(**static_sharded_exchange(self, payload, info, members))
         t0 = since = time.perf_counter()

@@ -1,4 +1,5 @@
-"""Which regions take part in a round, and how their leaders talk: torchft's Lighthouse and Manager.
+"""Which regions take part in a round, and how their leaders talk: a region leader's view of the quorums that
+torchft's Lighthouse forms, through torchft's Manager and the group over each quorum (:class:`Membership`).
 
 Elastic regions (``reliability.min_regions >= 1``) use torchft (PyTorch's fault-tolerance library) for
 membership rather than consensus written here:
@@ -41,12 +42,13 @@ Why not torchft's ``Manager.allreduce``: GeoMesh exchanges 1-bit payloads of one
 cannot combine (the combine weights signs by tokens and decodes magnitudes). So the Manager gives
 membership, recovery and the reconfigured process group, and the exchange is an all-gather over that group
 (:meth:`Membership.all_gather_bytes`); dense (fp32) methods all-reduce a weighted buffer over it.
+
+The quorum service itself (the Lighthouse and the run board, the addresses regions reach each other at, the
+join timeout) is :mod:`.service`.
 """
 
 from __future__ import annotations
 
-import argparse
-import ipaddress
 import json
 import os
 import socket
@@ -61,17 +63,10 @@ from typing import Any, Callable
 
 import torch
 
-from .service import QuorumService, hostport, start_lighthouse  # noqa: F401 - (its users import it from here)
+from .service import ADVERTISE_ENV, MembershipError, bind_address, check_reachable, hostport, quorum_attempt_s
 from .torchft_logs import quiet_torchft_logs
 from .frames import (HEAD_NBYTES, Context, Rejected, frame_nbytes, open_frame, pack_pieces, run_trust, seal,
                      split_pieces)
-
-LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"  # the Lighthouse's address, http://HOST:PORT (torchft's own variable)
-ADVERTISE_ENV = "GEOMESH_ADVERTISE_HOST"  # how other regions reach this leader (default: its host name)
-
-
-class MembershipError(RuntimeError):
-    """No quorum within the time allowed, or the quorum service cannot be reached (the message says which)."""
 
 
 class ExchangeFailed(RuntimeError):
@@ -93,75 +88,6 @@ class DuplicateRegion(MembershipError):
 
 DEFAULT_FRAME_LIMIT = 256 << 20  # the largest frame a leader accepts (a round's envelope carries a payload)
 WARN_LIMIT = 50  # rejected frames warned about on stderr; the rest only counted
-# one quorum request's bound (requests repeat until --timeout): a few Lighthouse heartbeat timeouts, so that a
-# region the Lighthouse dropped while it was cut off registers again soon after its link returns. Never shorter than
-# the Lighthouse's join timeout and a margin (quorum_attempt_s): torchft takes a request's arrival as the member's
-# join time, and waits for live regions that have not asked yet until the earliest join time is a join timeout
-# old, so requests repeated faster than that restart the wait each time, and a hung region that still heartbeats
-# (alive, never asking) would hold every quorum until --timeout
-QUORUM_ATTEMPT_S = 15.0
-JOIN_MARGIN_S = 5.0
-
-
-def quorum_attempt_s(join_timeout_s: float) -> float:
-    """How long one quorum request waits before it is made again (:data:`QUORUM_ATTEMPT_S`), given the quorum
-    service's join timeout (:func:`join_timeout_s`)."""
-    return max(QUORUM_ATTEMPT_S, float(join_timeout_s) + JOIN_MARGIN_S)
-
-
-def bind_address(host: str) -> str:
-    """The IP address ``host`` (an advertised name or address) resolves to, to bind a server to."""
-    host = host.strip().strip("[]")
-    try:
-        return socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0][4][0]
-    except (OSError, IndexError) as exc:
-        raise MembershipError(f"the advertised address {host!r} does not resolve on this host ({exc}); set "
-                              f"${ADVERTISE_ENV} to an address of this host that the other regions reach") from None  # fmt: skip
-
-
-def _is_loopback(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(bind_address(host)).is_loopback
-    except (MembershipError, ValueError):
-        return False
-
-
-def group_store_host(lighthouse: str, region: str) -> str:
-    """The address the other regions' leaders reach this region's group store at (torchft hands it to the
-    quorum: the cross-region Gloo group meets at the store of one member). ``GEOMESH_ADVERTISE_HOST`` when
-    set (torchrun's store listens on every interface), else ``MASTER_ADDR``. With the quorum service on
-    another host, a loopback address here is a wrong deployment that would cost every region a store timeout
-    and a traceback a round later: it is refused now, in one line."""
-    host = os.environ.get(ADVERTISE_ENV) or os.environ.get("MASTER_ADDR") or "127.0.0.1"
-    service = lighthouse.split("://", 1)[-1].rstrip("/").rpartition(":")[0].strip("[]")
-    if _is_loopback(host) and service and not _is_loopback(service):
-        raise MembershipError(f"region {region} on host {socket.gethostname()}: the other regions would reach its "
-                              f"group at {host} ({ADVERTISE_ENV} or MASTER_ADDR), a loopback address, while the "
-                              f"quorum service is at {service}; set {ADVERTISE_ENV} to this host's address on the "
-                              f"network the regions share (or start torchrun with --local-addr / "
-                              f"--rdzv-endpoint on that address)")  # fmt: skip
-    return host
-
-
-def check_reachable(address: str, timeout_s: float) -> None:
-    """Raise MembershipError unless something accepts TCP connections at ``address`` (http://HOST:PORT)."""
-    hostport = address.split("://", 1)[-1].rstrip("/")
-    host, _, port = hostport.rpartition(":")
-    host = host.strip("[]") or "127.0.0.1"
-    if not port.isdigit():
-        raise MembershipError(f"quorum service address {address!r}: expected http://HOST:PORT")
-    deadline = time.monotonic() + timeout_s
-    last = None
-    while time.monotonic() < deadline:
-        try:
-            with socket.create_connection((host, int(port)), timeout=min(2.0, timeout_s)):
-                return
-        except OSError as exc:
-            last = exc
-            time.sleep(0.25)
-    raise MembershipError(f"the quorum service (torchft Lighthouse) at {address} cannot be reached within "
-                          f"{timeout_s:g}s: {last}; start it (`geomesh launch` hosts one; on a cluster run "
-                          f"torchft_lighthouse) and set ${LIGHTHOUSE_ENV}")  # fmt: skip
 
 
 class Membership:
@@ -177,7 +103,7 @@ class Membership:
         :func:`~geomesh.runtime.distributed.frames.run_trust`); ``frame_limit``: the largest frame accepted
         from a member (a round's envelope with its payload must fit); ``names``: the scenario's region names,
         so that a rejected member is named by the region it is (or claims to be); ``join_timeout_s``: the quorum
-        service's join timeout (:func:`join_timeout_s` of the scenario), which one quorum request outlasts;
+        service's join timeout (:func:`.service.join_timeout_s` of the scenario), which one quorum request outlasts;
         ``setup_s``: how long a quorum's group set-up waits for its members (:func:`.deadline.setup_s`)."""
         quiet_torchft_logs()
         from torchft.manager import Manager
@@ -539,17 +465,6 @@ def claimed_sender(raw: Any) -> int | None:
     return sender if isinstance(sender, int) and not isinstance(sender, bool) else None
 
 
-def join_timeout_s(reliability: Any) -> float:
-    """How long the Lighthouse waits, once a region asks for a round's quorum, for the live regions that have
-    not asked yet (its ``join_timeout``). Fixed deadlines: ``round_deadline_s``. Adaptive ones: the floor,
-    ``round_deadline_floor_s``: the exchange is where rounds wait for a slow region (held to the adaptive
-    deadline); regions reach the next quorum together after it, so a long join wait would only make every
-    round after a hung region (alive, heartbeating, never asking) pay the fixed cap."""
-    if getattr(reliability, "round_deadline_mode", "fixed") == "adaptive":
-        return float(reliability.round_deadline_floor_s)
-    return float(reliability.round_deadline_s)
-
-
 def _timed_out(exc: BaseException) -> bool:
     return "Timeout" in str(exc) or "timed out" in str(exc) or isinstance(exc, TimeoutError)
 
@@ -559,38 +474,7 @@ def _short(exc: BaseException) -> str:
     return text[:300]
 
 
-def main(argv: list[str] | None = None) -> int:
-    """``python -m geomesh.runtime.distributed.membership --min-regions N [--host H] [--port P] [--deadline S]``: a
-    Lighthouse for a cluster run (torchft's ``torchft_lighthouse``, bound to one address), until interrupted."""
-    p = argparse.ArgumentParser(prog="python -m geomesh.runtime.distributed.membership", description=main.__doc__)
-    p.add_argument("--min-regions", type=int, required=True)
-    p.add_argument("--host", default=os.environ.get(ADVERTISE_ENV),
-                   help=f"the address to listen on, one the regions reach (default: ${ADVERTISE_ENV})")
-    p.add_argument("--port", type=int, default=29510)
-    p.add_argument("--deadline", type=float, default=60.0, help="round deadline (s): the quorum's join timeout")
-    args = p.parse_args(argv)
-    if args.min_regions < 1:
-        print(f"error: --min-regions {args.min_regions}: expected >= 1", file=sys.stderr)
-        return 2
-    if not args.host:
-        print(f"error: --host: the address to listen on is needed (or ${ADVERTISE_ENV}): an address of this host "
-              "that the regions reach, e.g. its private or WireGuard address", file=sys.stderr)  # fmt: skip
-        return 2
-    try:
-        bind = hostport(bind_address(args.host), args.port)
-    except MembershipError as exc:
-        print(f"error: --host: {exc}", file=sys.stderr)
-        return 2
-    server = start_lighthouse(args.min_regions, args.deadline, bind=bind)
-    print(f"quorum service (torchft Lighthouse) listening on {bind}; regions need "
-          f"{LIGHTHOUSE_ENV}=http://{hostport(args.host, args.port)}", flush=True)  # fmt: skip
-    try:
-        while True:
-            time.sleep(3600)
-    except KeyboardInterrupt:
-        server.shutdown()
-    return 0
+if __name__ == "__main__":  # the quorum service alone, for a cluster (the command the deployment guide names)
+    from .service import main
 
-
-if __name__ == "__main__":
     sys.exit(main())

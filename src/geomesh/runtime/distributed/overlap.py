@@ -207,9 +207,9 @@ class RankOverlap:
     def _arrive_sharded(self) -> Tensors | None:
         """(static, every rank) The sharded exchange in flight: the leader joins its thread and the shaper, the
         region's ranks share the update and the exchange's decisions (who was refused, had no update, lost its
-        combined shard, or refused most others: :func:`~.sharded.stands_aside`); the update to apply (None:
+        combined shard, or refused most others: :func:`~.sharded_loop.stands_aside`); the update to apply (None:
         nothing)."""
-        from .sharded import lost_shard, stands_aside
+        from .sharded_loop import lost_shard, stands_aside
 
         run, loop, box, self._sharded = self.run, self.round_loop, self._sharded, None
         head, flat = None, None

@@ -1,8 +1,8 @@
 """The shard owners' error-feedback residuals in a distributed checkpoint: a leader that owns a shard of a
 re-sparsified sparse exchange (:class:`~geomesh.codec.sharded_sparse.ShardedSparseExchange`) keeps what its
 combined shard left out, and a resumed run's owners must send what the uninterrupted run's would. Saved and
-restored by :class:`~geomesh.runtime.distributed.checkpoints.RunCheckpointer`; the layouts are the round
-loop's (:mod:`.sharded`)."""
+restored by :class:`~geomesh.runtime.distributed.run_checkpoint.RunCheckpointer`; the layouts are the round
+loop's (:mod:`.sharded_loop`)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from ...codec.sharded_sparse import sharded_exchange
-from .sharded import layout_for
+from .sharded_loop import layout_for
 
 
 class OwnerResiduals:

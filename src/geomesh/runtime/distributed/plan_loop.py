@@ -71,7 +71,7 @@ class PlanLoop:
     all-reduce)."""
 
     def __init__(self, run: Any, kit: Any, faults: Any, emit: Callable[[dict[str, Any]], None], summed: bool):
-        from .sharded import loop_exchange
+        from .sharded_loop import loop_exchange
 
         self.run, self.kit, self.faults, self.emit, self.summed = run, kit, faults, emit, summed
         self.method, self.sc = run.method, run.scenario
@@ -197,7 +197,7 @@ class PlanLoop:
         exchange kind (all-gather or sharded, ``geomesh.exchange: auto``) chosen again over the WAN as measured,
         and the choice recorded with the modeled seconds of each kind. Chosen once: a run does not switch kinds
         mid-run (a sharded layout's owners hold state, and every rank would have to switch at one round)."""
-        from .sharded import exchange_choice, loop_exchange
+        from .sharded_loop import exchange_choice, loop_exchange
 
         wan = self.wan_measure.measured(self.sc.wan_model())
         choice = exchange_choice(self, wan)
@@ -267,7 +267,7 @@ class PlanLoop:
     def exchange_cost(self, members: list[int]) -> Callable[[WanModel], float]:
         """The time of this run's exchange among ``members`` on a WAN, for the bytes it really moves."""
         if self.sharded is not None:
-            from .sharded import sharded_sizes
+            from .sharded_loop import sharded_sizes
 
             slices, combined = sharded_sizes(self, len(members))
             return lambda wan: wan.sharded_s(slices, combined)

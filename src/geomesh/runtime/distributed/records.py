@@ -13,7 +13,7 @@ from typing import Any
 
 from ... import checkpoint as ckpt
 from ...telemetry import _jsonable
-from .membership import ADVERTISE_ENV
+from .service import ADVERTISE_ENV
 
 
 class Records:

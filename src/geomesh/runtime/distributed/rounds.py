@@ -41,7 +41,7 @@ from ...methods.overlap import round_compute_s
 from ...planner import Plan
 from ..faults import RoundFaults, corrupt_payload, optimizer_finite, poisoned
 from ..payloads import combine_payloads, screen_payload, screen_slots
-from .checkpoints import RunCheckpointer
+from .run_checkpoint import RunCheckpointer
 from .core import RankRun
 from .exchange import Exchanged, StaticExchange, wait_for_slowest_s
 from .plan_loop import PlanLoop
@@ -600,7 +600,7 @@ class RoundLoop:
             return Exchanged(infos=[], payloads=None, summed=None, comm_s=head["comm_s"], wan_bytes=head["wan_bytes"],
                              void=True, why=head.get("why", ""))  # fmt: skip
         if head.get("sharded") is not None:  # the sharded exchange's update (runtime/distributed/sharded.py)
-            from .sharded import share_sharded
+            from .sharded_loop import share_sharded
 
             return Exchanged(**share_sharded(self, result, head))
         if self.summed:
@@ -637,7 +637,7 @@ class RoundLoop:
                     rejected.append((i["region"], f"payload rejected: {i['rejected']}"))
             combined = self.combiner.reduced_update(result.summed)
         elif result.sharded is not None:  # combined by the shards' owners (runtime/distributed/sharded.py)
-            from .sharded import apply_sharded
+            from .sharded_loop import apply_sharded
 
             combined = apply_sharded(self, result, took_part, rejected, dropped)
             if self.outvoted:

@@ -52,7 +52,7 @@ def off_host_addresses(elastic: bool, lighthouse: str | None) -> list[str]:
     if not is_loopback(env.get("MASTER_ADDR", "127.0.0.1")) and not (world and world == local):
         found.append(f"MASTER_ADDR={env.get('MASTER_ADDR')}")
     if elastic:  # regions that all reach the quorum service over loopback are all on this machine
-        from .membership import LIGHTHOUSE_ENV
+        from .service import LIGHTHOUSE_ENV
 
         address = lighthouse or env.get(LIGHTHOUSE_ENV) or ""
         host = urlsplit(address if "://" in address else f"http://{address}").hostname
