@@ -18,7 +18,7 @@ a Gloo group reconfigured over the quorum's leaders, live recovery of a region t
    until every region is in.
 2. **Exchange** (:meth:`QuorumExchange.exchange`) over the quorum's leaders: an all-gather of payload + round
    info, an all-reduce of the dense sum, or, when the plan picks it, the sharded exchange
-   (:func:`~geomesh.runtime.distributed.sharded.quorum_sharded_exchange`: one shard per quorum member). If a
+   (:func:`~geomesh.runtime.distributed.sharded_loop.quorum_sharded_exchange`: one shard per quorum member). If a
    member dies or passes the deadline there, the survivors form a new quorum and exchange the payloads they
    already have (sharded: with a layout for the new quorum, so they own the lost member's shard): the lost
    region's tokens of this round are counted as lost. Then torchft commits the round (its step = rounds done).
@@ -409,7 +409,7 @@ class QuorumExchange:
         """What the WAN shaper holds this exchange to (0 without a shaper or with a single region)."""
         if len(members) < 2:
             return 0.0
-        if self.loop.sharded is not None:  # the sharded exchange of these members (runtime/distributed/sharded.py)
+        if self.loop.sharded is not None:  # the sharded exchange of these members (runtime/distributed/sharded_loop.py)
             from .sharded_loop import shaper_s
 
             return shaper_s(self.loop, members)

@@ -599,7 +599,7 @@ class RoundLoop:
         if head.get("void"):
             return Exchanged(infos=[], payloads=None, summed=None, comm_s=head["comm_s"], wan_bytes=head["wan_bytes"],
                              void=True, why=head.get("why", ""))  # fmt: skip
-        if head.get("sharded") is not None:  # the sharded exchange's update (runtime/distributed/sharded.py)
+        if head.get("sharded") is not None:  # the sharded exchange's update (runtime/distributed/sharded_loop.py)
             from .sharded_loop import share_sharded
 
             return Exchanged(**share_sharded(self, result, head))
@@ -636,7 +636,7 @@ class RoundLoop:
                 if i.get("rejected"):
                     rejected.append((i["region"], f"payload rejected: {i['rejected']}"))
             combined = self.combiner.reduced_update(result.summed)
-        elif result.sharded is not None:  # combined by the shards' owners (runtime/distributed/sharded.py)
+        elif result.sharded is not None:  # combined by the shards' owners (runtime/distributed/sharded_loop.py)
             from .sharded_loop import apply_sharded
 
             combined = apply_sharded(self, result, took_part, rejected, dropped)
