@@ -43,8 +43,8 @@ class ServerLost(MembershipError):
 
 
 def server_lost(name: str, server: str, why: str) -> ServerLost:
-    return ServerLost(f"region {name}: the parameter server (region {server}) is gone ({why}); θ lived only there "
-                      f"and there is no second server: this region stops")  # fmt: skip
+    return ServerLost(f"the parameter server (region {server}) is gone ({why}); θ lived only there and there is "
+                      f"no second server: region {name} stops")  # fmt: skip
 
 
 def board(run: Any) -> RunBoard:
@@ -81,7 +81,6 @@ def listen(run: Any, width: int, serve) -> ServerLink:
 def join_server(run: Any, width: int) -> Session:
     """(a remote region's leader) A session with the parameter server whose address the board gives, within
     ``--timeout``; RunFinished when the board says the run is over."""
-    name = run.scenario.regions[run.region].name
     server = run.scenario.regions[run.method.server].name
     deadline = time.monotonic() + run.options.timeout_s
     trust, last = run_trust(), "no parameter server has left its address on the quorum service's board yet"
@@ -94,12 +93,12 @@ def join_server(run: Any, width: int) -> Session:
             try:
                 return connect(note["address"], key=trust.key, run_id=trust.run_id, region=run.region, width=width)
             except LinkRefused as exc:  # the server (or an impostor) refused us, or proved no key: no retry helps
-                raise MembershipError(f"region {name}: {exc}") from None
+                raise MembershipError(str(exc)) from None
             except LinkError as exc:  # not listening (yet, or a stale note): read the board again
                 last = str(exc)
         time.sleep(POLL_S)
-    raise MembershipError(f"region {name}: no parameter server (region {server}) to connect to within "
-                          f"{run.options.timeout_s:g}s: {last}")  # fmt: skip
+    raise MembershipError(f"no parameter server (region {server}) to connect to within {run.options.timeout_s:g}s: "
+                          f"{last}")  # fmt: skip
 
 
 def start_records(run: Any) -> RunRecords | None:

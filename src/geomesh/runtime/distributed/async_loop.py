@@ -139,8 +139,8 @@ class RegionCycle:
             flat = _flat(theta) if run.is_leader else torch.empty(sum(t.numel() for t in self.like.values()))
             theta = _unflat(run.transport.broadcast(flat, run.leader, run.region_group), self.like)
         if control.get("superseded"):
-            raise MembershipError(f"region {self.name}: another instance of this region connected to the parameter "
-                                  f"server after this one; this one stops")  # fmt: skip
+            raise MembershipError(f"another instance of region {self.name} connected to the parameter server after "
+                                  f"this one; this one stops")  # fmt: skip
         return control, theta
 
     def welcome(self) -> None:
