@@ -17,6 +17,7 @@ import yaml
 from test_async_distributed import METHOD, async_launch
 from test_distributed import write_scenario
 from test_elastic import hang_at, kill_all, kill_hung_region, start
+from test_hosts import NAMES, REASON, one_checksum, records, run_bed
 
 from geomesh.telemetry import read_events
 
@@ -127,6 +128,30 @@ def test_when_the_servers_region_dies_the_others_stop_with_one_line(tmp_path, sm
         errors = [line for line in (out / "logs" / f"rank{k}.log").read_text().splitlines() if "error" in line]
         assert len(errors) == 1 and "the parameter server (region r0-h100) is gone" in errors[0], errors
         assert "no second server" in errors[0] and "Traceback" not in (out / "logs" / f"rank{k}.log").read_text()
+
+
+@pytest.mark.bed
+@pytest.mark.waits
+@pytest.mark.skipif(REASON is not None, reason=f"the hosts test bed cannot run here: {REASON}")
+def test_on_the_hosts_bed_a_lost_host_restarted_with_its_folder_pulls_the_live_theta(tmp_path, small_corpus):
+    """Three hosts, each region its own torchrun, address and folder, the quorum service alone: r2's host is
+    lost once the server recorded its second arrival and started again with its folder; it connects anew and
+    trains on. Every host ends with exit 0 on one θ; each host's own folder holds its records and summary."""
+    path = write_scenario(tmp_path, small_corpus, ("H100", "A100", "T4"))
+    data = yaml.safe_load(path.read_text())
+    for region in data["regions"][:2]:  # (the budget must outlast r2's start-up: sleep, no CPU)
+        region["slowdown"] = 100
+    data["reliability"] = {"min_regions": 3}
+    path.write_text(yaml.safe_dump(data))
+    out = tmp_path / "bed"
+    result = run_bed(path, out, METHOD, "--tokens", "60000", "--min-regions", "3", "--lose", "r2-t4@2")
+    assert [f["kind"] for f in result["faults"]] == ["lose"] and result["hosts"]["r2-t4"]["starts"] == 2
+    one_checksum(result)
+    summary = json.loads((out / "r0-h100" / "run" / "summary.json").read_text())
+    assert summary["elastic"]["joins"] == 1 and summary["elastic"]["regions_at_end"] == NAMES
+    assert {e["region"] for e in records(out, "r0-h100") if e["type"] == "join"} == {"r2-t4"}
+    for host in NAMES:
+        assert (out / host / "run" / "summary.json").exists()
 
 
 def test_the_server_serves_only_regions_that_prove_the_key_and_a_session_opens_only_its_own_frames():
