@@ -2,7 +2,7 @@
 
 Usage:  python bench/wallclock.py [--out runs/bench-wallclock] [--repeats 3] [--time-budget 240]
         [--methods diloco,geomesh,geomesh-overlap,geomesh-sparse,torchft-diloco] [--cpu 0.5,0.25,0.15]
-        (also: geomesh-sparse-overlap, streaming-diloco)
+        (also: geomesh-sparse-overlap, streaming-diloco, and async-local-sgd under a token budget: --tokens N)
         [--cpu-at [run+]SECONDS] [--mbps 10] [--preset micro] [--seq-len 64] [--batch 8] [--inner-steps 10]
         [--tokens N]
 
@@ -17,7 +17,9 @@ that what the plan expects an exchange to move is what it moves. Every method tr
 ``--preset``, the bundled corpus or ``--corpus`` files, the same shards, seed, inner AdamW at one constant learning
 rate and outer Nesterov step) under the same wall-clock time budget (``training.time_budget_s``; ``--tokens`` for a
 token budget instead), with every region in every round (``--min-regions 3``). ``torchft-diloco`` is torchft's
-``DiLoCo`` with its ``Manager`` and Lighthouse (:mod:`geomesh.integrations.torchft_diloco`). The methods run one
+``DiLoCo`` with its ``Manager`` and Lighthouse (:mod:`geomesh.integrations.torchft_diloco`). ``async-local-sgd``
+(its parameter server on r0's host, the other hosts connected to it; each arrival one round) runs under a token
+budget only. The methods run one
 after another, in a rotated order each repeat.
 
 Everything in the table comes from the runs' records, never from the timing model. A run is read on the clock of
@@ -210,14 +212,17 @@ def time_to_loss(curve: list, target: float) -> float | None:
     return None
 
 
-def predicted_round_s(sc, method_name: str, profiles: dict[str, dict]) -> float:
+def predicted_round_s(sc, method_name: str, profiles: dict[str, dict]) -> float | None:
     """The timing model's round time for ``method_name`` (torchft's DiLoCo: ``diloco``'s): the plan made from the
     profiles the regions measured of themselves on the bed (GeoMesh's calibration), its compute and the declared
-    WAN's time for the exchange's modeled bytes, as the emulated runtime's clock would charge a round."""
+    WAN's time for the exchange's modeled bytes, as the emulated runtime's clock would charge a round. None for
+    the asynchronous baseline: its arrivals are no plan's rounds."""
     from geomesh.hardware import WorkerProfile
     from geomesh.methods import get_method
 
     method = get_method("diloco" if method_name == "torchft-diloco" else method_name)
+    if method.kind == "async":
+        return None
     measured = {name: WorkerProfile.from_json(p) for name, p in profiles.items()}
     payload = method.modeled_payload_bytes(sc)
     exchange_s, _ = method.exchange(sc.wan_model(), payload)

@@ -97,7 +97,7 @@ def test_arrival_order_trains_and_ends_every_rank_on_the_servers_theta(tmp_path,
 @pytest.mark.parametrize(
     "extra, data, message",
     [
-        (["--min-regions", "2"], {}, "not with elastic regions"),
+        (["--min-regions", "2", "--async-order", "modeled"], {}, "not with elastic regions"),
         (["--resume"], {}, "writes no checkpoints"),
         ([], {"faults": [{"at_round": 1, "region": "r1-a100", "kind": "nan"}]}, "injects only corrupt"),
         (["--time-budget", "30"], {}, "not with a time budget"),

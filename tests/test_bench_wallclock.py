@@ -173,6 +173,7 @@ def test_the_timing_models_round_time_is_the_plan_from_the_profiles_measured_on_
                        exchange_s=diloco.exchange(sc.wan_model(), payload)[0]).round_s  # fmt: skip
     assert bench.predicted_round_s(sc, "diloco", profiles) == pytest.approx(want)
     assert bench.predicted_round_s(sc, "torchft-diloco", profiles) == pytest.approx(want)
+    assert bench.predicted_round_s(sc, "async-local-sgd", profiles) is None  # (its arrivals are no plan's rounds)
     runs = {"diloco": {**run([(10, 100, 5.0)]), "round_s": 2 * want},
             "geomesh": {**run([(8, 300, 4.2)]), "calibrated_profiles": profiles, "round_s": 1.0}}  # fmt: skip
     got = bench.compare_repeat(runs, lambda m, prof: bench.predicted_round_s(sc, m, prof))

@@ -82,7 +82,7 @@ def test_a_joiner_with_the_key_receives_the_state_and_it_is_bit_identical(server
     settle(lambda: live.served >= 1)  # the joiner may hold the last byte before the server's thread counts it
     assert live.served == 1 and live.refused == 0
     assert live.metadata().startswith("geomesh-heal://127.0.0.1:")
-    assert live._sock.getsockname()[0] == "127.0.0.1"  # bound to the advertised address, not the wildcard
+    assert live._listener._sock.getsockname()[0] == "127.0.0.1"  # bound to the advertised address, not the wildcard
 
 
 def test_a_joiner_without_the_key_receives_nothing(servers, capsys):

@@ -84,7 +84,8 @@ def _check(args: argparse.Namespace):
     if method.kind == "async":  # (runtime/distributed/async_checks.py: --resume refused, checkpoints warned about)
         from ..runtime.distributed.async_checks import check_async_launch
 
-        note = check_async_launch(scenario, method, resume=bool(args.resume))
+        note = check_async_launch(scenario, method, resume=bool(args.resume), order=args.async_order or "arrival",
+                                  elastic=_elastic(args, scenario))  # fmt: skip
         if note:
             print(note, file=sys.stderr, flush=True)
     if _elastic(args, scenario):

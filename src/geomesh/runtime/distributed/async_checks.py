@@ -1,8 +1,9 @@
 """What the asynchronous baseline (``async-local-sgd``) cannot do in the distributed runtime, said in one line
 before any process starts (``geomesh launch`` checks it, and every rank again at set-up):
 
-- elastic regions (``--min-regions``): refused. The parameter server's θ lives on one rank; a torchft quorum has
-  nothing to agree on when regions never meet, and a lost server would lose θ (not built; docs/reliability.md);
+- elastic regions (``--min-regions``): each region its own world, reaching the server over a session of its own
+  (:mod:`.async_elastic`); in arrival order only (``--async-order modeled`` refused: a region lost would hold every
+  later turn). The server's region is the run: if it dies the others stop (docs/reliability.md);
 - scenario faults: refused, but ``corrupt`` (a remote region's push damaged on the wire; ``at_round`` is the
   region's push number, 0-based: the server rejects it and drops that update only);
 - a time budget: refused (the token budget ends the run: the server counts the tokens that reached θ);
@@ -21,9 +22,6 @@ from ...methods.base import Method
 def check_async_support(scenario: ScenarioConfig, method: Method, elastic: bool) -> None:
     """Refuse, in one line, what the distributed asynchronous baseline cannot run."""
     name = f"--method {method.name}"
-    if elastic:
-        raise ConfigError(f"{name}: not with elastic regions (reliability.min_regions / --min-regions): its "
-                          "parameter server runs in one static world; run it without --min-regions")  # fmt: skip
     others = sorted({f.kind for f in scenario.faults if f.kind != "corrupt"})
     if others:
         raise ConfigError(f"{name}: the scenario has faults ({', '.join(others)}); the distributed asynchronous loop "
@@ -43,9 +41,13 @@ def check_async_support(scenario: ScenarioConfig, method: Method, elastic: bool)
         raise ConfigError(f"{name}: the parameter server must be in region 0 (whose leader keeps the records)")
 
 
-def check_async_launch(scenario: ScenarioConfig, method: Method, resume: bool) -> str | None:
-    """(``geomesh launch``, before any process starts) ``--resume`` refused; a warning line when checkpoints
-    were asked for (None: nothing to say)."""
+def check_async_launch(scenario: ScenarioConfig, method: Method, resume: bool, order: str = "arrival",
+                       elastic: bool = False) -> str | None:  # fmt: skip
+    """(``geomesh launch``, before any process starts) ``--resume`` refused, and the modeled order with elastic
+    regions; a warning line when checkpoints were asked for (None: nothing to say)."""
+    if elastic and order == "modeled":
+        raise ConfigError(f"--async-order modeled: not with elastic regions (--min-regions): a region lost would hold "
+                          f"every later turn; use --async-order arrival")  # fmt: skip
     if resume:
         raise ConfigError(f"--resume: --method {method.name} writes no checkpoints in the distributed runtime; "
                           "start the run afresh")  # fmt: skip

@@ -7,9 +7,11 @@ the parameter server (:mod:`.async_server`, on region ``method.server``'s leader
 Δ was applied; the leader then shares θ inside its region. The server's own region hands its push over in-process.
 The run ends when the server has applied the token budget: each region learns it from its next pull.
 
-Messages cross processes as fixed-width frames over a Gloo group of the leaders (:mod:`.async_wire`), never
-pickles. With ``--wan shaper`` a remote region's push and pull are held to the WAN model's time for their bytes
-(:meth:`~.wan_shaper.WanShaper.push_pull_s`).
+Messages cross processes as fixed-width frames (:mod:`.async_wire`), never pickles: over a Gloo group of the
+leaders in a static world; with elastic regions (``--min-regions``, each region its own world) over one
+authenticated TCP session per region with the server (:mod:`.async_link`; churn and records:
+:mod:`.async_elastic`). With ``--wan shaper`` a remote region's push and pull are held to the WAN model's time for
+their bytes (:meth:`~.wan_shaper.WanShaper.push_pull_s`).
 
 Records (rank 0, the server's rank): one ``round`` record per arrival (``members``: the region, its
 ``compute_s``, its previous exchange time ``exchange_s``, and ``staleness``: the arrivals applied since it pulled
@@ -28,14 +30,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ...config import ConfigError
 from ...methods.async_local_sgd import NO_CHECKPOINTS, dynamic_local_updates, modeled_arrivals, modeled_cycle
 from ...planner import Plan, plan_uniform
 from ...worker import inner_lr
 from ..options import checkpoint_cadence
+from . import async_elastic
 from .async_server import ParameterServer
 from .async_wire import PULL, PUSH, message_width, pack, unpack
 from .core import RankFailure, RankRun
 from .frames import Rejected
+from .membership import MembershipError
 from .trust import LAUNCHER_ENV
 from .wan_shaper import WanShaper
 
@@ -57,9 +62,11 @@ def _unflat(flat: torch.Tensor, like: dict[str, torch.Tensor]) -> dict[str, torc
 class RegionCycle:
     """One region's cycles on this rank: train from the pulled θ, push Δ (the leader), pull θ, share it."""
 
-    def __init__(self, run: RankRun, steps: list[int], width: int, group: Any, server: ParameterServer | None):
+    def __init__(self, run: RankRun, steps: list[int], width: int, group: Any, server: ParameterServer | None,
+                 session: Any = None):  # fmt: skip
         sc = run.scenario
         self.run, self.steps, self.width, self.group, self.server = run, steps, width, group, server
+        self.session = session  # elastic regions: this leader's session with the server (async_link.py)
         self.me = run.region
         self.name = sc.regions[self.me].name
         self.server_rank = run.layout.leaders[run.method.server]
@@ -70,9 +77,11 @@ class RegionCycle:
         self.begin = 0  # tokens applied when this region pulled θ (its learning rates start there)
         self.pushes = 0
         self.sent = 0  # bytes this leader pushed
+        self.received = 0  # bytes this leader pulled over its session (elastic regions)
         self.comm_s = 0.0  # seconds of push and pull, all cycles
         self.last_comm_s = 0.0
         self.cycles = 0
+        self.stopped_at_welcome = False  # (elastic: a region that connected after the run's end)
         # the scenario's corrupt faults: (the region's push number, 0-based; the region) damaged on the wire
         self.corrupt = {(f.at_round, f.region) for f in sc.faults if f.kind == "corrupt"}
 
@@ -80,7 +89,7 @@ class RegionCycle:
         run, tr = self.run, self.run.scenario.training
         h = self.steps[self.me]
         tokens = h * tr.batch * run.scenario.model.seq_len
-        stop = False
+        stop = self.stopped_at_welcome
         while not stop:
             run._mark("other")
             begin = self.begin
@@ -94,6 +103,8 @@ class RegionCycle:
             run._mark("compute")
             compute_s = run._cursor - started
             delta = run.worker.pseudo_gradient(self.pulled) if result.finite else None
+            # the fault hooks' point "send" of this region's cycle (1-based): trained, its push not yet sent
+            run.hooks.at("send", self.name, self.cycles + 1, rank=run.rank)
             comm_start = run._cursor
             control, theta = self._exchange(delta, {"compute_s": compute_s, "exchange_s": self.last_comm_s})
             run._mark("comm_wait")
@@ -116,12 +127,54 @@ class RegionCycle:
             control, theta = reply["info"], reply["theta"]
         elif run.is_leader:
             control, theta = self._push_pull(delta, info)
+        return self._share(control, theta)
+
+    def _share(self, control: dict[str, Any] | None, theta: dict[str, torch.Tensor] | None
+               ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:  # fmt: skip
+        """The leader's pull to every rank of the region; a superseded session stops them all alike."""
+        run = self.run
         if run.region_group is not None:
             control = run.transport.broadcast_json(control, run.leader, run.region_group,
                                                    what="the pulled θ's control inside the region")  # fmt: skip
             flat = _flat(theta) if run.is_leader else torch.empty(sum(t.numel() for t in self.like.values()))
             theta = _unflat(run.transport.broadcast(flat, run.leader, run.region_group), self.like)
+        if control.get("superseded"):
+            raise MembershipError(f"another instance of region {self.name} connected to the parameter server after "
+                                  f"this one; this one stops")  # fmt: skip
         return control, theta
+
+    def welcome(self) -> None:
+        """(elastic regions) The server's welcome: θ as it is now and the tokens applied, on every rank."""
+        run, control, theta = self.run, None, None
+        if run.is_leader:
+            control, theta = self._opened(self._receive(0), -1)
+        run.wait_for_leader("the parameter server's welcome", 2 * run.options.timeout_s + 60)
+        control, theta = self._share(control, theta)
+        self.pulled = {k: v.to(run.device) for k, v in theta.items()}
+        self.begin = int(control["tokens"])
+        run.rounds, run.tokens_done = int(control["rounds"]), int(control["tokens"])
+        if control["stop"]:
+            self.stopped_at_welcome = True
+
+    def _receive(self, number: int) -> dict[str, Any] | Rejected:
+        """(elastic) Pull ``number`` of this session (bounded: the server answers a push at once, its welcome once
+        ``min_regions`` regions are in, which its own ``--timeout`` bounds)."""
+        run = self.run
+        run.transport.op = f"pull {number} of region {self.name} from the parameter server"
+        buf = self.session.recv(2 * run.options.timeout_s + 60)
+        if buf is None:
+            raise async_elastic.server_lost(self.name, run.scenario.regions[run.method.server].name,
+                                            "its connection closed")  # fmt: skip
+        self.received += self.width
+        return unpack(PULL, buf, region=self.me, number=number, sender=run.method.server, like=self.like,
+                      key=self.session.key)  # fmt: skip
+
+    def _opened(self, reply: dict[str, Any] | Rejected, number: int
+                ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:  # fmt: skip
+        if isinstance(reply, Rejected):  # the server is the run: no θ to go on from
+            what = "welcome" if number < 0 else f"reply to push {number}"
+            raise RankFailure(f"region {self.name}: the parameter server's {what} was refused: {reply.reason}")
+        return reply["info"], reply["theta"]
 
     def _push_pull(self, delta: dict[str, torch.Tensor] | None, info: dict[str, float]
                    ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:  # fmt: skip
@@ -130,18 +183,27 @@ class RegionCycle:
         body = {"delta": None if delta is None else {k: v.to("cpu") for k, v in delta.items()}, "info": info}
         run.transport.op = f"push {number} of region {self.name} to the parameter server"
         damaged = (number, self.name) in self.corrupt
-        buf = pack(PUSH, body, region=self.me, number=number, sender=run.rank, width=self.width, damaged=damaged)
-        dist.send(buf, dst=self.server_rank, group=self.group)
-        self.sent += self.width
-        run.transport.op = f"pull {number} of region {self.name} from the parameter server"
-        dist.recv(buf, src=self.server_rank, group=self.group)
+        if self.session is not None:  # elastic: the session's push number; its pull k + 1 answers push k
+            buf = pack(PUSH, body, region=self.me, number=number, sender=self.me, width=self.width, damaged=damaged,
+                       key=self.session.key)  # fmt: skip
+            try:
+                self.session.send(buf)
+            except OSError as exc:
+                raise async_elastic.server_lost(self.name, run.scenario.regions[run.method.server].name,
+                                                f"sending push {number}: {exc.strerror or exc}") from None  # fmt: skip
+            self.sent += self.width
+            reply = self._receive(number + 1)
+        else:
+            buf = pack(PUSH, body, region=self.me, number=number, sender=run.rank, width=self.width, damaged=damaged)
+            dist.send(buf, dst=self.server_rank, group=self.group)
+            self.sent += self.width
+            run.transport.op = f"pull {number} of region {self.name} from the parameter server"
+            dist.recv(buf, src=self.server_rank, group=self.group)
+            reply = unpack(PULL, buf, region=self.me, number=number, sender=self.server_rank, like=self.like)
         self.pushes += 1
-        reply = unpack(PULL, buf, region=self.me, number=number, sender=self.server_rank, like=self.like)
-        if isinstance(reply, Rejected):  # the server is the run: no θ to go on from
-            raise RankFailure(f"region {self.name}: the parameter server's reply to push {number} was refused: "
-                              f"{reply.reason}")  # fmt: skip
+        control, theta = self._opened(reply, number)
         self.shaper.hold(self.hold_s, since)
-        return reply["info"], reply["theta"]
+        return control, theta
 
 
 def run_async(run: RankRun) -> dict[str, Any]:
@@ -167,24 +229,47 @@ def run_async(run: RankRun) -> dict[str, Any]:
     run.worker.follow_plan(plan.workers[run.region])
     params = {k: p.detach() for k, p in run.global_model.named_parameters()}
     width = message_width(params)
-    # the pushes and pulls: point to point among the leaders, over Gloo whatever the backend (any-source receives)
-    group = dist.new_group(run.layout.leaders, backend="gloo", timeout=run.transport.timeout)
-    server = None
-    if run.rank == run.layout.leaders[method.server]:
-        order = None
+    elastic = run.options.elastic_region is not None
+    home = run.region == method.server and run.is_leader  # the parameter server's rank
+    server, session, link, group, records = None, None, None, None, None
+    if elastic:  # each region its own world: sessions over TCP (async_elastic.py, async_link.py)
         if order_name == "modeled":
-            order = modeled_arrivals(*modeled_cycle(sc, run.profiles, steps, method.server))
-        server = ParameterServer(run, steps, width, group, order)
-    cycle = RegionCycle(run, steps, width, group, server)
+            raise ConfigError(f"--async-order modeled: not with elastic regions (--min-regions): a region lost "
+                              f"would hold every later turn; use --async-order arrival")  # fmt: skip
+        records = async_elastic.start_records(run)
+        run.board = async_elastic.board(run)
+        if home:
+            server = ParameterServer(run, steps, width, None, None, min_regions=sc.reliability.min_regions)
+            link = async_elastic.listen(run, width, server.serve_session)
+        elif run.is_leader:
+            session = async_elastic.join_server(run, width)
+    else:  # the pushes and pulls: point to point among the leaders, over Gloo whatever the backend
+        group = dist.new_group(run.layout.leaders, backend="gloo", timeout=run.transport.timeout)
+        if home:
+            order = None
+            if order_name == "modeled":
+                order = modeled_arrivals(*modeled_cycle(sc, run.profiles, steps, method.server))
+            server = ParameterServer(run, steps, width, group, order)
+    cycle = RegionCycle(run, steps, width, group, server, session)
     run._start_records(plan)
-    run._start_clock()
-    if server is not None:
-        server.start()
     try:
-        cycle.run_cycles()
-    finally:
+        if elastic and home:
+            server.wait_start()  # (min_regions regions connected)
+        elif elastic and run.region != method.server:
+            cycle.welcome()
+        run._start_clock()
         if server is not None:
-            server.join()
+            server.start()
+        try:
+            cycle.run_cycles()
+        finally:
+            if server is not None:
+                server.join()
+    finally:
+        if link is not None:
+            link.shutdown()
+        if session is not None:
+            session.close()
     if server is None:  # every rank ends on the server's θ (the last pull of every region)
         with torch.no_grad():
             for k, p in run.global_model.named_parameters():
@@ -204,4 +289,6 @@ def run_async(run: RankRun) -> dict[str, Any]:
                    "async_order": order_name, "tokens_lost": run.tokens_lost,
                    "rejected_payloads": int(run.telemetry.counters.get("rejected_payloads", 0)),
                    "cycles": {n: i["cycles"] for n, i in zip(names, leaders)} if leaders else None})  # fmt: skip
+    if elastic:
+        fields.update(async_elastic.finish(run, records, server, cycle))
     return fields

@@ -18,6 +18,14 @@ bit. ``modeled`` (``--async-order modeled``): the server applies them in the ord
 (:func:`~geomesh.methods.async_local_sgd.modeled_arrivals`: the emulated twin's event queue), waiting for the
 region whose modeled turn it is; then the run is the emulated run's, bit for bit (same θ, same losses), at the
 price of regions waiting for their turn (recorded as ``straggler_wait`` on the server's region).
+
+Elastic regions (``--min-regions N``: each region its own world): the remote regions reach the server over
+sessions of :mod:`.async_link`, one thread each (:meth:`serve_session`). The run starts once ``N`` regions (the
+server's own included) are connected; a session's welcome is θ as it is then. A region whose connection drops just
+stops pushing (a ``leave`` record; nobody waits for it); a region that connects again (restarted with its own
+command) is welcome with the current θ (a ``join`` record); a newer session of a region supersedes an older one,
+which is told to stop at its next push. Once the budget is spent the server answers every live session's next push
+with "stop" and θ (bounded by ``--timeout``) before it ends. Arrival order only.
 """
 
 from __future__ import annotations
@@ -32,16 +40,19 @@ import torch
 import torch.distributed as dist
 
 from ...outer import DelayedNesterov
+from .async_link import Session
 from .async_wire import PULL, PUSH, pack, unpack
 from .core import RankFailure, RankRun
 from .frames import Rejected
+from .membership import MembershipError
+from .region import params_checksum
 
 
 class ParameterServer:
     """θ and its Delayed Nesterov state on the server's leader (rank ``run.layout.leaders[method.server]``)."""
 
     def __init__(self, run: RankRun, steps: list[int], width: int, group: Any,
-                 order: Iterator[tuple[float, int]] | None) -> None:  # fmt: skip
+                 order: Iterator[tuple[float, int]] | None, min_regions: int = 0) -> None:  # fmt: skip
         sc, tr = run.scenario, run.scenario.training
         self.run, self.steps, self.width, self.group = run, steps, width, group
         self.names = [r.name for r in sc.regions]
@@ -63,6 +74,16 @@ class ParameterServer:
         self.sent = 0  # bytes of θ this rank sent back to remote regions
         self.applied = 0  # arrivals whose update reached θ
         self.thread: threading.Thread | None = None
+        # elastic regions (min_regions >= 1): the sessions of remote regions (async_link.py)
+        self.min_regions = min_regions
+        self.started = min_regions == 0  # (elastic: once min_regions regions are connected)
+        self.sessions: dict[int, Session] = {}  # each region's newest session
+        self.live: set[Session] = set()  # sessions not yet ended
+        self.seen: set[int] = set()
+        self.at_end: dict[int, str] = {}  # region -> the checksum of θ it was told to stop with
+        self.leaves = self.joins = 0
+        self.received = 0  # bytes of pushes received over sessions
+        self.arrivals = [0] * self.n  # each region's pushes that arrived (applied, dropped or rejected)
 
     def spent(self) -> bool:
         return self.run.tokens_done >= self.run.budget
@@ -90,18 +111,24 @@ class ParameterServer:
                 self._apply(region, delta, info)
                 if self.order is not None:
                     self.turn = next(self.order)[1]
-            stop = self.spent()
-            if stop:
-                self.stopped.add(region)
-            self.pulled_at[region] = run.rounds
-            reply = {"theta": {k: v.detach().to("cpu", copy=True) for k, v in self.params.items()},
-                     "info": {"tokens": run.tokens_done, "rounds": run.rounds, "stop": stop, "waited_s": waited}}
-            self.cond.notify_all()
-            return reply
+            return self._reply(region, waited)
+
+    def _reply(self, region: int, waited: float = 0.0) -> dict[str, Any]:
+        """(under the lock) θ now (a copy), the tokens applied, the rounds and whether the run is over."""
+        run, stop = self.run, self.spent()
+        theta = {k: v.detach().to("cpu", copy=True) for k, v in self.params.items()}
+        if stop:
+            self.stopped.add(region)
+            self.at_end[region] = params_checksum(theta)
+        self.pulled_at[region] = run.rounds
+        self.cond.notify_all()
+        return {"theta": theta, "info": {"tokens": run.tokens_done, "rounds": run.rounds, "stop": stop,
+                                         "waited_s": waited}}  # fmt: skip
 
     def _apply(self, region: int, delta: dict[str, torch.Tensor] | None | Rejected, info: dict[str, Any]) -> None:
         run, name = self.run, self.names[region]
         tokens = self.region_tokens[region]
+        self.arrivals[region] += 1
         if isinstance(delta, Rejected):
             run.tokens_lost += tokens
             run.telemetry.count("rejected_payloads")
@@ -131,7 +158,7 @@ class ParameterServer:
 
     # ---- the remote regions' pushes ----------------------------------------------------------------------
     def start(self) -> None:
-        if self.remote:
+        if self.remote and self.group is not None:  # (elastic regions: a thread per session instead)
             self.thread = threading.Thread(target=self.serve, name="geomesh-parameter-server", daemon=True)
             self.thread.start()
 
@@ -166,8 +193,92 @@ class ParameterServer:
                 self.cond.notify_all()
 
     def join(self) -> None:
-        """Wait for the serving thread (it ends once every remote region was told to stop); its error, if any."""
+        """Wait for the serving thread (it ends once every remote region was told to stop); its error, if any.
+        Elastic: wait (up to ``--timeout``) until every live session was told to stop or dropped."""
         if self.thread is not None:
             self.thread.join()
+        with self.cond:
+            if not self.cond.wait_for(lambda: not self.live or self.error is not None,
+                                      timeout=self.run.options.timeout_s):  # fmt: skip
+                names = sorted(self.names[s.region] for s in self.live)
+                print(f"warning: the parameter server ends without telling region(s) {', '.join(names)} to stop: "
+                      f"no push from them within {self.run.options.timeout_s:g}s of the run's end (hung?)",
+                      file=sys.stderr, flush=True)  # fmt: skip
         if self.error is not None:
             raise RankFailure(f"the parameter server stopped: {self.error}")
+
+    # ---- elastic regions: one session per connected region (async_link.py) --------------------------------
+    def wait_start(self) -> None:
+        """(the server's own region) Until ``min_regions`` regions are connected, up to ``--timeout``."""
+        timeout = self.run.options.timeout_s
+        with self.cond:
+            if not self.cond.wait_for(lambda: self.started or self.error is not None, timeout=timeout):
+                have = len({s.region for s in self.live} | {self.home})
+                raise MembershipError(f"only {have} of the {self.min_regions} regions (reliability.min_regions) "
+                                      f"connected to the parameter server within {timeout:g}s")  # fmt: skip
+
+    def serve_session(self, session: Session) -> None:
+        """A region's session (a thread of its own): the welcome (θ once the run has started), then push, apply,
+        pull, until the run is over for it, its connection drops or a newer session of the region replaces it."""
+        region, run = session.region, self.run
+        with self.cond:
+            if region in self.sessions:
+                self.sessions[region].superseded = True
+            if region in self.seen:  # (connected before: restarted, or back after its connection broke)
+                self.joins += 1
+                run.telemetry.emit({"type": "join", "round": run.rounds + 1, "time": run._now(),
+                                    "region": self.names[region]})  # fmt: skip
+            self.seen.add(region)
+            self.sessions[region] = session
+            self.live.add(session)
+            self.started = self.started or len({s.region for s in self.live} | {self.home}) >= self.min_regions
+            self.cond.notify_all()
+            self.cond.wait_for(lambda: self.started or self.error is not None)
+            reply = self._reply(region)
+        number = 0
+        try:
+            while True:
+                session.send(pack(PULL, reply, region=region, number=number, sender=self.home, width=self.width,
+                                  key=session.key))  # fmt: skip
+                self.sent += self.width
+                if reply["info"]["stop"]:
+                    return self._ended(session, "superseded" if reply["info"].get("superseded") else "stop")
+                buf = session.recv()
+                if buf is None:
+                    return self._ended(session, "dropped")
+                self.received += self.width
+                body = unpack(PUSH, buf, region=region, number=number, sender=region, like=self.params,
+                              key=session.key)  # fmt: skip
+                number += 1
+                if session.superseded:  # a newer instance of the region is connected: this one stops
+                    with self.cond:
+                        reply = self._reply(region)
+                    reply["info"].update(stop=True, superseded=True)
+                    continue
+                if isinstance(body, Rejected):
+                    print(f"warning: region {self.names[region]}: rejected its push {number - 1} (from "
+                          f"{session.peer}): {body.reason}", file=sys.stderr, flush=True)  # fmt: skip
+                    delta, info = body, {}
+                else:
+                    delta, info = body["delta"], body["info"]
+                reply = self.take(region, delta, info)
+        except OSError:
+            self._ended(session, "dropped")
+        except BaseException as exc:  # noqa: BLE001 - the server's own failure: the run stops with it
+            with self.cond:
+                self.error = self.error or exc
+            self._ended(session, "dropped")
+
+    def _ended(self, session: Session, how: str) -> None:
+        run = self.run
+        with self.cond:
+            session.ended = how
+            self.live.discard(session)
+            if how == "dropped" and not self.spent():
+                self.leaves += 1
+                run.telemetry.emit({"type": "leave", "round": run.rounds + 1, "time": run._now(),
+                                    "region": self.names[session.region],
+                                    "reason": "its connection to the parameter server closed"})  # fmt: skip
+                print(f"warning: region {self.names[session.region]}: its connection to the parameter server "
+                      f"closed; the run goes on without it", file=sys.stderr, flush=True)  # fmt: skip
+            self.cond.notify_all()

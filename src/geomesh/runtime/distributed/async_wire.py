@@ -37,13 +37,14 @@ def message_width(params: dict[str, torch.Tensor]) -> int:
 
 
 def pack(kind: str, body: dict[str, Any], *, region: int, number: int, sender: int, width: int,
-         damaged: bool = False) -> torch.Tensor:  # fmt: skip
+         damaged: bool = False, key: bytes | None = None) -> torch.Tensor:  # fmt: skip
     """``body`` as a ``kind`` frame of ``region``'s push ``number`` from global rank ``sender``, zero-padded to
     ``width`` bytes (a uint8 tensor, ready for a point-to-point send); ``damaged``: one byte of it flipped after
-    signing (the scenario's ``corrupt`` fault: damage on the wire)."""
+    signing (the scenario's ``corrupt`` fault: damage on the wire); ``key``: what it is signed with (default: the
+    run key; a connection's own key, :mod:`.async_link`)."""
     trust = run_trust()
     frame = seal(body, ctx=Context(run_id=trust.run_id, kind=kind, round=number, scope=region), sender=sender,
-                 key=trust.key).to_bytes()  # fmt: skip
+                 key=trust.key if key is None else key).to_bytes()  # fmt: skip
     if damaged:
         frame = corrupt_payload(frame)
     if len(frame) > width:
@@ -54,16 +55,16 @@ def pack(kind: str, body: dict[str, Any], *, region: int, number: int, sender: i
 
 
 def unpack(kind: str, buf: torch.Tensor, *, region: int, number: int, sender: int,
-           like: dict[str, torch.Tensor]) -> dict[str, Any] | Rejected:  # fmt: skip
+           like: dict[str, torch.Tensor], key: bytes | None = None) -> dict[str, Any] | Rejected:  # fmt: skip
     """The body of the ``kind`` frame in ``buf`` (``region``'s push ``number`` from ``sender``), its tensors
-    checked against θ's layout (``like``), or why it is refused."""
+    checked against θ's layout (``like``), or why it is refused (``key``: as :func:`pack`'s)."""
     raw = bytearray(buf.numpy().tobytes())
     total = frame_nbytes(raw[:HEAD_NBYTES])
     if total is None or total > len(raw):
         return Rejected("malformed frame (bad header or longer than the run's message width)")
     trust = run_trust()
     opened = open_frame(raw[:total], ctx=Context(run_id=trust.run_id, kind=kind, round=number, scope=region),
-                        key=trust.key, max_bytes=len(raw), sender=sender)  # fmt: skip
+                        key=trust.key if key is None else key, max_bytes=len(raw), sender=sender)  # fmt: skip
     if not isinstance(opened, Opened):
         return opened
     return _checked(kind, opened.obj, like)

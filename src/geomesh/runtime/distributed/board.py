@@ -1,4 +1,5 @@
-"""The run board: where a finished run leaves word for a region that arrives after it.
+"""The run board: where a finished run leaves word for a region that arrives after it, and where the asynchronous
+baseline's parameter server leaves its address for the regions.
 
 A region started (or restarted) after the others finished would ask the quorum service for a quorum that never
 forms, and fail after ``--timeout`` although the run succeeded. So the quorum service also keeps a small board:
@@ -26,6 +27,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 NOTE_LIMIT = 4096  # bytes: a note is a few fields
+KINDS = ("finished", "server")  # a run's end; the asynchronous baseline's parameter server's address
 RUNS_LIMIT = 1024  # notes a board keeps (the oldest go first)
 
 
@@ -48,8 +50,8 @@ class _Notes(BaseHTTPRequestHandler):
         pass
 
     def _key(self) -> str | None:
-        key = self.path.rsplit("/", 1)[-1]
-        return key if self.path.startswith("/finished/") and key.isalnum() and len(key) <= 64 else None
+        kind, _, key = self.path.strip("/").partition("/")
+        return f"{kind}/{key}" if kind in KINDS and key.isalnum() and len(key) <= 64 else None
 
     def do_GET(self) -> None:  # noqa: N802 - http.server's name
         note = self.notes.get(self._key() or "")
@@ -99,22 +101,31 @@ class RunBoard:
 
     def post_finished(self, note: dict[str, Any]) -> None:
         """Leave word that this run finished (``note``: JSON: the round, the regions at the end, the checksum)."""
-        if self.url is None:
-            return
-        body = json.dumps({"run": self.run, **note}, sort_keys=True).encode()
-        data = json.dumps({"body": body.decode(), "tag": _tag(self.key, self.run, body)}).encode()
-        try:
-            request = urllib.request.Request(f"{self.url}/finished/{_key(self.run)}", data=data, method="PUT")
-            urllib.request.urlopen(request, timeout=self.timeout_s).close()
-        except (OSError, ValueError):  # the board is a courtesy to late regions, never the run's failure
-            pass
+        self.post("finished", note)
 
     def finished(self) -> dict[str, Any] | None:
         """The note of this run's end, if the board holds a genuine one."""
+        return self.read("finished")
+
+    def post(self, kind: str, note: dict[str, Any]) -> bool:
+        """Leave a ``kind`` note (:data:`KINDS`) of this run, signed; whether the board took it."""
+        if self.url is None:
+            return False
+        body = json.dumps({"run": self.run, **note}, sort_keys=True).encode()
+        data = json.dumps({"body": body.decode(), "tag": _tag(self.key, self.run, body)}).encode()
+        try:
+            request = urllib.request.Request(f"{self.url}/{kind}/{_key(self.run)}", data=data, method="PUT")
+            urllib.request.urlopen(request, timeout=self.timeout_s).close()
+            return True
+        except (OSError, ValueError):  # a finished note is a courtesy to late regions, never the run's failure
+            return False
+
+    def read(self, kind: str) -> dict[str, Any] | None:
+        """This run's ``kind`` note, if the board holds a genuine one."""
         if self.url is None:
             return None
         try:
-            with urllib.request.urlopen(f"{self.url}/finished/{_key(self.run)}", timeout=self.timeout_s) as reply:
+            with urllib.request.urlopen(f"{self.url}/{kind}/{_key(self.run)}", timeout=self.timeout_s) as reply:
                 raw = reply.read(NOTE_LIMIT + 1)
         except (OSError, ValueError):  # 404 (no note), or no board there: no word
             return None

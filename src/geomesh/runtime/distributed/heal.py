@@ -111,6 +111,49 @@ def _tensor_layout(obj: Any, path: str = "") -> dict[str, tuple[str, tuple[int, 
     return out
 
 
+def send_refusal(conn: socket.socket, magic: bytes, reason: str) -> None:
+    """A refusal on ``conn``, best effort: ``magic``, the reason's length (u16) and the reason (200 bytes at most)."""
+    try:
+        text = reason.encode()[:200]
+        conn.sendall(magic + struct.pack("<H", len(text)) + text)
+    except OSError:
+        pass
+
+
+class Listener:
+    """A TCP socket listening at ``host`` on a free port (OSError when it cannot bind there), each connection
+    handed to ``handle(conn, peer)`` on a thread of its own until :meth:`shutdown`."""
+
+    def __init__(self, host: str, handle: Callable[[socket.socket, Any], None], name: str, backlog: int = 16):
+        host = host.strip("[]")
+        self._sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            self._sock.bind((host, 0))
+        except OSError:
+            self._sock.close()
+            raise
+        self._sock.listen(backlog)
+        self.port = self._sock.getsockname()[1]
+        self._closed = False
+        threading.Thread(target=self._accept, args=(handle,), name=name, daemon=True).start()
+
+    def _accept(self, handle: Callable[[socket.socket, Any], None]) -> None:
+        while not self._closed:
+            try:
+                conn, peer = self._sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=handle, args=(conn, peer), daemon=True).start()
+
+    def shutdown(self) -> None:
+        self._closed = True
+        try:
+            self._sock.close()
+        except OSError:
+            pass
+
+
 class HealTransport(CheckpointTransport):
     """torchft's checkpoint transport, authenticated (see the module docstring)."""
 
@@ -127,21 +170,13 @@ class HealTransport(CheckpointTransport):
         self._lock = threading.Condition()
         self._staged: tuple[int, Any] | None = None
         self._active = 0
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self._sock = socket.socket(family, socket.SOCK_STREAM)
-        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
-            self._sock.bind((host.strip("[]"), 0))
+            self._listener = Listener(host, self._serve, "geomesh-heal")
         except OSError as exc:
-            self._sock.close()
             raise HealError(f"cannot serve recovery state at the advertised address {host!r}: "
                             f"{exc.strerror or exc} (set GEOMESH_ADVERTISE_HOST to an address of this host)") from None  # fmt: skip
-        self._sock.listen(16)
         self.host = host
-        self.port = self._sock.getsockname()[1]
-        self._closed = False
-        self._thread = threading.Thread(target=self._accept, name="geomesh-heal", daemon=True)
-        self._thread.start()
+        self.port = self._listener.port
 
     # ---- torchft's interface -------------------------------------------------------------------------
     def metadata(self) -> str:
@@ -169,20 +204,9 @@ class HealTransport(CheckpointTransport):
             raise HealError(self.last_error) from None
 
     def shutdown(self, wait: bool = True) -> None:
-        self._closed = True
-        try:
-            self._sock.close()
-        except OSError:
-            pass
+        self._listener.shutdown()
 
     # ---- the server ----------------------------------------------------------------------------------
-    def _accept(self) -> None:
-        while not self._closed:
-            try:
-                conn, peer = self._sock.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._serve, args=(conn, peer), daemon=True).start()
 
     def _refuse(self, conn: socket.socket, peer: Any, reason: str, warn: bool = True) -> None:
         if warn:
@@ -190,11 +214,7 @@ class HealTransport(CheckpointTransport):
             if self.refused <= WARN_LIMIT:
                 print(f"warning: region {self.name}: refused a recovery request from {peer[0]}:{peer[1]}: {reason}",
                       file=sys.stderr, flush=True)  # fmt: skip
-        try:
-            text = reason.encode()[:200]
-            conn.sendall(_NO + struct.pack("<H", len(text)) + text)
-        except OSError:
-            pass
+        send_refusal(conn, _NO, reason)
 
     def _serve(self, conn: socket.socket, peer: Any) -> None:
         with self._lock:
