@@ -8,8 +8,9 @@ Every region is its own world, started with its own command; what they share is 
 its first pull is the server's welcome: θ as it is (θ0 at the start; the live θ for a region restarted mid-run).
 No quorum is formed: regions never meet each other, and torchft's Lighthouse is only the address they share.
 
-- A remote region that dies just stops pushing; the others never wait for it. Restarted with its own command, it
-  connects again and trains on from the current θ.
+- A remote region that dies just stops pushing; the others go on without it while ``min_regions`` are connected
+  (with fewer, the server holds every push until enough are back). Restarted with its own command, it connects
+  again and trains on from the current θ.
 - The server's region is the run: θ and the outer momentum live only on its leader. If it dies, every other region
   stops with one ``error:`` line at its next push (there is no second server, and nothing to go on from).
 - A region started after the run's end reads the board's ``finished`` note and stops at once (exit 0).
@@ -32,8 +33,9 @@ from ...telemetry import Telemetry
 from .async_link import LinkError, LinkRefused, ServerLink, Session, connect
 from .board import RunBoard
 from .frames import run_trust
-from .membership import ADVERTISE_ENV, LIGHTHOUSE_ENV, MembershipError, RunFinished, bind_address
+from .membership import RunFinished
 from .records import RunRecords
+from .service import ADVERTISE_ENV, LIGHTHOUSE_ENV, MembershipError, bind_address
 
 POLL_S = 0.25  # how often a region reads the board while the server's note is not there yet
 

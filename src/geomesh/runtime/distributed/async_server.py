@@ -21,10 +21,12 @@ price of regions waiting for their turn (recorded as ``straggler_wait`` on the s
 
 Elastic regions (``--min-regions N``: each region its own world): the remote regions reach the server over
 sessions of :mod:`.async_link`, one thread each (:meth:`serve_session`). The run starts once ``N`` regions (the
-server's own included) are connected; a session's welcome is θ as it is then. A region whose connection drops just
-stops pushing (a ``leave`` record; nobody waits for it); a region that connects again (restarted with its own
-command) is welcome with the current θ (a ``join`` record); a newer session of a region supersedes an older one,
-which is told to stop at its next push. Once the budget is spent the server answers every live session's next push
+server's own included) are connected, and goes on while at least ``N`` are: a session's welcome is θ as it is then.
+A region whose connection drops just stops pushing (a ``leave`` record; nobody waits for it while ``N`` others are
+connected; with fewer, the server holds every push until enough are back, up to ``--timeout``, as a round-based
+run waits for a quorum of ``N``); a region that connects again (restarted with its own command) is welcome with the
+current θ (a ``join`` record); a newer session of a region supersedes an older one, which is told to stop at its
+next push. Once the budget is spent the server answers every live session's next push
 with "stop" and θ (bounded by ``--timeout``) before it ends. Arrival order only.
 """
 
@@ -44,7 +46,7 @@ from .async_link import Session
 from .async_wire import PULL, PUSH, pack, unpack
 from .core import RankFailure, RankRun
 from .frames import Rejected
-from .membership import MembershipError
+from .service import MembershipError
 from .region import params_checksum
 
 
@@ -88,6 +90,13 @@ class ParameterServer:
     def spent(self) -> bool:
         return self.run.tokens_done >= self.run.budget
 
+    def _connected(self) -> int:
+        """(under the lock) The regions connected now, the server's own included."""
+        return len({s.region for s in self.live} | {self.home})
+
+    def _enough(self) -> bool:
+        return self.min_regions == 0 or self._connected() >= self.min_regions
+
     # ---- applying an arrival -------------------------------------------------------------------------------
     def take(self, region: int, delta: dict[str, torch.Tensor] | None | Rejected, info: dict[str, Any]
              ) -> dict[str, Any]:  # fmt: skip
@@ -97,6 +106,15 @@ class ParameterServer:
         run = self.run
         waited = time.perf_counter()
         with self.cond:
+            # (elastic) a push is applied only while min_regions regions are connected: the run's floor, as a
+            # round-based run's quorum
+            if not self.cond.wait_for(lambda: self.error is not None or self.spent() or self._enough(),
+                                      timeout=run.options.timeout_s):  # fmt: skip
+                raise MembershipError(f"only {self._connected()} of the {self.min_regions} regions "
+                                      f"(reliability.min_regions) were connected to the parameter server for "
+                                      f"{run.options.timeout_s:g}s; fewer regions are alive than "
+                                      f"reliability.min_regions")  # fmt: skip
+
             def mine() -> bool:
                 return self.error is not None or self.spent() or self.order is None or self.turn == region
 
@@ -213,8 +231,8 @@ class ParameterServer:
         timeout = self.run.options.timeout_s
         with self.cond:
             if not self.cond.wait_for(lambda: self.started or self.error is not None, timeout=timeout):
-                have = len({s.region for s in self.live} | {self.home})
-                raise MembershipError(f"only {have} of the {self.min_regions} regions (reliability.min_regions) "
+                raise MembershipError(f"only {self._connected()} of the {self.min_regions} regions "
+                                      f"(reliability.min_regions) "
                                       f"connected to the parameter server within {timeout:g}s")  # fmt: skip
 
     def serve_session(self, session: Session) -> None:
@@ -231,7 +249,7 @@ class ParameterServer:
             self.seen.add(region)
             self.sessions[region] = session
             self.live.add(session)
-            self.started = self.started or len({s.region for s in self.live} | {self.home}) >= self.min_regions
+            self.started = self.started or self._enough()
             self.cond.notify_all()
             self.cond.wait_for(lambda: self.started or self.error is not None)
             reply = self._reply(region)
