@@ -33,16 +33,15 @@ from ...methods.base import Method, OuterLoopMethod
 from ...planner import Plan
 from ...telemetry import Telemetry, write_json_atomic
 from ...worker import resolve_precision
-from ..checkpoint_state import truncate_events
 from ..hooks import HOOKS_ENV, LEGACY, FaultHooks, HooksError
 from .async_checks import check_async_support
 from .clock import WallClock, record_spans
-from .checkpoints import DistCheckpointError
-from .resume import check_resume, fingerprint
+from .checkpointing import RunCheckpoints
+from .resume import fingerprint
 from .folder import prepare_shared_run_dir
 from .layout import rank_layout, region_layout
 from .stopping import StoppingRule
-from ..options import DistOptions, checkpoint_cadence, resolve_run
+from ..options import DistOptions, resolve_run
 from .region import RegionWorker, build_training, is_sharded, local_bytes, params_checksum, reshard, shard_region  # noqa: F401
 from ..summary import build_summary
 from .transport import Transport
@@ -149,6 +148,8 @@ class RankRun:
         except HooksError as exc:
             raise RunError(f"{HOOKS_ENV}: {exc}") from None
         self._iface = os.environ.get(WIRE_IFACE_ENV) or None
+        self.checkpoints = RunCheckpoints(scenario, self.options, transport=self.transport, fingerprint=fingerprint(
+            scenario, method.name, self.seed, self.budget, self.layout.counts))
         self.totals = {"bytes_sent": 0, "proxy_bytes_sent": 0, "wire_bytes_sent": 0, "intra_region_bytes": 0,
                        "comm_s": 0.0}  # fmt: skip
 
@@ -327,7 +328,9 @@ class RankRun:
         """Train; returns the summary on rank 0 (``None`` on the other ranks)."""
         started = time.perf_counter()
         try:
-            self._resume_from = self._prepare_resume() if self.options.resume else None
+            if self.options.resume:
+                self.checkpoints.prepare_resume(self._on_rank0, self.rank == 0,
+                                                self.scenario.regions[self.layout.region_of(0)].name)
             self._setup()
             if self.rank == 0:  # the scenario's TensorBoard / W&B sinks, on the rank that writes the records
                 from ...telemetry_sinks import attach_logging
@@ -363,7 +366,7 @@ class RankRun:
     # ---- what every loop does at its start and end, and after each round ---------------------------
     def _start_records(self, plan: Plan) -> None:
         """Rank 0 of a run that does not resume: the ``run`` and first ``plan`` records, the evaluation at 0."""
-        if self._resume_from is not None:
+        if self.checkpoints.resume_from is not None:
             return
         if self.rank != 0:
             if self.evaluates:  # a rank of region 0 that shares a sharded θ's evaluation
@@ -464,78 +467,15 @@ class RankRun:
             self.final_checksums = [i["crc"] for i in infos]
             self.outer_state_bytes = [i["outer_bytes"] for i in infos] if outer_buf is not None else None
 
-    # ---- checkpoints (runtime/distributed/checkpoints.py) ---------------------------------------------------
-    def _checkpoint_fingerprint(self) -> dict[str, Any]:
-        return fingerprint(self.scenario, self.method.name, self.seed, self.budget, self.layout.counts)
-
-    def _checkpoint_dir(self) -> Path:
-        """``DIR/checkpoints``, or with elastic regions ``DIR/checkpoints/<region>`` (each region its own)."""
-        base = ckpt.checkpoint_dir(self.out_dir)
-        return base / self.options.elastic_region if self.options.elastic_region is not None else base
-
-    def _checkpoint_cadence(self) -> tuple[int, int]:
-        every, keep = checkpoint_cadence(self.options, self.scenario.reliability)
-        if every > 0 and self.out_dir is None:
-            raise RunError("--checkpoint-every needs a run folder (--out)")
-        return every, keep
-
+    # ---- checkpoints (runtime/distributed/checkpointing.py) ------------------------------------------------
     def _save_checkpoint(self, saver: Any, keep: int) -> None:
         """Every rank writes its part of the checkpoint of the round (step) that just ended."""
         self._mark("other")
-        self.transport.op = f"writing the checkpoint of round {self.rounds}"
-        try:
-            saver.save(keep)
-        except OSError as exc:
-            raise RunError(f"could not write the checkpoint of round {self.rounds} in "
-                           f"{self.out_dir / 'checkpoints'}: {exc.strerror or exc}") from None  # fmt: skip
+        self.checkpoints.save(saver, keep, self.rounds)
 
     def _test_exit_point(self) -> None:
         """The fault hooks' point ``done``: the round's records are written (an abrupt exit or a hang)."""
         self.hooks.at("done", self.scenario.regions[self.region].name, self.rounds, rank=self.rank)
-
-    def _prepare_resume(self) -> str | None:
-        """Every rank checks the newest complete checkpoint's files against its marker (sizes, SHA-256, the
-        run key's tag) before anything in it is read, and the ranks agree on the verdict: a damaged one is
-        skipped by all of them for the previous intact one (rank 0 warns). Rank 0 then checks that it belongs
-        to this run and cuts ``events.jsonl`` back to it; every rank gets its folder (or the same one-line
-        error)."""
-        if self.out_dir is None:
-            raise RunError("--resume needs the run folder of the interrupted run (--out)")
-        from ...methods.base import payload_key
-        from ..run_folder import run_id_of
-        from .checkpoints import list_complete
-
-        directory = self._checkpoint_dir()
-        key = payload_key(self.scenario)
-        rounds = self._on_rank0("listing the checkpoints to resume from",
-                                lambda: [r for r, _, _ in list_complete(directory)])  # fmt: skip
-        if not rounds and self.options.elastic_region is not None:  # a host whose folder is gone: it heals
-            if self.rank == 0:
-                print(f"warning: region {self.scenario.regions[self.layout.region_of(0)].name}: no checkpoint in "
-                      f"{directory} to resume from; it starts afresh and receives the live state from the others",
-                      file=sys.stderr, flush=True)  # fmt: skip
-            return None
-
-        def everywhere(intact_here: bool) -> bool:
-            self.transport.op = "agreeing on the checkpoint to resume from"
-            damaged = torch.tensor([0 if intact_here else 1], dtype=torch.int32, device=self.transport.device)
-            dist.all_reduce(damaged, op=dist.ReduceOp.SUM)
-            return int(damaged.item()) == 0
-
-        try:
-            _, path, marker = check_resume(self.out_dir, self._checkpoint_fingerprint(), directory, key=key,
-                                           run_id=run_id_of(self.out_dir), rounds=rounds, agree=everywhere,
-                                           warn=self.rank == 0)  # fmt: skip
-        except DistCheckpointError as exc:
-            raise RunError(str(exc)) from None
-
-        def cut_events() -> str:
-            offset = marker.get("events_offset")
-            if offset is not None and self.options.elastic_region is None:  # elastic: the writer rewrites it
-                truncate_events(self.out_dir, offset)
-            return str(path)
-
-        return self._on_rank0("cutting the events back to the checkpoint", cut_events)
 
     def _record_round(self, leaders: list[dict], names: list[str], **more: Any) -> None:
         """Rank 0: the round's record from every region's report (region order), and their spans."""

@@ -74,14 +74,14 @@ def run_ddp(run: RankRun) -> dict[str, Any]:
     worker.load_global({k: p.detach() for k, p in run.global_model.named_parameters()})
     run._start_records(plan)
     run._start_clock()
-    every, keep = run._checkpoint_cadence()
+    every, keep = run.checkpoints.cadence()
     saver = None
-    if every > 0 or run._resume_from is not None:  # θ is the replica: the region's model holds it
-        saver = RunCheckpointer(run, {}, None, None, run._checkpoint_fingerprint())
-    if run._resume_from is not None:
-        saver.restore(Path(run._resume_from))
+    if every > 0 or run.checkpoints.resume_from is not None:  # θ is the replica: the region's model holds it
+        saver = RunCheckpointer(run, {}, None, None, run.checkpoints.fingerprint)
+    if run.checkpoints.resume_from is not None:
+        saver.restore(Path(run.checkpoints.resume_from))
         run.clock.resume(run._cursor)  # the clock goes on from the checkpoint's time
-        run._say(f"[ddp] resumed from the checkpoint of step {run.rounds} ({run._resume_from})")
+        run._say(f"[ddp] resumed from the checkpoint of step {run.rounds} ({run.checkpoints.resume_from})")
     step_tokens = n * tr.batch * seq
     model.train()
     timed = run.stopping.timed

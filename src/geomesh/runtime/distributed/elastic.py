@@ -577,7 +577,7 @@ class QuorumExchange:
         with a fresh AdamW, so the run would part from the uninterrupted one."""
         from .checkpoints import list_complete
 
-        held = [r for r, _, _ in list_complete(self.run._checkpoint_dir())]
+        held = [r for r, _, _ in list_complete(self.run.checkpoints.directory)]
         self.pending_resume = {"loaded": self.run.rounds, "rounds": held}
         self.state.snapshot()
 
