@@ -193,13 +193,13 @@ def run_async(run: RankRun) -> dict[str, Any]:
             "cycles": cycle.cycles, "intra_bytes": run.transport.intra_bytes}  # fmt: skip
     leaders = run._gather_leaders(mine, what="the asynchronous totals")
     if run.rank == 0:
-        run.totals["bytes_sent"] = sum(i["sent"] for i in leaders)
-        run.totals["comm_s"] = sum(i["comm_s"] for i in leaders)
-        run.totals["intra_region_bytes"] = sum(i["intra_bytes"] for i in leaders)
+        run.ledger.totals["bytes_sent"] = sum(i["sent"] for i in leaders)
+        run.ledger.totals["comm_s"] = sum(i["comm_s"] for i in leaders)
+        run.ledger.totals["intra_region_bytes"] = sum(i["intra_bytes"] for i in leaders)
     run._final_telemetry(params)
     shaper_s = max(cycle.shaper.push_pull_s(i, method.server, width) for i in range(len(names)))
-    fields = run._exchange_fields(width, 4 * sum(t.numel() for t in params.values()), 4 * sc.timing().params,
-                                  shaper_s, "push_pull")  # fmt: skip
+    fields = run.ledger.exchange_fields(run.rounds, width, 4 * sum(t.numel() for t in params.values()),
+                                        4 * sc.timing().params, shaper_s, "push_pull")  # fmt: skip
     fields.update({"server": names[method.server], "dyLU_inner_steps": dict(zip(names, steps)),
                    "async_order": order_name, "tokens_lost": run.tokens_lost,
                    "rejected_payloads": int(run.telemetry.counters.get("rejected_payloads", 0)),

@@ -35,15 +35,15 @@ from ...telemetry import Telemetry, write_json_atomic
 from ...worker import resolve_precision
 from ..hooks import HOOKS_ENV, LEGACY, FaultHooks, HooksError
 from .async_checks import check_async_support
-from .clock import WallClock, record_spans
+from .clock import WallClock
 from .checkpointing import RunCheckpoints
 from .resume import fingerprint
 from .folder import prepare_shared_run_dir
 from .layout import rank_layout, region_layout
+from .ledger import RunLedger
 from .stopping import StoppingRule
 from ..options import DistOptions, resolve_run
 from .region import RegionWorker, build_training, is_sharded, local_bytes, params_checksum, reshard, shard_region  # noqa: F401
-from ..summary import build_summary
 from .transport import Transport
 
 TEST_EXIT_ENV = LEGACY["exit"]  # "RANK:ROUND[:hang]": the fault hooks' point ``done`` (runtime/hooks.py)
@@ -132,14 +132,12 @@ class RankRun:
         self.telemetry = Telemetry(None)
         self.tokens_done = 0  # tokens whose updates reached θ
         self.tokens_lost = 0  # tokens trained whose updates did not (rejected, dropped, lost regions)
-        self.round_idle: list[float | None] = []  # each round's straggler idle (the records' keeper)
         self.rounds = 0
         self.plans: list[Plan] = []
         self.global_model = None
         self.sharded_global = False  # θ and the outer momentum sharded over this FSDP region's ranks
         self.saves_global = True  # this rank writes θ and the outer momentum into checkpoints
         self.evaluates = self.rank == 0  # the ranks that run evaluations of θ (rank 0 records them)
-        self.outer_state_bytes: list[int] | None = None  # per rank, at the end (rank 0; round-based loops)
         self.clock = WallClock()
         self.keeps_records = self.rank == 0  # the rank whose telemetry keeps the run's records (elastic: leaders)
         self._profiles_cache: list[WorkerProfile] | None = None
@@ -150,8 +148,8 @@ class RankRun:
         self._iface = os.environ.get(WIRE_IFACE_ENV) or None
         self.checkpoints = RunCheckpoints(scenario, self.options, transport=self.transport, fingerprint=fingerprint(
             scenario, method.name, self.seed, self.budget, self.layout.counts))
-        self.totals = {"bytes_sent": 0, "proxy_bytes_sent": 0, "wire_bytes_sent": 0, "intra_region_bytes": 0,
-                       "comm_s": 0.0}  # fmt: skip
+        self.ledger = RunLedger(scenario, method.name, self.seed, self.budget, self.target, self.world, self.backend,
+                                self.layout, self.options.wan, wire_measured=self._iface is not None)  # fmt: skip
 
     # ---- helpers ----------------------------------------------------------------------------------
     # the clock's cursor and pending spans, as the loops and checkpoints read and set them
@@ -349,7 +347,11 @@ class RankRun:
                     state = {k: (v.full_tensor() if is_sharded(v) else v).detach().cpu().clone()
                              for k, v in self.global_model.state_dict().items()}  # fmt: skip
             if self.rank == 0 and self.writes_summary:
-                summary = self._summary(extra, time.perf_counter() - started)
+                summary = self.ledger.summary(
+                    self.telemetry, extra, wall_s=time.perf_counter() - started, tokens=self.tokens_done,
+                    rounds=self.rounds, plans=self.plans, stopping=self.stopping, model_name=self.model_name,
+                    model=self.global_model, device=self.device, control_bytes=self.transport.control_bytes,
+                    precisions=self.region_precisions)  # fmt: skip
                 if self.out_dir is not None:
                     write_json_atomic(self.out_dir / "summary.json", summary)
                     if state is not None:
@@ -372,16 +374,8 @@ class RankRun:
             if self.evaluates:  # a rank of region 0 that shares a sharded θ's evaluation
                 self._evaluate(0.0)
             return
-        sc, model = self.scenario, self.global_model
-        self.telemetry.emit({
-            "type": "run", "runtime": "distributed", "method": self.method.name, "scenario": sc.name,
-            "seed": self.seed, "tokens_budget": self.budget, "proxy_params": model.num_params(),
-            "model": self.model_name, "model_params": model.num_params(),
-            "timing_params": sc.timing().params, "workers": [r.name for r in sc.regions], "world_size": self.world,
-            "backend": self.backend, "ranks_per_region": self.layout.to_json(), "wan": self.options.wan,
-            "precision": self.region_precisions,
-        })  # fmt: skip
-        self.telemetry.emit({"type": "plan", "round": 0, "time": 0.0, "plan": plan.to_json()})
+        self.ledger.start(self.telemetry, plan, self.model_name, self.global_model.num_params(),
+                          self.region_precisions)  # fmt: skip
         self._evaluate(0.0)
 
     def _start_clock(self) -> None:
@@ -434,18 +428,6 @@ class RankRun:
         }  # fmt: skip
         return info
 
-    def _exchange_fields(self, payload_bytes: int, proxy_payload: int, timing_payload: int, shaper_s: float,
-                         collective: str) -> dict[str, Any]:  # fmt: skip
-        """The summary's fields about the exchange, as every loop reports them."""
-        return {
-            "payload_bytes_per_worker": payload_bytes,
-            "proxy_payload_bytes": proxy_payload,
-            "timing_payload_bytes_per_worker": timing_payload,
-            "exchange_s_per_round": self.totals["comm_s"] / max(self.rounds, 1),
-            "shaper_s_per_round": shaper_s,
-            "collective": collective,
-        }
-
     def _final_telemetry(self, params: dict[str, torch.Tensor], outer_buf: dict[str, torch.Tensor] | None = None
                          ) -> None:  # fmt: skip
         """After the last round: every rank's last spans, θ's checksum and the bytes of θ and outer momentum
@@ -456,16 +438,9 @@ class RankRun:
                  "precision": self._precision_record()}  # fmt: skip
         region = self._gather_in_region(final, what="the region's final telemetry")
         regions = self._gather_leaders({"ranks": region}, what="the final telemetry")
-        if self.rank == 0:
-            infos = [i for r in regions for i in r["ranks"]]  # rank order: ranks fill regions in order
-            names = [r.name for r in self.scenario.regions]
-            for r, i in enumerate(infos):
-                record_spans(self.telemetry, names[self.layout.region_of(r)], i["spans"])
-            self.precision_records = {names[self.layout.region_of(r)]: i["precision"] for r, i in enumerate(infos)
-                                      if r in self.layout.leaders}  # fmt: skip
-            self._end_s = self._now()
-            self.final_checksums = [i["crc"] for i in infos]
-            self.outer_state_bytes = [i["outer_bytes"] for i in infos] if outer_buf is not None else None
+        if self.rank == 0:  # (rank order: ranks fill regions in order)
+            self.ledger.record_final(self.telemetry, [i for r in regions for i in r["ranks"]], self._now(),
+                                     outer=outer_buf is not None)  # fmt: skip
 
     # ---- checkpoints (runtime/distributed/checkpointing.py) ------------------------------------------------
     def _save_checkpoint(self, saver: Any, keep: int) -> None:
@@ -479,29 +454,7 @@ class RankRun:
 
     def _record_round(self, leaders: list[dict], names: list[str], **more: Any) -> None:
         """Rank 0: the round's record from every region's report (region order), and their spans."""
-        self.round_idle.append(more.get("straggler_idle_frac"))
-        for k, i in enumerate(leaders):
-            if i["spans"]:
-                record_spans(self.telemetry, names[k], i["spans"])
-        t = self.totals
-        t["bytes_sent"] += sum(i["wan_bytes"] for i in leaders)
-        t["proxy_bytes_sent"] += sum(i["proxy_bytes"] for i in leaders)
-        wires = [i["wire_bytes"] for i in leaders]
-        wire = sum(wires) if all(w is not None for w in wires) else None
-        if wire is not None:
-            t["wire_bytes_sent"] += wire
-        t["intra_region_bytes"] = sum(i["intra_bytes"] for i in leaders)
-        comm = max(i["comm_s"] for i in leaders)
-        t["comm_s"] += comm
-        dropped = sum(i["dropped_local"] for i in leaders)
-        if dropped:
-            self.telemetry.count("dropped_updates", dropped)
-        record = {"type": "round", "round": self.rounds, "time": self._now(), "tokens": self.tokens_done,
-                  "compute_s": [i["compute_s"] for i in leaders], "exchange_s": comm,
-                  "bytes_sent": sum(i["wan_bytes"] for i in leaders), **more}  # fmt: skip
-        if wire is not None:
-            record["wire_bytes"] = wire
-        self.telemetry.emit(record)
+        self.ledger.record_round(self.telemetry, leaders, names, self.rounds, self._now(), self.tokens_done, **more)
 
     def _evaluate(self, at: float) -> float:
         """Validation loss of θ, recorded by rank 0; every rank with :attr:`evaluates` calls it together."""
@@ -518,46 +471,3 @@ class RankRun:
         (None without one), for the summary."""
         w = self.worker
         return {"precision": w.precision, "skipped_steps": int(w.skipped_steps), "loss_scale": w.loss_scale}
-
-    def _summary(self, extra: dict[str, Any], wall_s: float) -> dict[str, Any]:
-        t = self.totals
-        modeled = []
-        if self.options.wan == "shaper":
-            modeled.append("WAN time (application-level shaper: latency + bytes/bandwidth of the scenario's WAN)")
-        elif self.options.wan == "latency":
-            modeled.append("WAN latency (application-level shaper; the link rate is real)")
-        if any(r.slowdown > 1 for r in self.scenario.regions):
-            modeled.append("compute slowdown (inner steps padded with sleep to `slowdown` x their time)")
-        modeled += self.stopping.modeled()
-        return build_summary(
-            method=self.method.name, scenario=self.scenario, runtime="distributed", status=None, seed=self.seed,
-            tokens=self.tokens_done, rounds=self.rounds, time_s=self._end_s, target=self.target,
-            telemetry=self.telemetry, bytes_sent=t["bytes_sent"], proxy_bytes_sent=t["proxy_bytes_sent"],
-            reliability={},
-            model={
-                "model": self.model_name,  # what trained: "llama-125m (built-in)", "llama (transformers)"
-                "model_params": self.global_model.num_params(),
-                "proxy_params": self.global_model.num_params(),
-                # rank 0's peak GPU memory (its replica, optimizer state or shards, activations, θ): null on CPU
-                "peak_gpu_memory_gib": (torch.cuda.max_memory_allocated(self.device) / 2**30
-                                        if self.device.type == "cuda" else None),
-            },
-            plans=self.plans, modeled=modeled, wall_s=wall_s,
-            tail={
-                "world_size": self.world,
-                "backend": self.backend,
-                "ranks_per_region": self.layout.to_json(),
-                "wan": self.options.wan,
-                "wire_bytes_sent": t["wire_bytes_sent"] if self._iface else None,
-                "intra_region_bytes": t["intra_region_bytes"],
-                "control_bytes": self.transport.control_bytes,
-                "param_checksums": self.final_checksums,  # per rank: crc32 of strided samples of θ at the end
-                # per region: its precision, the inner steps its fp16 loss scaler skipped, its loss scale at the end
-                "precision": getattr(self, "precision_records", None) or {
-                    n: {"precision": p} for n, p in self.region_precisions.items()},
-                # per rank: bytes of θ and the outer momentum it holds (1/size of them in an fsdp region)
-                "outer_state_bytes_per_rank": self.outer_state_bytes,
-                **self.stopping.summary_fields(self.tokens_done),  # what ended the run (stopped_by, the time budget)
-            },
-            extra=extra,
-        )  # fmt: skip

@@ -143,4 +143,4 @@ def run_ddp(run: RankRun) -> dict[str, Any]:
         run._test_exit_point()
     run.global_model.load_state_dict(model.state_dict())  # θ = the replica every rank holds
     run._final_telemetry({k: p.detach() for k, p in model.named_parameters()})
-    return run._exchange_fields(grad_nbytes, grad_nbytes, timing_nbytes, shaper_s, "all_reduce")
+    return run.ledger.exchange_fields(run.rounds, grad_nbytes, grad_nbytes, timing_nbytes, shaper_s, "all_reduce")

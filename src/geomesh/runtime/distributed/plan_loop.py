@@ -261,7 +261,7 @@ class PlanLoop:
                 "calibration_s": dict(self.calibration_s) or None,
                 "wan_measured": self.wan_measure.summary() if self.wan_measure is not None else None,
                 "wan_probe_s": self.wan_probe_s,
-                "straggler_idle_per_round": list(self.run.round_idle)}  # fmt: skip
+                "straggler_idle_per_round": list(self.run.ledger.round_idle)}  # fmt: skip
 
     # ---- the WAN, measured ----------------------------------------------------------------------------------
     def exchange_cost(self, members: list[int]) -> Callable[[WanModel], float]:
