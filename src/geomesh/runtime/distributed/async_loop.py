@@ -154,7 +154,7 @@ def run_async(run: RankRun) -> dict[str, Any]:
         print(f"warning: {method.name}: {NO_CHECKPOINTS}", file=sys.stderr, flush=True)  # (launch said it already)
 
     def make_plan() -> dict:
-        profiles = run._profiles()
+        profiles = run.profile_source.read()
         steps = dynamic_local_updates(profiles, tr.batch, tr.inner_steps)
         plan = plan_uniform(profiles, tr.batch, tr.inner_steps)
         for wp, h in zip(plan.workers, steps):
@@ -191,7 +191,7 @@ def run_async(run: RankRun) -> dict[str, Any]:
                 p.copy_(cycle.pulled[k])
     mine = {"sent": cycle.sent + (server.sent if server is not None else 0), "comm_s": cycle.comm_s,
             "cycles": cycle.cycles, "intra_bytes": run.transport.intra_bytes}  # fmt: skip
-    leaders = run._gather_leaders(mine, what="the asynchronous totals")
+    leaders = run.reports.from_leaders(mine, what="the asynchronous totals")
     if run.rank == 0:
         run.ledger.totals["bytes_sent"] = sum(i["sent"] for i in leaders)
         run.ledger.totals["comm_s"] = sum(i["comm_s"] for i in leaders)

@@ -1,89 +1,54 @@
-"""What every loop of the distributed runtime shares, on one rank: set-up (the process groups, the model and
-data as the emulated runtime builds them, the region's worker), the wall clock and its spans, rank 0's
-records and summary, checkpoint and resume bookkeeping, the checks that every rank runs the same job and
-holds the same θ. The loops are in :mod:`.rounds` (round-based methods), :mod:`.ddp` (the DDP
-baseline) and :mod:`.elastic` (elastic regions); :class:`~geomesh.runtime.distributed.DistributedRun` picks
-one. See :mod:`geomesh.runtime.distributed` for ranks, regions, time and telemetry.
-
-This file is long because it is what every loop shares and nothing else: each loop calls these helpers, so
-splitting them would only make every loop import from several places the one run they all extend.
+"""One rank's run of the distributed runtime (:class:`RankRun`): what every loop shares. It sets the rank up (the
+process groups, the model and data as the emulated runtime builds them, the region's worker, the check that every
+rank runs the same job), keeps the wall clock and its spans, and holds the run's collaborators, which the loops
+reach through it: its checkpoint bookkeeping (:mod:`.checkpointing`), rank 0's records and summary
+(:mod:`.ledger`), the reports that check every rank holds the same θ (:mod:`.reports`), θ's evaluation
+(:mod:`.validation`) and the profiles plans are made from (:mod:`.profiles`); what it refuses to run is
+:mod:`.support`. The loops are in :mod:`.rounds` (round-based methods), :mod:`.ddp` (the DDP baseline),
+:mod:`.async_loop` (the asynchronous baseline) and :mod:`.elastic` (elastic regions);
+:class:`~geomesh.runtime.distributed.DistributedRun` picks one. See :mod:`geomesh.runtime.distributed` for
+ranks, regions, time and telemetry.
 """
 
 from __future__ import annotations
 
-import copy
 import datetime
 import hashlib
 import json
 import os
 import sys
 import time
-from pathlib import Path
 from typing import Any, Callable  # noqa: UP035
 
 import torch
 import torch.distributed as dist
 
 from ... import checkpoint as ckpt
-from ...config import ConfigError, ScenarioConfig
+from ...config import ScenarioConfig
 from ...errors import USER_ERRORS, RunError
-from ...evaluation import evaluate, heldout_zero_shot
-from ...hardware import WorkerProfile, load_profile
-from ...methods.base import Method, OuterLoopMethod
+from ...hardware import WorkerProfile
+from ...methods.base import Method
 from ...planner import Plan
 from ...telemetry import Telemetry, write_json_atomic
 from ...worker import resolve_precision
 from ..hooks import HOOKS_ENV, LEGACY, FaultHooks, HooksError
-from .async_checks import check_async_support
-from .clock import WallClock
 from .checkpointing import RunCheckpoints
-from .resume import fingerprint
+from .clock import WallClock
 from .folder import prepare_shared_run_dir
 from .layout import rank_layout, region_layout
 from .ledger import RunLedger
+from .profiles import RunProfiles
+from .reports import RankFailure, RankReports
+from .resume import fingerprint
 from .stopping import StoppingRule
+from .support import check_distributed_support
+from .validation import Validation
 from ..options import DistOptions, resolve_run
 from .region import RegionWorker, build_training, is_sharded, local_bytes, params_checksum, reshard, shard_region  # noqa: F401
 from .transport import Transport
 
 TEST_EXIT_ENV = LEGACY["exit"]  # "RANK:ROUND[:hang]": the fault hooks' point ``done`` (runtime/hooks.py)
 WIRE_IFACE_ENV = "GEOMESH_WIRE_IFACE"  # a network interface whose tx bytes measure what really went out
-
-MEMBERSHIP_FAULTS = ("leave", "join")  # faults that change who is in a round: elastic regions only
-
-
-class RankFailure(RuntimeError):
-    """A peer rank died or hung past the timeout, or the ranks disagree; the message says which."""
-
-
-def check_distributed_support(scenario: ScenarioConfig, method: Method, elastic: bool = False) -> None:
-    """Refuse, in one line, what the distributed runtime cannot run (before any process starts, and on every
-    rank): what the asynchronous baseline cannot do, a sharded ddp baseline, scenario faults the run cannot
-    honour."""
-    method.check(scenario)
-    if method.kind == "async":
-        return check_async_support(scenario, method, elastic)  # (runtime/distributed/async_checks.py)
-    if method.kind == "ddp":
-        sharded = [r.name for r in scenario.regions if r.strategy == "fsdp"]
-        if sharded:
-            raise ConfigError(f"--method ddp: regions {', '.join(sharded)} have strategy fsdp; the ddp baseline keeps "
-                              "a full replica on every rank (set their strategy to ddp)")  # fmt: skip
-        if scenario.faults:
-            kinds = sorted({f.kind for f in scenario.faults})
-            raise ConfigError(f"--method ddp: the scenario has faults ({', '.join(kinds)}); the ddp baseline's step "
-                              "loop does not inject them (remove the scenario's faults, or run a round-based "
-                              "method)")  # fmt: skip
-        if elastic:
-            raise ConfigError("--method ddp: not with elastic regions (reliability.min_regions / --min-regions): "
-                              "ddp all-reduces every step across every region")  # fmt: skip
-        fp16 = [r.name for r in scenario.regions if scenario.region_precision(r) == "fp16"]
-        if fp16:
-            raise ConfigError(f"--method ddp: regions {', '.join(fp16)} train in fp16, whose loss scaling is each "
-                              "region's own; the ddp baseline all-reduces every step's gradients across regions "
-                              "(give them precision bf16, fp32 or auto)")  # fmt: skip
-    if not elastic and any(f.kind in MEMBERSHIP_FAULTS for f in scenario.faults):
-        raise ConfigError("the scenario's leave/join faults need elastic regions: set reliability.min_regions (or "
-                          "--min-regions N) to at least 1; a static run keeps every region in every round")  # fmt: skip
 
 
 def _fingerprint(*parts: Any) -> str:
@@ -138,9 +103,10 @@ class RankRun:
         self.sharded_global = False  # θ and the outer momentum sharded over this FSDP region's ranks
         self.saves_global = True  # this rank writes θ and the outer momentum into checkpoints
         self.evaluates = self.rank == 0  # the ranks that run evaluations of θ (rank 0 records them)
+        self.validation: Validation | None = None  # what those ranks evaluate θ on (set up with the data)
         self.clock = WallClock()
         self.keeps_records = self.rank == 0  # the rank whose telemetry keeps the run's records (elastic: leaders)
-        self._profiles_cache: list[WorkerProfile] | None = None
+        self.profile_source = RunProfiles(scenario, self.options.profiles)  # what the plans are made from
         try:  # the faults a test or the chaos harness injects (runtime/hooks.py): read once, here
             self.hooks = FaultHooks.from_env()
         except HooksError as exc:
@@ -257,6 +223,8 @@ class RankRun:
                 if i == self.region:
                     self.shard_group = g
                     self.region_group = g if len(ranks) > 1 else None
+        self.reports = RankReports(self.transport, [r.name for r in sc.regions], self.region, self.region_ranks,
+                                   self.is_leader, self.region_group, self.leaders_group, len(self.layout.leaders))
         # model and data as the emulated runtime builds them; rank 0 fills the data cache first
         torch.manual_seed(self.seed)
         built = build_training(sc, self.region, self.seed, self.device, self._load_corpus_rank0_first,
@@ -278,10 +246,8 @@ class RankRun:
             # FSDP's forward of θ needs every rank of the region (elastic: every leader evaluates, so every rank)
             self.evaluates = elastic or self.region == 0
         if self.evaluates:
-            vx, vy = corpus.val_batches(sc.model.seq_len, tr.eval_sequences)
-            self.val_x, self.val_y = vx.to(self.device), vy.to(self.device)
-            self.corpus = corpus  # for the zero-shot evaluation at the end
-            if self.out_dir is not None and self.options.elastic_region is None:  # elastic: runtime/distributed/elastic.py
+            self.validation = Validation(corpus, sc.model.seq_len, tr.eval_sequences, tr.zero_shot_items, self.device)
+            if self.out_dir is not None and self.options.elastic_region is None:  # elastic: elastic.py
                 self.telemetry = Telemetry(self.out_dir / "events.jsonl", append=self.options.resume)
 
     def _load_corpus_rank0_first(self, load: Callable[[], Any]) -> Any:
@@ -297,29 +263,7 @@ class RankRun:
     @property
     def profiles(self) -> list[WorkerProfile]:
         """Every region's profile (scenario order), read once: the plans of every round are made from these."""
-        if self._profiles_cache is None:
-            self._profiles_cache = self._profiles()
-        return [copy.copy(p) for p in self._profiles_cache]
-
-    def use_measured_profiles(self, measured: dict[str, WorkerProfile]) -> None:  # (calibrated in place)
-        self._profiles_cache = self._profiles(measured)
-
-    def _profiles(self, calibrated: dict[str, WorkerProfile] | None = None) -> list[WorkerProfile]:
-        """The cost model's profiles, or measured ones (``--profile REGION=FILE``, else ``calibrated``)."""
-        sc = self.scenario
-        names = [r.name for r in sc.regions]
-        measured: dict[str, WorkerProfile] = {}
-        for pair in self.options.profiles:
-            region, _, path = pair.partition("=")
-            if region not in names or not path:
-                raise ConfigError(f"--profile {pair!r}: expected REGION=FILE with REGION one of {', '.join(names)}")
-            try:
-                measured[region] = load_profile(path)
-            except ValueError as exc:
-                raise ConfigError(f"--profile {region}: {exc}") from None
-        for region, profile in (calibrated or {}).items():
-            measured.setdefault(region, copy.copy(profile))
-        return sc.worker_profiles(measured)
+        return self.profile_source.current()
 
     # ---- the run ----------------------------------------------------------------------------------
     def run(self) -> dict[str, Any] | None:
@@ -337,11 +281,7 @@ class RankRun:
             extra = self._run_loop()
             summary = None
             if self.evaluates and self.writes_summary:  # (a sharded θ: the ranks of region 0 together)
-                sc = self.scenario
-                extra["zero_shot"] = heldout_zero_shot(self.global_model, self.corpus, sc.model.seq_len,
-                                                       sc.training.zero_shot_items)  # fmt: skip
-                if self.sharded_global:
-                    reshard(self.global_model)
+                extra["zero_shot"] = self.validation.zero_shot(self.global_model, self.sharded_global)
                 state = None
                 if self.out_dir is not None and self.options.save_params:
                     state = {k: (v.full_tensor() if is_sharded(v) else v).detach().cpu().clone()
@@ -383,37 +323,6 @@ class RankRun:
         self.transport.barrier(None, what="the start barrier")
         self.clock.start()
 
-    def _gather_in_region(self, mine: dict[str, Any], what: str) -> list[dict[str, Any]]:
-        """Every rank of this region's ``mine`` on its leader (and every other rank of it), in rank order."""
-        if self.region_group is None:
-            return [mine]
-        return self.transport.all_gather_json(mine, self.region_group, len(self.region_ranks), what=what)
-
-    def _gather_leaders(self, info: dict[str, Any], what: str) -> list[dict[str, Any]] | None:
-        """(leaders) Every leader's ``info``, in region order; other ranks get None. Only leaders cross the WAN."""
-        if not self.is_leader:
-            return None
-        return self.transport.all_gather_json(info, self.leaders_group, len(self.layout.leaders), what=what)
-
-    def _gather_checked(self, info: dict[str, Any], unit: str, what: str) -> list[dict[str, Any]] | None:
-        """Every region's ``info`` of the round (``unit``: round or step) on the leaders (None elsewhere), after
-        checking that every rank holds the same ``what`` (its ``crc``): inside each region first, then across
-        the leaders."""
-        region = self._gather_in_region({"crc": info["crc"], "intra_bytes": info["intra_bytes"]},
-                                        what=f"the region's checksum of {unit} {self.rounds}")  # fmt: skip
-        crcs = {i["crc"] for i in region}
-        if len(crcs) > 1:
-            detail = ", ".join(f"rank {r}: {i['crc']}" for r, i in zip(self.region_ranks, region))
-            raise RankFailure(f"{unit} {self.rounds}: the ranks of region {self.scenario.regions[self.region].name} "
-                              f"hold different {what} ({detail})")  # fmt: skip
-        info = {**info, "intra_bytes": sum(i["intra_bytes"] for i in region)}
-        infos = self._gather_leaders(info, what=f"the checksum of {unit} {self.rounds}")
-        if infos is not None and len({i["crc"] for i in infos if i["crc"] is not None}) > 1:
-            names = [r.name for r in self.scenario.regions]
-            detail = ", ".join(f"{names[k]}: {i['crc']}" for k, i in enumerate(infos))
-            raise RankFailure(f"{unit} {self.rounds}: the regions hold different {what} ({detail})")
-        return infos
-
     def _round_info(self, crc: str, compute_s: float, comm_s: float, sent_before: int, wire_before: int | None,
                     wire_after: int | None, proxy_bytes: int, dropped: bool, **more: Any) -> dict[str, Any]:  # fmt: skip
         """What this rank reports about the round it just finished (to every rank, then rank 0's records);
@@ -436,8 +345,8 @@ class RankRun:
         final = {"spans": self.clock.take_spans(), "crc": params_checksum(params),
                  "outer_bytes": None if outer_buf is None else local_bytes(params) + local_bytes(outer_buf),
                  "precision": self._precision_record()}  # fmt: skip
-        region = self._gather_in_region(final, what="the region's final telemetry")
-        regions = self._gather_leaders({"ranks": region}, what="the final telemetry")
+        region = self.reports.in_region(final, what="the region's final telemetry")
+        regions = self.reports.from_leaders({"ranks": region}, what="the final telemetry")
         if self.rank == 0:  # (rank order: ranks fill regions in order)
             self.ledger.record_final(self.telemetry, [i for r in regions for i in r["ranks"]], self._now(),
                                      outer=outer_buf is not None)  # fmt: skip
@@ -458,9 +367,7 @@ class RankRun:
 
     def _evaluate(self, at: float) -> float:
         """Validation loss of θ, recorded by rank 0; every rank with :attr:`evaluates` calls it together."""
-        loss = evaluate(self.global_model, self.val_x, self.val_y)
-        if self.sharded_global:
-            reshard(self.global_model)
+        loss = self.validation.loss(self.global_model, self.sharded_global)
         self.telemetry.evaluation(at, self.tokens_done, self.rounds, loss)
         self._say(f"[{self.method.name}] round {self.rounds} tokens {self.tokens_done:,} "
                   f"t={at:.1f}s val_loss {loss:.4f}")  # fmt: skip

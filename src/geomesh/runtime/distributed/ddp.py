@@ -65,7 +65,7 @@ def run_ddp(run: RankRun) -> dict[str, Any]:
     shaper_s = shaper.allreduce_s(grad_nbytes)
 
     def make_plan() -> dict:
-        return plan_uniform(run._profiles(), tr.batch, 1, exchange_bytes=timing_nbytes,
+        return plan_uniform(run.profile_source.read(), tr.batch, 1, exchange_bytes=timing_nbytes,
                             exchange_s=wan.allreduce_s(timing_nbytes)).to_json()  # fmt: skip
 
     plan = Plan.from_json(run._on_rank0("planning", make_plan))
@@ -129,7 +129,7 @@ def run_ddp(run: RankRun) -> dict[str, Any]:
         info = run._round_info(params_checksum(params), compute_s, comm_s, sent_before, wire_before, wire_after,
                                proxy_bytes=grad_nbytes if run.is_leader else 0,
                                dropped=not finite and run.rank == 0, loss=loss)  # fmt: skip
-        infos = run._gather_checked(info, "step", "parameters")
+        infos = run.reports.checked(info, "step", "parameters", run.rounds)
         if run.rank == 0:
             if not finite:
                 run.telemetry.emit({"type": "warning", "round": run.rounds, "worker": "all",

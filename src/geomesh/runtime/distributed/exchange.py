@@ -285,7 +285,7 @@ class StaticExchange:
                                **({} if loop.round_overhead_s is None else {"overhead_s": loop.round_overhead_s}))
         run._mark("other")
         before = run._cursor
-        infos = run._gather_checked(info, "round", "global parameters")
+        infos = run.reports.checked(info, "round", "global parameters", run.rounds)
         # the report waits for the slowest region's outer step: a wait, not this region's round overhead
         run._mark("straggler_wait")
         self.report_wait_s = run._cursor - before
