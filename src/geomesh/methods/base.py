@@ -42,7 +42,7 @@ class Method:
 
     def check(self, scenario: ScenarioConfig) -> None:
         """ConfigError (one line) when this method cannot run ``scenario``: the distributed runtime asks before any
-        process starts (:func:`~geomesh.runtime.distributed.core.check_distributed_support`), a method's codec when
+        process starts (:func:`~geomesh.runtime.distributed.support.check_distributed_support`), a method's codec when
         it is made."""
 
 

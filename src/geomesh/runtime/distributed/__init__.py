@@ -41,7 +41,8 @@ Modules
 This package's ``__init__`` only picks the loop for the run (:class:`DistributedRun`): :mod:`.rounds`
 (round-based methods), :mod:`.ddp` (the DDP baseline), :mod:`.async_loop` (the asynchronous baseline, with its
 parameter server :mod:`.async_server`) or :mod:`.elastic` (elastic regions), all over
-:mod:`.core` (set-up, clock, records, checkpoints, summary), :mod:`.layout` (ranks and regions),
+:mod:`.core` (set-up and clock; it holds :mod:`.checkpointing`, :mod:`.ledger` (records, summary),
+:mod:`.reports`, :mod:`.validation` and :mod:`.profiles`), :mod:`.layout` (ranks and regions),
 :mod:`.region` (a region's worker), :mod:`.transport` and :mod:`.checkpoints`.
 """
 
@@ -57,9 +58,9 @@ from .core import (
     WIRE_IFACE_ENV,
     RankFailure,
     RankRun,
-    check_distributed_support,
     params_checksum,
 )
+from .support import check_distributed_support
 from .layout import RankLayout, parse_ranks_per_region, rank_layout
 from ..options import DistOptions
 from .trust import establish as establish_trust

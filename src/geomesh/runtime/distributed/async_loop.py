@@ -216,7 +216,7 @@ def run_async(run: RankRun) -> dict[str, Any]:
         print(f"warning: {method.name}: {NO_CHECKPOINTS}", file=sys.stderr, flush=True)  # (launch said it already)
 
     def make_plan() -> dict:
-        profiles = run._profiles()
+        profiles = run.profile_source.read()
         steps = dynamic_local_updates(profiles, tr.batch, tr.inner_steps)
         plan = plan_uniform(profiles, tr.batch, tr.inner_steps)
         for wp, h in zip(plan.workers, steps):
@@ -276,15 +276,15 @@ def run_async(run: RankRun) -> dict[str, Any]:
                 p.copy_(cycle.pulled[k])
     mine = {"sent": cycle.sent + (server.sent if server is not None else 0), "comm_s": cycle.comm_s,
             "cycles": cycle.cycles, "intra_bytes": run.transport.intra_bytes}  # fmt: skip
-    leaders = run._gather_leaders(mine, what="the asynchronous totals")
+    leaders = run.reports.from_leaders(mine, what="the asynchronous totals")
     if run.rank == 0:
-        run.totals["bytes_sent"] = sum(i["sent"] for i in leaders)
-        run.totals["comm_s"] = sum(i["comm_s"] for i in leaders)
-        run.totals["intra_region_bytes"] = sum(i["intra_bytes"] for i in leaders)
+        run.ledger.totals["bytes_sent"] = sum(i["sent"] for i in leaders)
+        run.ledger.totals["comm_s"] = sum(i["comm_s"] for i in leaders)
+        run.ledger.totals["intra_region_bytes"] = sum(i["intra_bytes"] for i in leaders)
     run._final_telemetry(params)
     shaper_s = max(cycle.shaper.push_pull_s(i, method.server, width) for i in range(len(names)))
-    fields = run._exchange_fields(width, 4 * sum(t.numel() for t in params.values()), 4 * sc.timing().params,
-                                  shaper_s, "push_pull")  # fmt: skip
+    fields = run.ledger.exchange_fields(run.rounds, width, 4 * sum(t.numel() for t in params.values()),
+                                        4 * sc.timing().params, shaper_s, "push_pull")  # fmt: skip
     fields.update({"server": names[method.server], "dyLU_inner_steps": dict(zip(names, steps)),
                    "async_order": order_name, "tokens_lost": run.tokens_lost,
                    "rejected_payloads": int(run.telemetry.counters.get("rejected_payloads", 0)),

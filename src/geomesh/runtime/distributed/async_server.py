@@ -161,7 +161,7 @@ class ParameterServer:
             self.applied += 1
         run.rounds += 1
         remote = region != self.home
-        run.totals["proxy_bytes_sent"] += 2 * 4 * sum(v.numel() for v in self.params.values()) if remote else 0
+        run.ledger.totals["proxy_bytes_sent"] += 2 * 4 * sum(v.numel() for v in self.params.values()) if remote else 0
         run.telemetry.emit({"type": "round", "round": run.rounds, "time": run._now(), "tokens": run.tokens_done,
                             "members": [name], "compute_s": [float(info.get("compute_s", 0.0))],
                             "exchange_s": float(info.get("exchange_s", 0.0)),

@@ -1,90 +1,54 @@
-"""What every loop of the distributed runtime shares, on one rank: set-up (the process groups, the model and
-data as the emulated runtime builds them, the region's worker), the wall clock and its spans, rank 0's
-records and summary, checkpoint and resume bookkeeping, the checks that every rank runs the same job and
-holds the same θ. The loops are in :mod:`.rounds` (round-based methods), :mod:`.ddp` (the DDP
-baseline) and :mod:`.elastic` (elastic regions); :class:`~geomesh.runtime.distributed.DistributedRun` picks
-one. See :mod:`geomesh.runtime.distributed` for ranks, regions, time and telemetry.
-
-This file is long because it is what every loop shares and nothing else: each loop calls these helpers, so
-splitting them would only make every loop import from several places the one run they all extend.
+"""One rank's run of the distributed runtime (:class:`RankRun`): what every loop shares. It sets the rank up (the
+process groups, the model and data as the emulated runtime builds them, the region's worker, the check that every
+rank runs the same job), keeps the wall clock and its spans, and holds the run's collaborators, which the loops
+reach through it: its checkpoint bookkeeping (:mod:`.checkpointing`), rank 0's records and summary
+(:mod:`.ledger`), the reports that check every rank holds the same θ (:mod:`.reports`), θ's evaluation
+(:mod:`.validation`) and the profiles plans are made from (:mod:`.profiles`); what it refuses to run is
+:mod:`.support`. The loops are in :mod:`.rounds` (round-based methods), :mod:`.ddp` (the DDP baseline),
+:mod:`.async_loop` (the asynchronous baseline) and :mod:`.elastic` (elastic regions);
+:class:`~geomesh.runtime.distributed.DistributedRun` picks one. See :mod:`geomesh.runtime.distributed` for
+ranks, regions, time and telemetry.
 """
 
 from __future__ import annotations
 
-import copy
 import datetime
 import hashlib
 import json
 import os
 import sys
 import time
-from pathlib import Path
 from typing import Any, Callable  # noqa: UP035
 
 import torch
 import torch.distributed as dist
 
 from ... import checkpoint as ckpt
-from ...config import ConfigError, ScenarioConfig
+from ...config import ScenarioConfig
 from ...errors import USER_ERRORS, RunError
-from ...evaluation import evaluate, heldout_zero_shot
-from ...hardware import WorkerProfile, load_profile
-from ...methods.base import Method, OuterLoopMethod
+from ...hardware import WorkerProfile
+from ...methods.base import Method
 from ...planner import Plan
 from ...telemetry import Telemetry, write_json_atomic
 from ...worker import resolve_precision
-from ..checkpoint_state import truncate_events
 from ..hooks import HOOKS_ENV, LEGACY, FaultHooks, HooksError
-from .async_checks import check_async_support
-from .clock import WallClock, record_spans
-from .checkpoints import DistCheckpointError
-from .resume import check_resume, fingerprint
+from .checkpointing import RunCheckpoints
+from .clock import WallClock
 from .folder import prepare_shared_run_dir
 from .layout import rank_layout, region_layout
+from .ledger import RunLedger
+from .profiles import RunProfiles
+from .reports import RankFailure, RankReports
+from .resume import fingerprint
 from .stopping import StoppingRule
-from ..options import DistOptions, checkpoint_cadence, resolve_run
+from .support import check_distributed_support
+from .validation import Validation
+from ..options import DistOptions, resolve_run
 from .region import RegionWorker, build_training, is_sharded, local_bytes, params_checksum, reshard, shard_region  # noqa: F401
-from ..summary import build_summary
 from .transport import Transport
 
 TEST_EXIT_ENV = LEGACY["exit"]  # "RANK:ROUND[:hang]": the fault hooks' point ``done`` (runtime/hooks.py)
 WIRE_IFACE_ENV = "GEOMESH_WIRE_IFACE"  # a network interface whose tx bytes measure what really went out
-
-MEMBERSHIP_FAULTS = ("leave", "join")  # faults that change who is in a round: elastic regions only
-
-
-class RankFailure(RuntimeError):
-    """A peer rank died or hung past the timeout, or the ranks disagree; the message says which."""
-
-
-def check_distributed_support(scenario: ScenarioConfig, method: Method, elastic: bool = False) -> None:
-    """Refuse, in one line, what the distributed runtime cannot run (before any process starts, and on every
-    rank): what the asynchronous baseline cannot do, a sharded ddp baseline, scenario faults the run cannot
-    honour."""
-    method.check(scenario)
-    if method.kind == "async":
-        return check_async_support(scenario, method, elastic)  # (runtime/distributed/async_checks.py)
-    if method.kind == "ddp":
-        sharded = [r.name for r in scenario.regions if r.strategy == "fsdp"]
-        if sharded:
-            raise ConfigError(f"--method ddp: regions {', '.join(sharded)} have strategy fsdp; the ddp baseline keeps "
-                              "a full replica on every rank (set their strategy to ddp)")  # fmt: skip
-        if scenario.faults:
-            kinds = sorted({f.kind for f in scenario.faults})
-            raise ConfigError(f"--method ddp: the scenario has faults ({', '.join(kinds)}); the ddp baseline's step "
-                              "loop does not inject them (remove the scenario's faults, or run a round-based "
-                              "method)")  # fmt: skip
-        if elastic:
-            raise ConfigError("--method ddp: not with elastic regions (reliability.min_regions / --min-regions): "
-                              "ddp all-reduces every step across every region")  # fmt: skip
-        fp16 = [r.name for r in scenario.regions if scenario.region_precision(r) == "fp16"]
-        if fp16:
-            raise ConfigError(f"--method ddp: regions {', '.join(fp16)} train in fp16, whose loss scaling is each "
-                              "region's own; the ddp baseline all-reduces every step's gradients across regions "
-                              "(give them precision bf16, fp32 or auto)")  # fmt: skip
-    if not elastic and any(f.kind in MEMBERSHIP_FAULTS for f in scenario.faults):
-        raise ConfigError("the scenario's leave/join faults need elastic regions: set reliability.min_regions (or "
-                          "--min-regions N) to at least 1; a static run keeps every region in every round")  # fmt: skip
 
 
 def _fingerprint(*parts: Any) -> str:
@@ -133,24 +97,25 @@ class RankRun:
         self.telemetry = Telemetry(None)
         self.tokens_done = 0  # tokens whose updates reached θ
         self.tokens_lost = 0  # tokens trained whose updates did not (rejected, dropped, lost regions)
-        self.round_idle: list[float | None] = []  # each round's straggler idle (the records' keeper)
         self.rounds = 0
         self.plans: list[Plan] = []
         self.global_model = None
         self.sharded_global = False  # θ and the outer momentum sharded over this FSDP region's ranks
         self.saves_global = True  # this rank writes θ and the outer momentum into checkpoints
         self.evaluates = self.rank == 0  # the ranks that run evaluations of θ (rank 0 records them)
-        self.outer_state_bytes: list[int] | None = None  # per rank, at the end (rank 0; round-based loops)
+        self.validation: Validation | None = None  # what those ranks evaluate θ on (set up with the data)
         self.clock = WallClock()
         self.keeps_records = self.rank == 0  # the rank whose telemetry keeps the run's records (elastic: leaders)
-        self._profiles_cache: list[WorkerProfile] | None = None
+        self.profile_source = RunProfiles(scenario, self.options.profiles)  # what the plans are made from
         try:  # the faults a test or the chaos harness injects (runtime/hooks.py): read once, here
             self.hooks = FaultHooks.from_env()
         except HooksError as exc:
             raise RunError(f"{HOOKS_ENV}: {exc}") from None
         self._iface = os.environ.get(WIRE_IFACE_ENV) or None
-        self.totals = {"bytes_sent": 0, "proxy_bytes_sent": 0, "wire_bytes_sent": 0, "intra_region_bytes": 0,
-                       "comm_s": 0.0}  # fmt: skip
+        self.checkpoints = RunCheckpoints(scenario, self.options, transport=self.transport, fingerprint=fingerprint(
+            scenario, method.name, self.seed, self.budget, self.layout.counts))
+        self.ledger = RunLedger(scenario, method.name, self.seed, self.budget, self.target, self.world, self.backend,
+                                self.layout, self.options.wan, wire_measured=self._iface is not None)  # fmt: skip
 
     # ---- helpers ----------------------------------------------------------------------------------
     # the clock's cursor and pending spans, as the loops and checkpoints read and set them
@@ -258,6 +223,8 @@ class RankRun:
                 if i == self.region:
                     self.shard_group = g
                     self.region_group = g if len(ranks) > 1 else None
+        self.reports = RankReports(self.transport, [r.name for r in sc.regions], self.region, self.region_ranks,
+                                   self.is_leader, self.region_group, self.leaders_group, len(self.layout.leaders))
         # model and data as the emulated runtime builds them; rank 0 fills the data cache first
         torch.manual_seed(self.seed)
         built = build_training(sc, self.region, self.seed, self.device, self._load_corpus_rank0_first,
@@ -279,10 +246,8 @@ class RankRun:
             # FSDP's forward of θ needs every rank of the region (elastic: every leader evaluates, so every rank)
             self.evaluates = elastic or self.region == 0
         if self.evaluates:
-            vx, vy = corpus.val_batches(sc.model.seq_len, tr.eval_sequences)
-            self.val_x, self.val_y = vx.to(self.device), vy.to(self.device)
-            self.corpus = corpus  # for the zero-shot evaluation at the end
-            if self.out_dir is not None and self.options.elastic_region is None:  # elastic: runtime/distributed/elastic.py
+            self.validation = Validation(corpus, sc.model.seq_len, tr.eval_sequences, tr.zero_shot_items, self.device)
+            if self.out_dir is not None and self.options.elastic_region is None:  # elastic: elastic.py
                 self.telemetry = Telemetry(self.out_dir / "events.jsonl", append=self.options.resume)
 
     def _load_corpus_rank0_first(self, load: Callable[[], Any]) -> Any:
@@ -298,36 +263,16 @@ class RankRun:
     @property
     def profiles(self) -> list[WorkerProfile]:
         """Every region's profile (scenario order), read once: the plans of every round are made from these."""
-        if self._profiles_cache is None:
-            self._profiles_cache = self._profiles()
-        return [copy.copy(p) for p in self._profiles_cache]
-
-    def use_measured_profiles(self, measured: dict[str, WorkerProfile]) -> None:  # (calibrated in place)
-        self._profiles_cache = self._profiles(measured)
-
-    def _profiles(self, calibrated: dict[str, WorkerProfile] | None = None) -> list[WorkerProfile]:
-        """The cost model's profiles, or measured ones (``--profile REGION=FILE``, else ``calibrated``)."""
-        sc = self.scenario
-        names = [r.name for r in sc.regions]
-        measured: dict[str, WorkerProfile] = {}
-        for pair in self.options.profiles:
-            region, _, path = pair.partition("=")
-            if region not in names or not path:
-                raise ConfigError(f"--profile {pair!r}: expected REGION=FILE with REGION one of {', '.join(names)}")
-            try:
-                measured[region] = load_profile(path)
-            except ValueError as exc:
-                raise ConfigError(f"--profile {region}: {exc}") from None
-        for region, profile in (calibrated or {}).items():
-            measured.setdefault(region, copy.copy(profile))
-        return sc.worker_profiles(measured)
+        return self.profile_source.current()
 
     # ---- the run ----------------------------------------------------------------------------------
     def run(self) -> dict[str, Any] | None:
         """Train; returns the summary on rank 0 (``None`` on the other ranks)."""
         started = time.perf_counter()
         try:
-            self._resume_from = self._prepare_resume() if self.options.resume else None
+            if self.options.resume:
+                self.checkpoints.prepare_resume(self._on_rank0, self.rank == 0,
+                                                self.scenario.regions[self.layout.region_of(0)].name)
             self._setup()
             if self.rank == 0:  # the scenario's TensorBoard / W&B sinks, on the rank that writes the records
                 from ...telemetry_sinks import attach_logging
@@ -336,17 +281,17 @@ class RankRun:
             extra = self._run_loop()
             summary = None
             if self.evaluates and self.writes_summary:  # (a sharded θ: the ranks of region 0 together)
-                sc = self.scenario
-                extra["zero_shot"] = heldout_zero_shot(self.global_model, self.corpus, sc.model.seq_len,
-                                                       sc.training.zero_shot_items)  # fmt: skip
-                if self.sharded_global:
-                    reshard(self.global_model)
+                extra["zero_shot"] = self.validation.zero_shot(self.global_model, self.sharded_global)
                 state = None
                 if self.out_dir is not None and self.options.save_params:
                     state = {k: (v.full_tensor() if is_sharded(v) else v).detach().cpu().clone()
                              for k, v in self.global_model.state_dict().items()}  # fmt: skip
             if self.rank == 0 and self.writes_summary:
-                summary = self._summary(extra, time.perf_counter() - started)
+                summary = self.ledger.summary(
+                    self.telemetry, extra, wall_s=time.perf_counter() - started, tokens=self.tokens_done,
+                    rounds=self.rounds, plans=self.plans, stopping=self.stopping, model_name=self.model_name,
+                    model=self.global_model, device=self.device, control_bytes=self.transport.control_bytes,
+                    precisions=self.region_precisions)  # fmt: skip
                 if self.out_dir is not None:
                     write_json_atomic(self.out_dir / "summary.json", summary)
                     if state is not None:
@@ -363,59 +308,20 @@ class RankRun:
     # ---- what every loop does at its start and end, and after each round ---------------------------
     def _start_records(self, plan: Plan) -> None:
         """Rank 0 of a run that does not resume: the ``run`` and first ``plan`` records, the evaluation at 0."""
-        if self._resume_from is not None:
+        if self.checkpoints.resume_from is not None:
             return
         if self.rank != 0:
             if self.evaluates:  # a rank of region 0 that shares a sharded θ's evaluation
                 self._evaluate(0.0)
             return
-        sc, model = self.scenario, self.global_model
-        self.telemetry.emit({
-            "type": "run", "runtime": "distributed", "method": self.method.name, "scenario": sc.name,
-            "seed": self.seed, "tokens_budget": self.budget, "proxy_params": model.num_params(),
-            "model": self.model_name, "model_params": model.num_params(),
-            "timing_params": sc.timing().params, "workers": [r.name for r in sc.regions], "world_size": self.world,
-            "backend": self.backend, "ranks_per_region": self.layout.to_json(), "wan": self.options.wan,
-            "precision": self.region_precisions,
-        })  # fmt: skip
-        self.telemetry.emit({"type": "plan", "round": 0, "time": 0.0, "plan": plan.to_json()})
+        self.ledger.start(self.telemetry, plan, self.model_name, self.global_model.num_params(),
+                          self.region_precisions)  # fmt: skip
         self._evaluate(0.0)
 
     def _start_clock(self) -> None:
         """Every rank meets at the start barrier; the wall clock starts there."""
         self.transport.barrier(None, what="the start barrier")
         self.clock.start()
-
-    def _gather_in_region(self, mine: dict[str, Any], what: str) -> list[dict[str, Any]]:
-        """Every rank of this region's ``mine`` on its leader (and every other rank of it), in rank order."""
-        if self.region_group is None:
-            return [mine]
-        return self.transport.all_gather_json(mine, self.region_group, len(self.region_ranks), what=what)
-
-    def _gather_leaders(self, info: dict[str, Any], what: str) -> list[dict[str, Any]] | None:
-        """(leaders) Every leader's ``info``, in region order; other ranks get None. Only leaders cross the WAN."""
-        if not self.is_leader:
-            return None
-        return self.transport.all_gather_json(info, self.leaders_group, len(self.layout.leaders), what=what)
-
-    def _gather_checked(self, info: dict[str, Any], unit: str, what: str) -> list[dict[str, Any]] | None:
-        """Every region's ``info`` of the round (``unit``: round or step) on the leaders (None elsewhere), after
-        checking that every rank holds the same ``what`` (its ``crc``): inside each region first, then across
-        the leaders."""
-        region = self._gather_in_region({"crc": info["crc"], "intra_bytes": info["intra_bytes"]},
-                                        what=f"the region's checksum of {unit} {self.rounds}")  # fmt: skip
-        crcs = {i["crc"] for i in region}
-        if len(crcs) > 1:
-            detail = ", ".join(f"rank {r}: {i['crc']}" for r, i in zip(self.region_ranks, region))
-            raise RankFailure(f"{unit} {self.rounds}: the ranks of region {self.scenario.regions[self.region].name} "
-                              f"hold different {what} ({detail})")  # fmt: skip
-        info = {**info, "intra_bytes": sum(i["intra_bytes"] for i in region)}
-        infos = self._gather_leaders(info, what=f"the checksum of {unit} {self.rounds}")
-        if infos is not None and len({i["crc"] for i in infos if i["crc"] is not None}) > 1:
-            names = [r.name for r in self.scenario.regions]
-            detail = ", ".join(f"{names[k]}: {i['crc']}" for k, i in enumerate(infos))
-            raise RankFailure(f"{unit} {self.rounds}: the regions hold different {what} ({detail})")
-        return infos
 
     def _round_info(self, crc: str, compute_s: float, comm_s: float, sent_before: int, wire_before: int | None,
                     wire_after: int | None, proxy_bytes: int, dropped: bool, **more: Any) -> dict[str, Any]:  # fmt: skip
@@ -431,18 +337,6 @@ class RankRun:
         }  # fmt: skip
         return info
 
-    def _exchange_fields(self, payload_bytes: int, proxy_payload: int, timing_payload: int, shaper_s: float,
-                         collective: str) -> dict[str, Any]:  # fmt: skip
-        """The summary's fields about the exchange, as every loop reports them."""
-        return {
-            "payload_bytes_per_worker": payload_bytes,
-            "proxy_payload_bytes": proxy_payload,
-            "timing_payload_bytes_per_worker": timing_payload,
-            "exchange_s_per_round": self.totals["comm_s"] / max(self.rounds, 1),
-            "shaper_s_per_round": shaper_s,
-            "collective": collective,
-        }
-
     def _final_telemetry(self, params: dict[str, torch.Tensor], outer_buf: dict[str, torch.Tensor] | None = None
                          ) -> None:  # fmt: skip
         """After the last round: every rank's last spans, θ's checksum and the bytes of θ and outer momentum
@@ -451,123 +345,29 @@ class RankRun:
         final = {"spans": self.clock.take_spans(), "crc": params_checksum(params),
                  "outer_bytes": None if outer_buf is None else local_bytes(params) + local_bytes(outer_buf),
                  "precision": self._precision_record()}  # fmt: skip
-        region = self._gather_in_region(final, what="the region's final telemetry")
-        regions = self._gather_leaders({"ranks": region}, what="the final telemetry")
-        if self.rank == 0:
-            infos = [i for r in regions for i in r["ranks"]]  # rank order: ranks fill regions in order
-            names = [r.name for r in self.scenario.regions]
-            for r, i in enumerate(infos):
-                record_spans(self.telemetry, names[self.layout.region_of(r)], i["spans"])
-            self.precision_records = {names[self.layout.region_of(r)]: i["precision"] for r, i in enumerate(infos)
-                                      if r in self.layout.leaders}  # fmt: skip
-            self._end_s = self._now()
-            self.final_checksums = [i["crc"] for i in infos]
-            self.outer_state_bytes = [i["outer_bytes"] for i in infos] if outer_buf is not None else None
+        region = self.reports.in_region(final, what="the region's final telemetry")
+        regions = self.reports.from_leaders({"ranks": region}, what="the final telemetry")
+        if self.rank == 0:  # (rank order: ranks fill regions in order)
+            self.ledger.record_final(self.telemetry, [i for r in regions for i in r["ranks"]], self._now(),
+                                     outer=outer_buf is not None)  # fmt: skip
 
-    # ---- checkpoints (runtime/distributed/checkpoints.py) ---------------------------------------------------
-    def _checkpoint_fingerprint(self) -> dict[str, Any]:
-        return fingerprint(self.scenario, self.method.name, self.seed, self.budget, self.layout.counts)
-
-    def _checkpoint_dir(self) -> Path:
-        """``DIR/checkpoints``, or with elastic regions ``DIR/checkpoints/<region>`` (each region its own)."""
-        base = ckpt.checkpoint_dir(self.out_dir)
-        return base / self.options.elastic_region if self.options.elastic_region is not None else base
-
-    def _checkpoint_cadence(self) -> tuple[int, int]:
-        every, keep = checkpoint_cadence(self.options, self.scenario.reliability)
-        if every > 0 and self.out_dir is None:
-            raise RunError("--checkpoint-every needs a run folder (--out)")
-        return every, keep
-
+    # ---- checkpoints (runtime/distributed/checkpointing.py) ------------------------------------------------
     def _save_checkpoint(self, saver: Any, keep: int) -> None:
         """Every rank writes its part of the checkpoint of the round (step) that just ended."""
         self._mark("other")
-        self.transport.op = f"writing the checkpoint of round {self.rounds}"
-        try:
-            saver.save(keep)
-        except OSError as exc:
-            raise RunError(f"could not write the checkpoint of round {self.rounds} in "
-                           f"{self.out_dir / 'checkpoints'}: {exc.strerror or exc}") from None  # fmt: skip
+        self.checkpoints.save(saver, keep, self.rounds)
 
     def _test_exit_point(self) -> None:
         """The fault hooks' point ``done``: the round's records are written (an abrupt exit or a hang)."""
         self.hooks.at("done", self.scenario.regions[self.region].name, self.rounds, rank=self.rank)
 
-    def _prepare_resume(self) -> str | None:
-        """Every rank checks the newest complete checkpoint's files against its marker (sizes, SHA-256, the
-        run key's tag) before anything in it is read, and the ranks agree on the verdict: a damaged one is
-        skipped by all of them for the previous intact one (rank 0 warns). Rank 0 then checks that it belongs
-        to this run and cuts ``events.jsonl`` back to it; every rank gets its folder (or the same one-line
-        error)."""
-        if self.out_dir is None:
-            raise RunError("--resume needs the run folder of the interrupted run (--out)")
-        from ...methods.base import payload_key
-        from ..run_folder import run_id_of
-        from .checkpoints import list_complete
-
-        directory = self._checkpoint_dir()
-        key = payload_key(self.scenario)
-        rounds = self._on_rank0("listing the checkpoints to resume from",
-                                lambda: [r for r, _, _ in list_complete(directory)])  # fmt: skip
-        if not rounds and self.options.elastic_region is not None:  # a host whose folder is gone: it heals
-            if self.rank == 0:
-                print(f"warning: region {self.scenario.regions[self.layout.region_of(0)].name}: no checkpoint in "
-                      f"{directory} to resume from; it starts afresh and receives the live state from the others",
-                      file=sys.stderr, flush=True)  # fmt: skip
-            return None
-
-        def everywhere(intact_here: bool) -> bool:
-            self.transport.op = "agreeing on the checkpoint to resume from"
-            damaged = torch.tensor([0 if intact_here else 1], dtype=torch.int32, device=self.transport.device)
-            dist.all_reduce(damaged, op=dist.ReduceOp.SUM)
-            return int(damaged.item()) == 0
-
-        try:
-            _, path, marker = check_resume(self.out_dir, self._checkpoint_fingerprint(), directory, key=key,
-                                           run_id=run_id_of(self.out_dir), rounds=rounds, agree=everywhere,
-                                           warn=self.rank == 0)  # fmt: skip
-        except DistCheckpointError as exc:
-            raise RunError(str(exc)) from None
-
-        def cut_events() -> str:
-            offset = marker.get("events_offset")
-            if offset is not None and self.options.elastic_region is None:  # elastic: the writer rewrites it
-                truncate_events(self.out_dir, offset)
-            return str(path)
-
-        return self._on_rank0("cutting the events back to the checkpoint", cut_events)
-
     def _record_round(self, leaders: list[dict], names: list[str], **more: Any) -> None:
         """Rank 0: the round's record from every region's report (region order), and their spans."""
-        self.round_idle.append(more.get("straggler_idle_frac"))
-        for k, i in enumerate(leaders):
-            if i["spans"]:
-                record_spans(self.telemetry, names[k], i["spans"])
-        t = self.totals
-        t["bytes_sent"] += sum(i["wan_bytes"] for i in leaders)
-        t["proxy_bytes_sent"] += sum(i["proxy_bytes"] for i in leaders)
-        wires = [i["wire_bytes"] for i in leaders]
-        wire = sum(wires) if all(w is not None for w in wires) else None
-        if wire is not None:
-            t["wire_bytes_sent"] += wire
-        t["intra_region_bytes"] = sum(i["intra_bytes"] for i in leaders)
-        comm = max(i["comm_s"] for i in leaders)
-        t["comm_s"] += comm
-        dropped = sum(i["dropped_local"] for i in leaders)
-        if dropped:
-            self.telemetry.count("dropped_updates", dropped)
-        record = {"type": "round", "round": self.rounds, "time": self._now(), "tokens": self.tokens_done,
-                  "compute_s": [i["compute_s"] for i in leaders], "exchange_s": comm,
-                  "bytes_sent": sum(i["wan_bytes"] for i in leaders), **more}  # fmt: skip
-        if wire is not None:
-            record["wire_bytes"] = wire
-        self.telemetry.emit(record)
+        self.ledger.record_round(self.telemetry, leaders, names, self.rounds, self._now(), self.tokens_done, **more)
 
     def _evaluate(self, at: float) -> float:
         """Validation loss of θ, recorded by rank 0; every rank with :attr:`evaluates` calls it together."""
-        loss = evaluate(self.global_model, self.val_x, self.val_y)
-        if self.sharded_global:
-            reshard(self.global_model)
+        loss = self.validation.loss(self.global_model, self.sharded_global)
         self.telemetry.evaluation(at, self.tokens_done, self.rounds, loss)
         self._say(f"[{self.method.name}] round {self.rounds} tokens {self.tokens_done:,} "
                   f"t={at:.1f}s val_loss {loss:.4f}")  # fmt: skip
@@ -578,46 +378,3 @@ class RankRun:
         (None without one), for the summary."""
         w = self.worker
         return {"precision": w.precision, "skipped_steps": int(w.skipped_steps), "loss_scale": w.loss_scale}
-
-    def _summary(self, extra: dict[str, Any], wall_s: float) -> dict[str, Any]:
-        t = self.totals
-        modeled = []
-        if self.options.wan == "shaper":
-            modeled.append("WAN time (application-level shaper: latency + bytes/bandwidth of the scenario's WAN)")
-        elif self.options.wan == "latency":
-            modeled.append("WAN latency (application-level shaper; the link rate is real)")
-        if any(r.slowdown > 1 for r in self.scenario.regions):
-            modeled.append("compute slowdown (inner steps padded with sleep to `slowdown` x their time)")
-        modeled += self.stopping.modeled()
-        return build_summary(
-            method=self.method.name, scenario=self.scenario, runtime="distributed", status=None, seed=self.seed,
-            tokens=self.tokens_done, rounds=self.rounds, time_s=self._end_s, target=self.target,
-            telemetry=self.telemetry, bytes_sent=t["bytes_sent"], proxy_bytes_sent=t["proxy_bytes_sent"],
-            reliability={},
-            model={
-                "model": self.model_name,  # what trained: "llama-125m (built-in)", "llama (transformers)"
-                "model_params": self.global_model.num_params(),
-                "proxy_params": self.global_model.num_params(),
-                # rank 0's peak GPU memory (its replica, optimizer state or shards, activations, θ): null on CPU
-                "peak_gpu_memory_gib": (torch.cuda.max_memory_allocated(self.device) / 2**30
-                                        if self.device.type == "cuda" else None),
-            },
-            plans=self.plans, modeled=modeled, wall_s=wall_s,
-            tail={
-                "world_size": self.world,
-                "backend": self.backend,
-                "ranks_per_region": self.layout.to_json(),
-                "wan": self.options.wan,
-                "wire_bytes_sent": t["wire_bytes_sent"] if self._iface else None,
-                "intra_region_bytes": t["intra_region_bytes"],
-                "control_bytes": self.transport.control_bytes,
-                "param_checksums": self.final_checksums,  # per rank: crc32 of strided samples of θ at the end
-                # per region: its precision, the inner steps its fp16 loss scaler skipped, its loss scale at the end
-                "precision": getattr(self, "precision_records", None) or {
-                    n: {"precision": p} for n, p in self.region_precisions.items()},
-                # per rank: bytes of θ and the outer momentum it holds (1/size of them in an fsdp region)
-                "outer_state_bytes_per_rank": self.outer_state_bytes,
-                **self.stopping.summary_fields(self.tokens_done),  # what ended the run (stopped_by, the time budget)
-            },
-            extra=extra,
-        )  # fmt: skip

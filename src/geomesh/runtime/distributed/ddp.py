@@ -65,7 +65,7 @@ def run_ddp(run: RankRun) -> dict[str, Any]:
     shaper_s = shaper.allreduce_s(grad_nbytes)
 
     def make_plan() -> dict:
-        return plan_uniform(run._profiles(), tr.batch, 1, exchange_bytes=timing_nbytes,
+        return plan_uniform(run.profile_source.read(), tr.batch, 1, exchange_bytes=timing_nbytes,
                             exchange_s=wan.allreduce_s(timing_nbytes)).to_json()  # fmt: skip
 
     plan = Plan.from_json(run._on_rank0("planning", make_plan))
@@ -74,14 +74,14 @@ def run_ddp(run: RankRun) -> dict[str, Any]:
     worker.load_global({k: p.detach() for k, p in run.global_model.named_parameters()})
     run._start_records(plan)
     run._start_clock()
-    every, keep = run._checkpoint_cadence()
+    every, keep = run.checkpoints.cadence()
     saver = None
-    if every > 0 or run._resume_from is not None:  # θ is the replica: the region's model holds it
-        saver = RunCheckpointer(run, {}, None, None, run._checkpoint_fingerprint())
-    if run._resume_from is not None:
-        saver.restore(Path(run._resume_from))
+    if every > 0 or run.checkpoints.resume_from is not None:  # θ is the replica: the region's model holds it
+        saver = RunCheckpointer(run, {}, None, None, run.checkpoints.fingerprint)
+    if run.checkpoints.resume_from is not None:
+        saver.restore(Path(run.checkpoints.resume_from))
         run.clock.resume(run._cursor)  # the clock goes on from the checkpoint's time
-        run._say(f"[ddp] resumed from the checkpoint of step {run.rounds} ({run._resume_from})")
+        run._say(f"[ddp] resumed from the checkpoint of step {run.rounds} ({run.checkpoints.resume_from})")
     step_tokens = n * tr.batch * seq
     model.train()
     timed = run.stopping.timed
@@ -129,7 +129,7 @@ def run_ddp(run: RankRun) -> dict[str, Any]:
         info = run._round_info(params_checksum(params), compute_s, comm_s, sent_before, wire_before, wire_after,
                                proxy_bytes=grad_nbytes if run.is_leader else 0,
                                dropped=not finite and run.rank == 0, loss=loss)  # fmt: skip
-        infos = run._gather_checked(info, "step", "parameters")
+        infos = run.reports.checked(info, "step", "parameters", run.rounds)
         if run.rank == 0:
             if not finite:
                 run.telemetry.emit({"type": "warning", "round": run.rounds, "worker": "all",
@@ -143,4 +143,4 @@ def run_ddp(run: RankRun) -> dict[str, Any]:
         run._test_exit_point()
     run.global_model.load_state_dict(model.state_dict())  # θ = the replica every rank holds
     run._final_telemetry({k: p.detach() for k, p in model.named_parameters()})
-    return run._exchange_fields(grad_nbytes, grad_nbytes, timing_nbytes, shaper_s, "all_reduce")
+    return run.ledger.exchange_fields(run.rounds, grad_nbytes, grad_nbytes, timing_nbytes, shaper_s, "all_reduce")

@@ -551,11 +551,11 @@ class QuorumExchange:
             for i in infos:
                 record_spans(run.telemetry, names[i["region"]], i["spans"])
             run._mark("other")
-            t = run.totals
+            t = run.ledger.totals
             t["bytes_sent"] += result.wan_bytes * len(infos)
             t["proxy_bytes_sent"] += self.loop.slot_nbytes * (len(took_part) - len(outcome["dropped"]))
             t["comm_s"] += result.comm_s
-            run.round_idle.append(round_idle(infos))
+            run.ledger.round_idle.append(round_idle(infos))
             self._emit({"type": "round", "round": number, "time": run._now(), "tokens": run.tokens_done,
                         "members": [names[i] for i in took_part], "compute_s": [i["compute_s"] for i in infos],
                         "overhead_s": [reported_overhead_s(i) for i in infos],
@@ -577,7 +577,7 @@ class QuorumExchange:
         with a fresh AdamW, so the run would part from the uninterrupted one."""
         from .checkpoints import list_complete
 
-        held = [r for r, _, _ in list_complete(self.run._checkpoint_dir())]
+        held = [r for r, _, _ in list_complete(self.run.checkpoints.directory)]
         self.pending_resume = {"loaded": self.run.rounds, "rounds": held}
         self.state.snapshot()
 
@@ -695,13 +695,13 @@ class QuorumExchange:
             writer = run.transport.broadcast_json(writer, run.leader, run.region_group,
                                                   what="whether this region writes the summary")  # fmt: skip
         run.writes_summary = bool(writer)
-        run._end_s = run._now()
-        run.final_checksums = list(checksums.values())
+        run.ledger.end(list(checksums.values()), run._now())
         st = self.state.stats
         loop = self.loop
         return {
-            **run._exchange_fields(loop.planning.wire_nbytes, loop.kit.payload_nbytes, loop.kit.modeled_payload_nbytes,
-                                   self.shaper_s(final), self.method.collective),  # fmt: skip
+            **run.ledger.exchange_fields(run.rounds, loop.planning.wire_nbytes, loop.kit.payload_nbytes,
+                                         loop.kit.modeled_payload_nbytes, self.shaper_s(final),
+                                         self.method.collective),  # fmt: skip
             "status": "complete",
             "exchange": loop.planning.exchange_kind,
             "shard_bits": loop.sharded.bits if loop.sharded is not None else None,

@@ -68,7 +68,7 @@ class RegionState:
             "params": params,
             "outer": outer,
             "run": {"rounds": run.rounds, "tokens_done": run.tokens_done, "plans": [p.to_json() for p in run.plans],
-                    "records": list(self.records.records), **tel.state_dict(), "run_totals": dict(run.totals),
+                    "records": list(self.records.records), **tel.state_dict(), "run_totals": dict(run.ledger.totals),
                     "stats": json.loads(json.dumps(self.stats)), "faults": self.faults.state_dict(),
                     "streams": dict(self.streams), "members": list(self.members or []), "now": run._now(),
                     "plan_loop": self.planning.plan_state(), "time_budget": run.stopping.state_dict(),
@@ -103,7 +103,7 @@ class RegionState:
         if run.is_leader:  # the records are the live region's now: rewritten whole if this one writes them
             self.records.replace(s["records"])
             run.telemetry.load_state_dict(s)
-            run.totals.update(s["run_totals"])
+            run.ledger.totals.update(s["run_totals"])
         # a restarted process: fresh AdamW, empty residual; the data stream goes on where it last reported
         run.worker.reset_inner_state()  # (fresh AdamW and loss scaler)
         if hasattr(self.codec, "reset_residual"):

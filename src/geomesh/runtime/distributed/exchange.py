@@ -285,7 +285,7 @@ class StaticExchange:
                                **({} if loop.round_overhead_s is None else {"overhead_s": loop.round_overhead_s}))
         run._mark("other")
         before = run._cursor
-        infos = run._gather_checked(info, "round", "global parameters")
+        infos = run.reports.checked(info, "round", "global parameters", run.rounds)
         # the report waits for the slowest region's outer step: a wait, not this region's round overhead
         run._mark("straggler_wait")
         self.report_wait_s = run._cursor - before
@@ -308,8 +308,9 @@ class StaticExchange:
         run, loop = self.run, self.loop
         run._final_telemetry(loop.params, loop.outer.buf)
         every = list(range(self.n))
-        return {**run._exchange_fields(loop.planning.wire_nbytes, loop.kit.payload_nbytes,
-                                       loop.kit.modeled_payload_nbytes, self.shaper_s(every), loop.method.collective),
+        return {**run.ledger.exchange_fields(run.rounds, loop.planning.wire_nbytes, loop.kit.payload_nbytes,
+                                             loop.kit.modeled_payload_nbytes, self.shaper_s(every),
+                                             loop.method.collective),
                 "exchange": loop.planning.exchange_kind,
                 "shard_bits": loop.sharded.bits if loop.sharded is not None else None,
                 "overlap": loop.overlap is not None, "faults": loop.faults.records, **loop.planning.summary_fields(),

@@ -247,7 +247,7 @@ class PlanLoop:
         measured = {self.names[i]: WorkerProfile.from_json(c["profile"]) for i, c in new.items()}
         self.calibrated = {**self.calibrated, **measured}
         self.calibration_s.update({self.names[i]: float(c["seconds"]) for i, c in new.items()})
-        self.run.use_measured_profiles(self.calibrated)
+        self.run.profile_source.use_measured(self.calibrated)
         self.planned_for = None  # plan (again) from the measured profiles
         self.emit({"type": "calibration", "time": self.run._now(), "seconds": dict(self.calibration_s),
                    "profiles": {n: p.to_json() for n, p in measured.items()}})  # fmt: skip
@@ -261,7 +261,7 @@ class PlanLoop:
                 "calibration_s": dict(self.calibration_s) or None,
                 "wan_measured": self.wan_measure.summary() if self.wan_measure is not None else None,
                 "wan_probe_s": self.wan_probe_s,
-                "straggler_idle_per_round": list(self.run.round_idle)}  # fmt: skip
+                "straggler_idle_per_round": list(self.run.ledger.round_idle)}  # fmt: skip
 
     # ---- the WAN, measured ----------------------------------------------------------------------------------
     def exchange_cost(self, members: list[int]) -> Callable[[WanModel], float]:
@@ -460,7 +460,7 @@ class PlanLoop:
         self.planned_for = list(planned_for) if planned_for is not None else members_after_resume
         self.calibrated = {n: WorkerProfile.from_json(p) for n, p in state["calibrated"].items()}
         self.calibration_s = {n: float(s) for n, s in state["calibration_s"].items()}
-        self.run.use_measured_profiles(self.calibrated)
+        self.run.profile_source.use_measured(self.calibrated)
         if self.wan_measure is not None and state.get("wan") is not None:
             self.wan_measure.load_state_dict(state["wan"])
         self.wan_members = state.get("wan_members")

@@ -142,12 +142,12 @@ class RoundLoop:
         were lost steps back, so that no region is healed across rounds it never trained (a heal starts a fresh
         AdamW: the run would part from the uninterrupted one)."""
         run = self.run
-        if run._resume_from is None:  # its folder held no checkpoint: it stays behind and heals at the next quorum
+        if run.checkpoints.resume_from is None:  # its folder held none: it stays behind and heals at the next quorum
             return
         if round_index != run.rounds:
             from .checkpoints import list_complete, verify
 
-            found = {r: (p, m) for r, p, m in list_complete(run._checkpoint_dir())}
+            found = {r: (p, m) for r, p, m in list_complete(run.checkpoints.directory)}
             if round_index not in found:  # none in common: this one is behind and heals at the next quorum
                 return
             path, marker = found[round_index]
@@ -164,23 +164,24 @@ class RoundLoop:
 
     def run_loop(self) -> dict[str, Any]:
         run, method, tr = self.run, self.method, self.tr
-        every, keep = run._checkpoint_cadence()
+        every, keep = run.checkpoints.cadence()
         saver = None
-        if every > 0 or run._resume_from is not None:
+        if every > 0 or run.checkpoints.resume_from is not None:
             from .owners import OwnerResiduals
 
-            saver = RunCheckpointer(run, self.params, self.outer, self.codec, run._checkpoint_fingerprint(),
-                                    directory=run._checkpoint_dir(), extra=self._checkpoint_state,
+            saver = RunCheckpointer(run, self.params, self.outer, self.codec, run.checkpoints.fingerprint,
+                                    directory=run.checkpoints.directory, extra=self._checkpoint_state,
                                     load_extra=self._load_checkpoint_state, overlap=self.overlap,
                                     owners=OwnerResiduals(self))  # fmt: skip
-        if run._resume_from is None:  # (a resumed run plans from the profiles its checkpoint holds)
+        if run.checkpoints.resume_from is None:  # (a resumed run plans from the profiles its checkpoint holds)
             self.exchange.share_calibration(self.planning.calibrate())
         self.exchange.start()
-        if run._resume_from is not None:
-            saver.restore(Path(run._resume_from))
+        if run.checkpoints.resume_from is not None:
+            saver.restore(Path(run.checkpoints.resume_from))
             run.clock.resume(run._cursor)  # the clock goes on from the checkpoint's time
             self.exchange.resumed()
-            run._say(f"[{method.name}] resumed from the checkpoint of round {run.rounds} ({run._resume_from})")
+            run._say(f"[{method.name}] resumed from the checkpoint of round {run.rounds} "
+                     f"({run.checkpoints.resume_from})")  # fmt: skip
         first = True
         while True:
             # 1. who trains this round

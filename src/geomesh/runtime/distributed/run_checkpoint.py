@@ -97,7 +97,7 @@ class RunCheckpointer:
             if run.rank == 0:
                 state["run.extra0"] = json.dumps(extra["rank0"])
         if run.rank == 0:
-            state["run.rank0"] = json.dumps({**run.telemetry.state_dict(), "run_totals": dict(run.totals)})
+            state["run.rank0"] = json.dumps({**run.telemetry.state_dict(), "run_totals": dict(run.ledger.totals)})
         return state
 
     def save(self, keep: int) -> Path:
@@ -190,7 +190,7 @@ class RunCheckpointer:
         if run.rank == 0:
             r0 = json.loads(state["run.rank0"])
             run.telemetry.load_state_dict(r0)
-            run.totals.update(r0["run_totals"])
+            run.ledger.totals.update(r0["run_totals"])
         if self.load_extra is not None and "run.extra" in state:
             self.load_extra({"common": json.loads(state["run.extra"]),
                              "rank0": json.loads(state["run.extra0"]) if run.rank == 0 else None})  # fmt: skip
