@@ -579,7 +579,7 @@ class RoundLoop:
                 number = run.rounds + 1  # (the thread's: this loop counts the round on meanwhile)
                 ov.launch_on_thread(lambda: self.exchange.exchange(payload, summed, info, now, number), now)
             elif split is not None:  # the last fragment, launched as the others were; drained below
-                ov.launch_fragment(split.fragments - 1, payload[-1])
+                ov.tail.launch(split.fragments - 1, payload[-1])
             else:
                 ov.launch(payload, since)
         run._mark("comm_wait")
