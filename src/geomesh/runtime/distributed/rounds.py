@@ -206,7 +206,7 @@ class RoundLoop:
             planning = self.planning
             if view.calibration:
                 planning.use_calibration(view.calibration)
-            if planning.wan_measure is not None and run.rounds == 0 and planning.wan_probe_s is None \
+            if planning.wan.probe_due(run.rounds) \
                     and not view.healed and len(view.members) > 1:  # (every member at round 0 alike: the first quorum)
                 planning.probe_wan(view.members, self.exchange)
             if run.stopping.spent(run.tokens_done):
@@ -518,7 +518,7 @@ class RoundLoop:
         if self.round_overhead_s is not None:
             info["overhead_s"] = self.round_overhead_s
         info.update(self.exchange.info_fields())
-        info.update(self.planning.wire)
+        info.update(self.planning.wan.wire)
         if self.elastic and run.stopping.timed:  # this region's clock, for the time budget's rule
             info["elapsed_s"] = run._now()
         return info
