@@ -19,6 +19,7 @@ from geomesh.cli import launch as cli_launch
 from geomesh.cli import main
 from geomesh.runtime.distributed.exchange import Exchanged
 from geomesh.runtime.distributed.plan_loop import PlanLoop
+from geomesh.runtime.distributed.wan_measurement import WanMeasurement
 from geomesh.telemetry import read_events
 
 SLOW = "r2-a100"
@@ -92,7 +93,7 @@ class Loop(PlanLoop):
     def __init__(self):
         self.names = ["r0", "r1", "r2"]
         self.run = SimpleNamespace(rounds=4, hooks=NO_HOOKS)
-        self.online, self.wan_measure, self.wan_members = Online(), None, None
+        self.online, self.wan = Online(), WanMeasurement(None, NO_HOOKS)
         self.plan = SimpleNamespace(exchange_s=0.1)
         self.kit = SimpleNamespace(modeled_payload_nbytes=1000)
 
@@ -135,8 +136,8 @@ def kind_loop(small_corpus, tmp_path, latency: float, transfer: float):
             self.sc, self.method, self.kit, self.combiner, self.n = sc, method, kit, kit.combiner, 3
             self.run = SimpleNamespace(rounds=0, _now=lambda: 0.0, hooks=NO_HOOKS)
             self.sharded = None
-            self.wan_measure = WanEstimator()
-            self.wan_measure._a, self.wan_measure._b = latency, transfer
+            self.wan = WanMeasurement(WanEstimator(), NO_HOOKS)
+            self.wan.estimator._a, self.wan.estimator._b = latency, transfer
             self.emit = records.append
 
     return KindLoop(), records
@@ -155,7 +156,7 @@ def test_the_exchange_kind_is_chosen_over_the_measured_wan_and_geomesh_plan_says
     choice = records[-1]
     assert slow.sharded is not None and choice["exchange"] == "sharded" and choice["wan"] == "measured"
     assert choice["seconds"]["sharded"] < choice["seconds"]["all_gather"] and choice["transfer_factor"] == 32.0
-    assert slow.plan_exchange_s(slow.wan_measure.measured(slow.sc.wan_model())) == pytest.approx(
+    assert slow.plan_exchange_s(slow.wan.measured(slow.sc.wan_model())) == pytest.approx(
         choice["seconds"]["sharded"])  # the plan times the kind in force  # fmt: skip
     (tmp_path / "events.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [
         {"type": "plan", "round": 0, "time": 0.0, "plan": {"workers": [], "exchange_s": 0.3, "round_s": 1.0}},
@@ -183,8 +184,8 @@ def test_a_plan_made_before_the_probes_is_made_again_over_the_wan_they_measured(
             self.sharded, self.summed, self.exchange_switched = None, False, False
             self.method = SimpleNamespace(exchange=lambda w, nbytes: (w.allgather_s(nbytes), 0.0))
             self.kit = SimpleNamespace(modeled_payload_nbytes=1_000_000, payload_nbytes=1_000_000)
-            self.wan_measure = WanEstimator()
-            self.wan_measure._a, self.wan_measure._b = 1.0, transfer
+            self.wan = WanMeasurement(WanEstimator(), NO_HOOKS)
+            self.wan.estimator._a, self.wan.estimator._b = 1.0, transfer
             self.planned_for, self.made = [0, 1, 2], []
             self.online = SimpleNamespace(plan=lambda nbytes, exchange_s: SimpleNamespace(exchange_s=exchange_s))
             self._replanned = lambda plan, measured, why, outcome: self.made.append((plan.exchange_s, why))
@@ -194,7 +195,7 @@ def test_a_plan_made_before_the_probes_is_made_again_over_the_wan_they_measured(
     (exchange_s, why), = slow.made
     assert exchange_s == pytest.approx(wan.scaled(1.0, 4.0).allgather_s(1_000_000))
     assert why.startswith("the WAN probed") and "slower than the plan assumed" in why
-    assert slow.wan_measure.assumed == (1.0, 4.0)
+    assert slow.wan.estimator.assumed == (1.0, 4.0)
     right = ProbedLoop(1.02)  # within replan_threshold of the declared: no re-plan
     right._replan_after_probe([0, 1, 2])
     assert right.made == []

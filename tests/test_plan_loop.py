@@ -180,22 +180,21 @@ def test_the_loop_plans_with_noise_aware_rules(tmp_path, small_corpus):
     """The distributed runtime's measurements are wall-clock: its online planner holds outliers back and keeps
     a plan until the rounds show a drift beyond their noise (geomesh.replan_noise_k); 0 turns that off, and a
     negative value is refused naming the field. (No launch: the loop's planner is built as the loop builds it.)"""
-    from types import SimpleNamespace
-
     from geomesh.config import ConfigError, load_scenario
     from geomesh.methods import get_method
     from geomesh.planner.online import MISS_FACTOR, ROUND_STEP
-    from geomesh.runtime.distributed.plan_loop import PlanLoop
+    from geomesh.runtime.distributed.calibration import Calibration
 
     path = write(tmp_path, small_corpus)
     for k in (2.5, 0.0):
         sc = load_scenario(path, {"geomesh.replan_noise_k": k} if k == 0.0 else None)
-        loop = SimpleNamespace(sc=sc, plan_sc=sc, method=get_method("geomesh"), calibrated={})
-        online = PlanLoop._new_online(loop, sc.worker_profiles({}))
+        calibration, method = Calibration(True, False), get_method("geomesh")
+        online = calibration.online_planner(sc, method, sc.worker_profiles({}))
         assert online.noise_k == k and online.first_measurement_sets_factor
         assert online.warmup_rounds == 1  # an uncalibrated region's first round (start-up) is not its speed
-        loop.calibrated = {"r0": sc.worker_profiles({})[0]}  # (calibrated: the calibration's steps were the start-up)
-        assert PlanLoop._new_online(loop, sc.worker_profiles({})).warmup_rounds == 0
+        # (calibrated: the calibration's steps were the start-up)
+        calibration.profiles = {"r0": sc.worker_profiles({})[0]}
+        assert calibration.online_planner(sc, method, sc.worker_profiles({})).warmup_rounds == 0
         # a miss far beyond the noise re-plans at once; one measurement moves a round at most ROUND_STEP
         # (tests/test_replan_miss.py)
         assert (online.miss_factor, online.round_step) == (MISS_FACTOR, ROUND_STEP)

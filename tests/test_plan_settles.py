@@ -205,7 +205,7 @@ def test_a_slowdown_read_at_a_new_batch_does_not_hand_the_fast_region_less_work(
 
     from geomesh.config import load_scenario
     from geomesh.methods import get_method
-    from geomesh.runtime.distributed.plan_loop import online_planner
+    from geomesh.runtime.distributed.calibration import online_planner
 
     data = tiny_scenario_dict(small_corpus, ("A100", "A100", "A100"))
     data["geomesh"].update({"calibrate": False, "replan": True})

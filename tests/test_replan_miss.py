@@ -27,7 +27,7 @@ def calibrated(name: str) -> WorkerProfile:
 
 
 def planner(**kw) -> OnlinePlanner:
-    """The distributed runtime's online planner (plan_loop.online_planner): noise-aware, a warm-up round."""
+    """The distributed runtime's online planner (calibration.online_planner): noise-aware, a warm-up round."""
     kw = {"noise_k": 2.5, "warmup_rounds": 1, **kw}
     return OnlinePlanner([calibrated(n) for n in NAMES], RULE, **kw)
 

@@ -278,7 +278,7 @@ class StaticExchange:
         run._mark("other")
         parts = payload if split is not None else (payload,)
         clock = {"elapsed_s": run._now()} if run.stopping.timed else {}  # (the time budget's rule)
-        wire = loop.planning.wire if loop.overlap is not None and run.is_leader else {}
+        wire = loop.planning.wan.wire if loop.overlap is not None and run.is_leader else {}
         info = run._round_info(checksum, compute_s, comm_s, sent_before, wire_before, wire_after,
                                proxy_bytes=sum(len(p) for p in parts if p is not None) if run.is_leader else 0,
                                dropped=False, **clock, **wire,

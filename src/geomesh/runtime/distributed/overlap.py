@@ -11,8 +11,8 @@ in the plain round), broadcasts the bytes inside its region, and every rank take
 worker then rebases the steps it trained onto θ. Time spent waiting there is ``comm_wait``; the exchange's
 time in flight is an ``exchange`` event (rank 0's view) in ``events.jsonl``. The last round's exchange is
 completed right after the round (:meth:`RankOverlap.drain`): nothing is left to hide it under. It leaves in
-fragments (:meth:`RankOverlap.tail_send`): the leader launches each fragment's collective at its send step,
-inside the round, and the shaper holds the fragments one after another, as the WAN would carry them.
+fragments, the overlapped round's :class:`~.overlap_tail.TailExchange` (``tail``): the leader launches each
+fragment's collective at its send step, inside the round, and the shaper holds the fragments one after another.
 
 Where the plan picks the sharded exchange (docs/overlap.md, *Which exchange*), a static leader runs it whole
 (:func:`~.sharded.sharded_round`: several direct exchanges with work between them, which no single
@@ -20,10 +20,8 @@ Where the plan picks the sharded exchange (docs/overlap.md, *Which exchange*), a
 leaders' group meanwhile, and one group's collectives must be issued in one order on every member. At the
 apply step the leader joins it and shares the update and the exchange's decisions inside its region
 (:meth:`RankOverlap._arrive_sharded`). Elastic leaders run the quorum's exchange on their thread, whichever kind
-(:meth:`RankOverlap.launch_on_thread`).
-
-Rank 0 (with a sharded θ, region 0's ranks together) evaluates θ when it is formed, i.e. inside :meth:`arrive`, labelled with the tokens it contains.
-"""
+(:meth:`RankOverlap.launch_on_thread`). Rank 0 (with a sharded θ, region 0's ranks together) evaluates θ when
+it is formed, i.e. inside :meth:`RankOverlap.arrive`, labelled with the tokens it contains."""
 
 from __future__ import annotations
 
@@ -34,9 +32,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ...methods.overlap import (TailSend, TailSplit, apply_step, eager_start, eager_weights, fragment_codecs,
-                               planned_tokens, tail_fragments, tail_split)  # fmt: skip
+from ...methods.overlap import TailSend, TailSplit, apply_step, eager_start, eager_weights, planned_tokens
 from ..payloads import combine_payloads, screen_payload, screen_slots
+from .overlap_tail import TailExchange
 from .region import lay_out_like
 from .transport import split_gathered
 from .wan_shaper import ring_allgather_bytes, ring_allreduce_bytes
@@ -70,9 +68,8 @@ class RankOverlap:
         self._buffer: torch.Tensor | None = None
         self._since = 0.0
         self._launched_at = 0.0
-        self._split: TailSplit | None = None  # the last round's fragments
-        self._fragment_codecs: list[Any] = []
-        self._fragments: dict[int, tuple[Any, torch.Tensor, float, float]] = {}  # f -> work, buffer, since, at
+        # the last round's exchange, in fragments
+        self.tail = TailExchange(run, method, manifest, combiner.key, shaper, dense, self._start)
         self._rejected: list[tuple[int, str]] = []  # (region, why) of updates left out since last taken
         self.round_loop: Any = None  # the round loop (static: its plan's exchange, the sharded one when picked)
         self._sharded: dict[str, Any] | None = None  # (static) the sharded exchange in flight on the leader's thread
@@ -264,67 +261,14 @@ class RankOverlap:
         run.transport.wan_bytes += ring_allgather_bytes(nbytes, size)
         return gather(out, mine, group=group, async_op=True), out
 
-    def _empty(self, codec: Any) -> torch.Tensor:
-        """The buffer a non-leader receives one exchanged payload set into, from its leader."""
-        if self.dense:
-            return torch.empty(codec.manifest.numel + 1, dtype=torch.float32, device=self.device)
-        return torch.empty(len(self.run.layout.leaders) * codec.payload_nbytes(), dtype=torch.uint8)
-
-    def _shaper_s(self, codec: Any) -> float:
-        """What the WAN shaper holds the exchange of one payload made by ``codec`` for."""
-        if self.dense:
-            return self.shaper.allreduce_s(4 * (codec.manifest.numel + 1))
-        return self.shaper.allgather_s(codec.payload_nbytes())
-
     # ---- the last round: its exchange in fragments -------------------------------------------------
     def tail_split(self, wan: Any, modeled_payload: int, round_s: float) -> TailSplit | None:
-        """The fragments of the last round's exchange (None: one exchange), as the emulated runtime splits it:
-        a round of ``round_s`` planned compute, with the exchange in flight."""
-        return tail_split(self.method, wan, self.manifest, modeled_payload, tail_fragments(self.run.scenario),
-                          round_s, self.in_flight_s)  # fmt: skip
+        """The fragments of the last round's exchange (None: one exchange): :meth:`.TailExchange.split_for`."""
+        return self.tail.split_for(wan, modeled_payload, round_s, self.in_flight_s)
 
     def tail_send(self, split: TailSplit, wp: Any, steps: int, apply_at: int) -> TailSend:
-        """This rank's part of the last round's split exchange: the plan's send steps, the fragments' codecs,
-        and (a leader) the launch of each fragment's collective as it leaves."""
-        self._split, self._fragments = split, {}
-        self._fragment_codecs = fragment_codecs(
-            lambda m: self.method.make_codec(m, self.run.scenario, key=self.combiner.key), self.manifest, split)
-        at = split.send_steps(wp.compute_s / max(wp.inner_steps, 1), steps, apply_at)
-        send = self.launch_fragment if self.run.is_leader else None
-        return TailSend(split, at, self._fragment_codecs, send)
-
-    def launch_fragment(self, f: int, payload: bytes | None) -> None:
-        """The leader launches fragment ``f``'s collective and goes on training."""
-        self.run.transport.op = f"fragment {f} of the exchange of round {self.run.rounds + 1} (overlapped)"
-        work, buffer = self._start(payload, self._fragment_codecs[f])
-        self._fragments[f] = (work, buffer, time.perf_counter(), self.run._now())
-
-    def _arrive_tail(self) -> Tensors | None:
-        """Every fragment of the last round's exchange, in order (the leader waits for each collective and the
-        shaper, which holds fragment f from when it left or when fragment f−1 was released, whichever is
-        later), shared inside the region; their combined updates, as one update of θ."""
-        run = self.run
-        combined: Tensors = {}
-        released = 0.0
-        for f, codec in enumerate(self._fragment_codecs):
-            exchanged = None
-            if run.is_leader:
-                work, exchanged, since, launched_at = self._fragments[f]
-                run.transport.op = f"fragment {f} of the exchange of round {run.rounds} (overlapped)"
-                work.wait()
-                since = max(since, released)
-                self.shaper.hold(self._shaper_s(codec), since)
-                released = since + self._shaper_s(codec)
-                if run.rank == 0:
-                    run.telemetry.emit({"type": "exchange", "round": run.rounds - 1, "start": launched_at,
-                                        "end": run._now(), "workers": [r.name for r in run.scenario.regions],
-                                        "fragment": f})  # fmt: skip
-            if run.region_group is not None:
-                exchanged = run.transport.broadcast(exchanged if exchanged is not None else self._empty(codec),
-                                                    run.leader, run.region_group)  # fmt: skip
-            combined.update(self._combined(exchanged, codec) or {})
-        self._split, self._fragments = None, {}
-        return combined or None
+        """This rank's part of the last round's split exchange (:meth:`.TailExchange.send`)."""
+        return self.tail.send(split, wp.compute_s / max(wp.inner_steps, 1), steps, apply_at)
 
     def arrive(self, before: str = "compute") -> Tensors:
         """Complete the exchange in flight (the leader waits for it and the shaper, then the region's ranks
@@ -431,15 +375,15 @@ class RankOverlap:
 
     def drain(self) -> None:
         """Wait for the exchange in flight now: the last round's (nothing is left to hide it under; in
-        fragments, :meth:`tail_send`), or one a checkpoint must not hold (the next round then starts from θ,
-        as a plain round)."""
-        if self._split is None:
+        fragments, :meth:`.TailExchange.arrive`), or one a checkpoint must not hold (the next round then starts
+        from θ, as a plain round)."""
+        if self.tail.split is None:
             self.arrive(before="other")
             return
         run = self.run
         run._mark("other")
         waited_from = run._cursor
-        combined = self._arrive_tail()
+        combined = self.tail.arrive(self._combined)
         run._mark("comm_wait")
         self.waited_s += run._cursor - waited_from
         self._step(combined)

@@ -1,13 +1,11 @@
 """The plan as a loop (docs/design/architecture.md), the component of the distributed round loop
-(:class:`.rounds.RoundLoop`) that plans: the members planned over the WAN that links them now; their profiles
-measured in place before round 0 (:func:`~geomesh.profiler.calibrate_worker`, shared by the exchange); every round's
+(:class:`.rounds.RoundLoop`) that plans: the members planned over the WAN that links them now, from their profiles
+measured in place before round 0 (:class:`~.calibration.Calibration`, ``planning.calibration``); every round's
 measured compute times folded into the online planner (:class:`~geomesh.planner.OnlinePlanner`) on every rank alike,
-re-planning at the same round when a speed drifts; and this state in checkpoints and a healed region's state, so a
-resumed or healed region plans what the uninterrupted run does. The WAN is measured as compute is
-(:class:`~geomesh.planner.wan.WanEstimator`): each leader reports the wire time of its last exchange (its exchange
-less its wait for the slowest member) with the next round's info, every rank folds the members' median in, against
-the declared WAN's latency and transfer parts of that exchange, plans over the measured WAN, and re-plans when it
-drifts past its noise (``geomesh.measure_wan``; ``--no-calibrate`` keeps the declared WAN). The plan settles
+re-planning at the same round when a speed drifts; the WAN measured as compute is
+(:class:`~.wan_measurement.WanMeasurement`, ``planning.wan``), probed before round 0 (where the exchange kind is
+chosen again over it) and re-planned for when it drifts past its noise; and this state in checkpoints and a healed
+region's state, so a resumed or healed region plans what the uninterrupted run does. The plan settles
 (:mod:`geomesh.planner.settle`): regions that measure alike are planned alike, each region's first round is warm-up,
 not its speed, the table is corrected at the batches the plan runs, and a re-plan that moves no work is none.
 
@@ -17,52 +15,15 @@ hands it values (members, what arrived, the steps it ran) and reads the plan bac
 
 from __future__ import annotations
 
-import math
-import statistics
-import time
 from typing import Any, Callable
 
-from ...hardware import WorkerProfile
 from ...network import WanModel
 from ...planner import OnlinePlanner, Plan
 from ...planner.settle import settled_profiles
-from ...planner.wan import WanEstimator, probe_sizes, time_parts
+from ...planner.wan import WanEstimator, time_parts
+from .calibration import Calibration
 from .exchange import Exchanged, reported_overhead_s
-
-# an uncalibrated region's first round (start-up: allocators, kernels, optimizer state) is not its speed; a
-# calibrated region's start-up was the calibration's own warm-up steps, so its round 1 is a measurement (a round 1
-# far off the calibration is its error, or a speed that changed since: re-planned at once, not carried a round)
-WARMUP_ROUNDS = 1
-# (tests: the fault hooks' ``wan`` stand-in replaces each leader's measured wire time, as received, by what the
-# declared WAN K times slower gives it, so that every run measures the same WAN; runtime/hooks.py)
-
-
-def seconds(value: Any) -> float | None:
-    """A duration a peer reported (data): finite positive seconds, else None (left out, never a stopped run)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
-        return None
-    return float(value)
-
-
-def _wire_report(value: Any) -> dict[str, Any]:
-    """A checkpoint's wire report (:meth:`PlanLoop.note_wire`): {} unless it is one."""
-    if not isinstance(value, dict) or not value:
-        return {}
-    wire, number = seconds(value.get("wire_s")), value.get("wire_round")
-    if wire is None or not isinstance(number, int) or isinstance(number, bool):
-        return {}
-    return {"wire_s": wire, "wire_round": number}
-
-
-def online_planner(sc, method, profiles: list[WorkerProfile], calibrated: bool) -> OnlinePlanner:
-    """The online planner of a run of ``method`` on ``sc`` over ``profiles`` (``calibrated``: measured in place)."""
-    g = sc.geomesh
-    # uncalibrated profiles describe the timing model, not what trains: a first measurement is the factor;
-    # wall-clock compute times are noisy: outliers held back, the deadband widened to the regions' noise,
-    # regions that measure alike planned alike; an uncalibrated region's first round (start-up) is not its speed
-    return OnlinePlanner(profiles, method.constraints(sc, len(profiles)), smoothing=g.replan_smoothing,
-                         threshold=g.replan_threshold, first_measurement_sets_factor=not calibrated,
-                         noise_k=g.replan_noise_k, warmup_rounds=0 if calibrated else WARMUP_ROUNDS)  # fmt: skip
+from .wan_measurement import WanMeasurement, seconds
 
 
 class PlanLoop:
@@ -85,16 +46,12 @@ class PlanLoop:
         g = self.sc.geomesh
         # the plan as a loop: profiles measured in place before round 0, then re-planned from every round's
         # measured compute times; the same numbers on every rank, so every rank holds the same plan
-        self.calibrating = self.method.balanced and g.calibrate
+        given = {pair.partition("=")[0] for pair in run.options.profiles}  # (--profile: not measured)
+        self.calibration = Calibration(self.method.balanced and g.calibrate, self.names[self.me] in given)
         self.online: OnlinePlanner | None = None
-        self.calibrated: dict[str, WorkerProfile] = {}  # region -> its profile measured in place
-        self.calibration_s: dict[str, float] = {}
         # the WAN measured as compute is: re-planned as compute is, so only where that is on
-        self.wan_measure = WanEstimator(threshold=g.replan_threshold, noise_k=max(g.replan_noise_k, 1.0)) \
-            if self.calibrating and g.replan and g.measure_wan else None  # fmt: skip
-        self.wan_members: list[int] | None = None  # who took part in the last exchange measured
-        self.wan_probe_s: float | None = None
-        self.wire: dict[str, Any] = {}  # (leader) the wire time of its last exchange, for the next round's info
+        self.wan = WanMeasurement(WanEstimator(threshold=g.replan_threshold, noise_k=max(g.replan_noise_k, 1.0))
+                                  if self.calibration.on and g.replan and g.measure_wan else None, run.hooks)
         self.exchange_switched = False  # the probed WAN chose the other exchange kind: the round is planned again
         self.overlap = None  # the overlapped round, when the method overlaps (its exchange in flight)
         self.sharded = loop_exchange(self)  # the exchange kind: the sharded one, or None (chosen again after probes)
@@ -136,8 +93,7 @@ class PlanLoop:
     def planning_wan(self, members: list[int]) -> WanModel:
         """The WAN the plan fills the round against: the declared one (the scenario's, with its faults), as
         measured in place when the loop measures it."""
-        wan = self.faults.wan(members)
-        return self.wan_measure.measured(wan) if self.wan_measure is not None else wan
+        return self.wan.measured(self.faults.wan(members))
 
     @property
     def plan_sc(self):
@@ -150,8 +106,7 @@ class PlanLoop:
     def make_plan(self, members: list[int]) -> Plan:
         """The members planned over the WAN that links them now, at their speeds now (every rank alike)."""
         wan = self.planning_wan(members)
-        if self.wan_measure is not None:
-            self.wan_measure.assume()
+        self.wan.assume()
         exchange_s = self.plan_exchange_s(wan)
         profiles = [self.run.profiles[i] for i in members]
         for p, i in zip(profiles, members):
@@ -164,23 +119,17 @@ class PlanLoop:
                                     exchange_s=exchange_s)  # fmt: skip
         # re-planned from measurements: the speed factors learned so far carry over to the new members' planner
         known = self.online
-        self.online = self._new_online(profiles)
+        self.online = self.calibration.online_planner(self.plan_sc, self.method, profiles)
         if known is not None:
             self.online.adopt(known)
         return self.online.plan(self.kit.modeled_payload_nbytes, exchange_s)
 
     def arrival_margin(self) -> float:
         """How much later than the plan's exchange time this region's overlapped round applies the exchange in
-        flight, when the loop measures the WAN: exp(k·σ), σ the measurements' noise (the WAN's exchanges and this
-        region's compute, as the estimators know them; k ``geomesh.replan_noise_k``), so that an exchange a
-        little slower, or a round a little faster, than planned does not leave the region waiting at its apply
-        step. 1 when the WAN is not measured (both runtimes then apply at the same step)."""
-        if self.wan_measure is None:
-            return 1.0
+        flight (:meth:`.WanMeasurement.arrival_margin`, with this region's compute noise)."""
         name = self.names[self.me]
-        wan = self.wan_measure.noise() or 0.0
         compute = (self.online.noise(name) if self.online is not None and name in self.online.factors else None) or 0.0
-        return math.exp(max(self.sc.geomesh.replan_noise_k, 0.0) * math.hypot(wan, compute))
+        return self.wan.arrival_margin(compute, self.sc.geomesh.replan_noise_k)
 
     def plan_exchange_s(self, wan: WanModel) -> float:
         """The plan's exchange time over ``wan``: the exchange kind in force (the sharded one or the method's
@@ -199,68 +148,53 @@ class PlanLoop:
         mid-run (a sharded layout's owners hold state, and every rank would have to switch at one round)."""
         from .sharded_loop import exchange_choice, loop_exchange
 
-        wan = self.wan_measure.measured(self.sc.wan_model())
+        wan = self.wan.measured(self.sc.wan_model())
         choice = exchange_choice(self, wan)
         if choice is None:
             return
         if (choice.name == "sharded") != (self.sharded is not None):
             self.sharded = loop_exchange(self, wan)
             self.exchange_switched = True  # a plan made for the other kind is made again (_replan_after_probe)
-        w = self.wan_measure
+        w = self.wan.estimator
         self.emit({"type": "exchange_choice", "round": self.run.rounds, "time": self.run._now(),
                    "exchange": choice.name, "wan": "measured", "latency_factor": w.latency_factor,
                    "transfer_factor": w.transfer_factor, "reason": choice.reason,
                    "seconds": {k: c.seconds for k, c in choice.candidates.items()}})  # fmt: skip
 
-    def _new_online(self, profiles: list[WorkerProfile]) -> OnlinePlanner:
-        return online_planner(self.plan_sc, self.method, profiles, calibrated=bool(self.calibrated))
-
     def calibrate(self) -> dict[str, Any] | None:
-        """Every rank of this region: measure the region's step time in place (the model it really trains, a
-        few steps at candidate micro-batches, its state restored bit for bit), unless ``--profile`` names it.
-        Returns what the leader shares with the others (JSON)."""
-        from ...profiler import calibrate_worker, default_micro_batches
-
-        given = {pair.partition("=")[0] for pair in self.run.options.profiles}
-        if not self.calibrating or self.names[self.me] in given:
+        """Every rank of this region: its step time measured in place (:meth:`.Calibration.measure`), unless
+        ``--profile`` names it. Returns what the leader shares with the others (JSON)."""
+        if not self.calibration.due:
             return None
         # measure the micro-batches the plan may use: up to the largest the datasheet plan gives any region, and
         # the reference batch (the planning rule's round is made of it, and the slowest region runs it)
         datasheet = self.method.plan(self.plan_sc, self.run.profiles, exchange_bytes=self.kit.modeled_payload_nbytes)
         top = max([self.tr.batch, *(w.micro_batch for w in datasheet.workers)])
-        worker = self.run.worker
-        cap = getattr(worker, "max_proxy_micro_batch", None)
         g = self.plan_sc.geomesh
-        cal = calibrate_worker(worker, default_micro_batches(top, cap * worker.size if cap else None, self.tr.batch),
-                               window_s=g.calibration_window_s, budget_s=g.calibration_budget_s)  # fmt: skip
-        return {"profile": cal.profile.to_json(), "seconds": cal.seconds}
+        return self.calibration.measure(self.run.worker, top, self.tr.batch, g.calibration_window_s,
+                                        g.calibration_budget_s)  # fmt: skip
 
     def use_calibration(self, shared: dict[int, dict[str, Any] | None]) -> None:
-        """Every rank: plan from the regions' measured profiles (region -> what :meth:`calibrate` returned)."""
-        # A region's calibration enters the run's state once, when it is first seen: the same headers against
-        # the same state give every rank the same decision, a healed region's too (it applies the live state
-        # first). A restarted region measures itself again, but its speed since is the online planner's to
-        # follow from measured rounds: taking the new table on some ranks only would part their plans.
-        new = {i: c for i, c in shared.items() if c and self.names[i] not in self.calibrated}
-        if not new:
+        """Every rank: plan from the regions' measured profiles (region -> what :meth:`calibrate` returned), each
+        taken once, when first seen."""
+        measured = self.calibration.take({self.names[i]: c for i, c in shared.items()})
+        if not measured:
             return
-        measured = {self.names[i]: WorkerProfile.from_json(c["profile"]) for i, c in new.items()}
-        self.calibrated = {**self.calibrated, **measured}
-        self.calibration_s.update({self.names[i]: float(c["seconds"]) for i, c in new.items()})
-        self.run.profile_source.use_measured(self.calibrated)
+        cal = self.calibration
+        self.run.profile_source.use_measured(cal.profiles)
         self.planned_for = None  # plan (again) from the measured profiles
-        self.emit({"type": "calibration", "time": self.run._now(), "seconds": dict(self.calibration_s),
+        self.emit({"type": "calibration", "time": self.run._now(), "seconds": dict(cal.seconds),
                    "profiles": {n: p.to_json() for n, p in measured.items()}})  # fmt: skip
         if self.run.keeps_records and self.run.options.progress:
-            costs = ", ".join(f"{n} {s:.2f} s" for n, s in self.calibration_s.items())
+            costs = ", ".join(f"{n} {s:.2f} s" for n, s in cal.seconds.items())
             print(f"[{self.method.name}] calibrated in place: {costs}", flush=True)
 
     def summary_fields(self) -> dict[str, Any]:
         """What the summary says about the plan's loop."""
         return {"replans": int(self.run.telemetry.counters.get("replans", 0)),
-                "calibration_s": dict(self.calibration_s) or None,
-                "wan_measured": self.wan_measure.summary() if self.wan_measure is not None else None,
-                "wan_probe_s": self.wan_probe_s,
+                "calibration_s": dict(self.calibration.seconds) or None,
+                "wan_measured": self.wan.summary(),
+                "wan_probe_s": self.wan.probe_s,
                 "straggler_idle_per_round": list(self.run.ledger.round_idle)}  # fmt: skip
 
     # ---- the WAN, measured ----------------------------------------------------------------------------------
@@ -274,45 +208,31 @@ class PlanLoop:
         nbytes = self.wire_nbytes
         return (lambda wan: wan.allreduce_s(nbytes)) if self.summed else (lambda wan: wan.allgather_s(nbytes))
 
+    def time_parts(self, members: list[int]) -> tuple[float, float]:
+        """The latency and transfer parts of this run's exchange among ``members`` over the declared WAN."""
+        return time_parts(self.exchange_cost(members), self.faults.wan(members))
+
     def probe_wan(self, members: list[int], exchange: Any) -> None:
-        """Every rank, before round 0: the leaders probe their links (all-gathers of the two sizes of
-        :func:`~geomesh.planner.wan.probe_sizes`, a few hundred bytes and the exchange's payload, held by the WAN
-        shaper as exchanges are: the two sizes separate latency from bandwidth), agree on each probe's median over
-        the leaders, and every rank folds the same figures into the WAN's measurement. A short, bounded cost,
-        reported as calibration is."""
+        """Every rank, before round 0: the WAN probed (:meth:`~.wan_measurement.WanMeasurement.probe`; the leaders
+        over ``exchange``), reported as calibration is; the exchange kind is chosen again over it, and a plan
+        already made is made again when the probes moved its exchange."""
         run = self.run
-        sizes = probe_sizes(self.wire_nbytes)
-        start = time.perf_counter()
-        medians = None
-        if run.is_leader:
-            mine = [exchange.probe(size, members) for size in sizes]
-            gathered = exchange.gather_json({"probe_s": mine}, what="the WAN probes")
-            timings = [g["probe_s"] for g in gathered if isinstance(g, dict) and isinstance(g.get("probe_s"), list)
-                       and len(g["probe_s"]) == len(sizes)
-                       and all(isinstance(x, (int, float)) and math.isfinite(x) and x >= 0 for x in g["probe_s"])]  # fmt: skip
-            medians = [statistics.median(float(t[k]) for t in timings) for k in range(len(sizes))] if timings else []
-        if run.region_group is not None:
-            medians = run.transport.broadcast_json(medians, run.leader, run.region_group, what="the WAN probes")
-        wan = self.faults.wan(members)
-        k = self.run.hooks.wan_factor(0)
-        for size, seconds in zip(sizes, medians):
-            self.wan_measure.observe_probe(wan, size, seconds if k is None else k * wan.allgather_s(size))
-        self.wan_probe_s = time.perf_counter() - start
-        self.emit({"type": "wan_probe", "time": run._now(), "seconds": self.wan_probe_s,
-                   "wan_measured": self.wan_measure.summary()})  # fmt: skip
+        share = (lambda medians: medians) if run.region_group is None else (  # (the leader's, to its region)
+            lambda medians: run.transport.broadcast_json(medians, run.leader, run.region_group, what="the WAN probes"))
+        self.wan.probe(self.faults.wan(members), self.wire_nbytes, exchange if run.is_leader else None, members, share)
+        self.emit({"type": "wan_probe", "time": run._now(), "seconds": self.wan.probe_s,
+                   "wan_measured": self.wan.summary()})  # fmt: skip
         if run.keeps_records and run.options.progress:
-            w = self.wan_measure
-            print(f"[{self.method.name}] WAN probed in {self.wan_probe_s:.2f} s: latency x{w.latency_factor:.2f}, "
+            w = self.wan.estimator
+            print(f"[{self.method.name}] WAN probed in {self.wan.probe_s:.2f} s: latency x{w.latency_factor:.2f}, "
                   f"transfer x{w.transfer_factor:.2f} the declared", flush=True)  # fmt: skip
         self.choose_exchange_measured()
         self._replan_after_probe(members)
 
     def _replan_after_probe(self, members: list[int]) -> None:
         """A plan already made over the declared WAN (a static run plans at its start, before the probe) is made
-        again over the measured one when the probes put the exchange past ``replan_threshold`` from what it
-        assumed: probes are deliberate measurements, so no noise band holds them back (the overlapped round's
-        stretch and apply step, and the exchange kind's time, come from the WAN measured before round 0)."""
-        w = self.wan_measure
+        again over the measured one when the probes moved its exchange (the overlapped round's stretch and apply
+        step, and the exchange kind's time, come from the WAN measured before round 0)."""
         if self.planned_for is None or self.online is None:
             return
         if self.exchange_switched:  # the round's length may depend on the exchange's kind
@@ -321,48 +241,26 @@ class PlanLoop:
             why = f"the exchange chosen over the probed WAN is the {kind}"
             self._replanned(self.make_plan(self.planned_for), {}, why, {"took_part": list(members)})
             return
-        lat, t = time_parts(self.exchange_cost(self.planned_for), self.faults.wan(self.planned_for))
-        a0, b0 = w.assumed
-        ratio = w.predict(lat, t) / (a0 * lat + b0 * t)
-        if abs(math.log(ratio)) <= w.threshold:
+        why = self.wan.probed_drift(*self.time_parts(self.planned_for))
+        if why is None:
             return
-        how = f"{ratio:.1f}x slower" if ratio > 1 else f"{1 / ratio:.1f}x faster"
-        why = (f"the WAN probed {how} than the plan assumed (an exchange of {w.predict(lat, t):.3g} s against "
-               f"{a0 * lat + b0 * t:.3g} s; latency x{w.latency_factor:.2f}, transfer x{w.transfer_factor:.2f} the "
-               f"declared)")  # fmt: skip
-        w.assume()
         exchange_s = self.plan_exchange_s(self.planning_wan(self.planned_for))
         self._replanned(self.online.plan(self.kit.modeled_payload_nbytes, exchange_s), {}, why,
                         {"took_part": list(members)})  # fmt: skip
 
-    def note_wire(self, seconds: float, round_number: int | None = None) -> None:
-        """(leader) The exchange of round ``round_number`` (default: this round's) took ``seconds`` on the wire
+    def note_wire(self, wire_s: float, round_number: int | None = None) -> None:
+        """(leader) The exchange of round ``round_number`` (default: this round's) took ``wire_s`` on the wire
         (its wait for the slowest member left out; an overlapped exchange: from its launch to its arrival, its
         wait at the apply step left out): reported with the next info this leader sends."""
-        number = self.run.rounds + 1 if round_number is None else round_number
-        self.wire = {"wire_s": float(seconds), "wire_round": int(number)}
+        self.wan.note_wire(wire_s, self.run.rounds + 1 if round_number is None else round_number)
 
     def observe_wan(self, result: Exchanged, wire_round: int | tuple[int, ...] | None = None) -> str | None:
-        """Fold the previous exchange into the WAN's measurement (every rank alike: the median of the wire
-        times its members' leaders report with these infos, against the declared WAN's latency and transfer
-        parts of it); why to re-plan, when the WAN drifted past the measurements' noise. ``wire_round``: the
-        round(s) of the exchange the reports may be of (default: the round before this one)."""
-        prev, self.wan_members = self.wan_members, sorted(i["region"] for i in result.infos)
-        if self.wan_measure is None or prev is None or len(prev) < 2:
-            return None
+        """Fold the previous exchange into the WAN's measurement (every rank alike); why to re-plan, when the
+        WAN drifted past the measurements' noise. ``wire_round``: the round(s) of the exchange the reports may
+        be of (default: the round before this one)."""
         expected = (self.run.rounds - 1,) if wire_round is None else (
             wire_round if isinstance(wire_round, tuple) else (wire_round,))  # fmt: skip
-        # (a peer's report is data: a duration and a round of this exchange, else left out)
-        reports = [(s, i["wire_round"]) for s, i in ((seconds(i.get("wire_s")), i) for i in result.infos
-                   if i.get("region") in prev and i.get("wire_round") in expected
-                   and not isinstance(i.get("wire_round"), bool)) if s is not None]  # fmt: skip
-        if not reports:
-            return None
-        lat, transfer = time_parts(self.exchange_cost(prev), self.faults.wan(prev))
-        wires = [s if (k := self.run.hooks.wan_factor(number)) is None else k * (lat + transfer)
-                 for s, number in reports]  # fmt: skip
-        self.wan_measure.observe(lat, transfer, statistics.median(wires))
-        return self.wan_measure.should_replan()
+        return self.wan.observe(result.infos, expected, self.time_parts)
 
     def observe(self, result: Exchanged, outcome: dict[str, Any], steps: dict[int, int], entries: dict,
                 plan: Plan | None = None, wire_round: int | tuple[int, ...] | None = None,
@@ -394,7 +292,7 @@ class PlanLoop:
                 self.online.observe_overhead(name, planned_o if as_planned else o)
         if wan_drift is not None:  # the same members over the measured WAN (their speeds as measured now)
             exchange_s = self.plan_exchange_s(self.planning_wan(self.planned_for))
-            self.wan_measure.assume()
+            self.wan.assume()
             self._replanned(self.online.plan(self.kit.modeled_payload_nbytes, exchange_s), measured, wan_drift, outcome,
                             after_round)  # fmt: skip
             return
@@ -431,20 +329,15 @@ class PlanLoop:
     def plan_state(self) -> dict[str, Any]:
         """The plan's loop state (JSON): the profiles measured in place and the online planner's speed factors,
         so a resumed or healed region plans what the uninterrupted run does."""
-        return {"calibrated": {n: p.to_json() for n, p in self.calibrated.items()},
-                "calibration_s": dict(self.calibration_s),
+        return {**self.calibration.state_dict(),
                 "online": self.online.state_dict() if self.online is not None else None,
                 "online_for": [f for f in (self.online.factors if self.online is not None else {})],
                 # the members the plan in force (the last of the run's plans) was made for: a resumed or healed
                 # region keeps that plan while the members stay, as the uninterrupted run does
                 "planned_for": None if self.planned_for is None else list(self.planned_for),
-                "wan": self.wan_measure.state_dict() if self.wan_measure is not None else None,
-                "wan_members": self.wan_members,
-                "wan_probe_s": self.wan_probe_s,
-                # (a leader; this rank's own, never a healed region's) the wire time of its last exchange, which
-                # it reports with the next round's info, and an overlapped exchange's that arrived and is not
-                # noted yet: a resumed leader reports what the uninterrupted one does
-                "wire": dict(self.wire),
+                **self.wan.state_dict(),
+                # (a leader) an overlapped exchange's wire time that arrived and is not noted yet: a resumed
+                # leader reports what the uninterrupted one does
                 "overlap_wire": list(self.overlap.wire) if self.overlap is not None and self.overlap.wire else None,
                 # the exchange kind chosen over the WAN measured before round 0 (kept for the rest of the run)
                 "exchange": "sharded" if self.sharded is not None else "all_gather"}  # fmt: skip
@@ -458,18 +351,10 @@ class PlanLoop:
         self.plan = self.run.plans[-1] if self.run.plans else None
         planned_for = state.get("planned_for")  # (older checkpoints: the exchange's guess)
         self.planned_for = list(planned_for) if planned_for is not None else members_after_resume
-        self.calibrated = {n: WorkerProfile.from_json(p) for n, p in state["calibrated"].items()}
-        self.calibration_s = {n: float(s) for n, s in state["calibration_s"].items()}
-        self.run.profile_source.use_measured(self.calibrated)
-        if self.wan_measure is not None and state.get("wan") is not None:
-            self.wan_measure.load_state_dict(state["wan"])
-        self.wan_members = state.get("wan_members")
-        if isinstance(state.get("wan_probe_s"), float):  # (what the probes before round 0 cost, for the summary)
-            self.wan_probe_s = state["wan_probe_s"]
-        if healed:  # its own last report is of an exchange the live state has gone past, the live leader's of one
-            self.wire = {}  # it took no part in: it reports nothing until its next exchange
-        else:
-            self.wire = _wire_report(state.get("wire"))
+        self.calibration.load_state_dict(state)
+        self.run.profile_source.use_measured(self.calibration.profiles)
+        self.wan.load_state_dict(state, healed)
+        if not healed:  # (a healed region's pending report is another region's)
             pending = state.get("overlap_wire")
             if self.overlap is not None and isinstance(pending, list) and len(pending) == 2:
                 wire, number = seconds(pending[0]), pending[1]
@@ -484,19 +369,18 @@ class PlanLoop:
             for p in profiles:
                 i = self.names.index(p.name)
                 p.slowdown = self.sc.regions[i].slowdown * self.faults.speed(i)
-            self.online = self._new_online(profiles)
+            self.online = self.calibration.online_planner(self.plan_sc, self.method, profiles)
             self.online.load_state_dict(state["online"])
 
     # ---- static overlapped rounds: measured where every rank has the same figures ----------------------
     def observe_reports(self, reports: list[dict] | None, members: list[int], steps: dict[int, int],
                          entries: dict, drained: bool) -> None:  # fmt: skip
-        """Static overlapped rounds (their exchange carries payloads only): the plan loop measures the round from
-        the regions' reports (every leader gathers them, then shares them inside its region, so every rank folds
-        in the same figures at the same round): each region's compute of this round, and its leader's wire time
-        of the exchange that arrived in it (the last round's, or this round's own when it was drained whole;
-        every leader drains alike, so every report is of one exchange). A re-plan
-        takes effect from the next round; the exchange in flight applies as launched."""
-        if self.online is None and self.wan_measure is None:
+        """Static overlapped rounds (their exchange carries payloads only): the round measured from the regions'
+        reports (every leader gathers them and shares them inside its region, so every rank folds in the same
+        figures at the same round): each region's compute of this round, and its leader's wire time of the
+        exchange that arrived in it (the last round's, or this round's own when every leader drained it whole). A
+        re-plan takes effect from the next round; the exchange in flight applies as launched."""
+        if self.online is None and self.wan.estimator is None:
             return
         run = self.run
         keys = ("compute_s", "overhead_s", "wire_s", "wire_round")
@@ -504,7 +388,7 @@ class PlanLoop:
         if run.is_leader:  # (each region's report is data: observe() checks every figure)
             infos = [{"region": k, **{f: i.get(f) for f in keys}} for k, i in enumerate(reports or [])
                      if isinstance(i, dict)]  # fmt: skip
-            self.wire = {}  # reported once
+            self.wan.wire = {}  # reported once
         if run.region_group is not None:
             infos = run.transport.broadcast_json(infos, run.leader, run.region_group, what="the round's reports")
         self.observe(Exchanged(infos=infos, payloads=None, summed=None, comm_s=0.0, wan_bytes=0),

@@ -207,7 +207,7 @@ class RoundLoop:
             planning = self.planning
             if view.calibration:
                 planning.use_calibration(view.calibration)
-            if planning.wan_measure is not None and run.rounds == 0 and planning.wan_probe_s is None \
+            if planning.wan.probe_due(run.rounds) \
                     and not view.healed and len(view.members) > 1:  # (every member at round 0 alike: the first quorum)
                 planning.probe_wan(view.members, self.exchange)
             if run.stopping.spent(run.tokens_done):
@@ -519,7 +519,7 @@ class RoundLoop:
         if self.round_overhead_s is not None:
             info["overhead_s"] = self.round_overhead_s
         info.update(self.exchange.info_fields())
-        info.update(self.planning.wire)
+        info.update(self.planning.wan.wire)
         if self.elastic and run.stopping.timed:  # this region's clock, for the time budget's rule
             info["elapsed_s"] = run._now()
         return info
@@ -580,7 +580,7 @@ class RoundLoop:
                 number = run.rounds + 1  # (the thread's: this loop counts the round on meanwhile)
                 ov.launch_on_thread(lambda: self.exchange.exchange(payload, summed, info, now, number), now)
             elif split is not None:  # the last fragment, launched as the others were; drained below
-                ov.launch_fragment(split.fragments - 1, payload[-1])
+                ov.tail.launch(split.fragments - 1, payload[-1])
             else:
                 ov.launch(payload, since)
         run._mark("comm_wait")
