@@ -1,9 +1,11 @@
 """The round loop of the distributed runtime, written once, on one rank: static or elastic regions, plain or
 overlapped rounds, scenario faults, payload screening, evaluation and checkpoints are parts of this loop.
 This file is long because the loop is one: every kind of round takes the same six steps here, so that no
-variant of the runtime has a loop of its own (the plan is a component it holds, :class:`.plan_loop.PlanLoop`
-as ``loop.planning``; the exchanges :mod:`.exchange`,
-:mod:`.elastic` and :mod:`.sharded`, the overlapped exchange :mod:`.overlap`).
+variant of the runtime has a loop of its own. The parts of a round are components it holds: the plan
+(:class:`.plan_loop.PlanLoop`, ``loop.planning``), the exchanges (:mod:`.exchange`, :mod:`.elastic`,
+:mod:`.sharded`; overlapped, :mod:`.overlap`), the exchange shared inside the region (:class:`.share.RegionShare`,
+``loop.sharing``), the round's update (:class:`.update.RoundUpdate`, ``loop.update``) and a round rolled back
+(:class:`.rollback.RoundRollback`, ``loop.rollback``).
 
 One round (every rank of every region; the leader alone crosses the WAN):
 
@@ -17,8 +19,8 @@ One round (every rank of every region; the leader alone crosses the WAN):
    round, :mod:`.overlap`), then the region's payload.
 4. **Exchange** over the members' leaders: the straggler barrier, the collective (an all-gather of payloads,
    or an all-reduce of dense contributions), the WAN shaper's hold; the leader shares the bytes inside its
-   region.
-5. **Screen, combine, step.** Every rank screens every payload before combining any
+   region (:mod:`.share`).
+5. **Screen, combine, step** (:mod:`.update`). Every rank screens every payload before combining any
    (:func:`~geomesh.runtime.payloads.screen_payload`): a bad payload costs its sender's update this round (a
    warning naming the region, ``rejected_payloads``), never the run; the combined update is checked finite;
    every rank takes the same outer step.
@@ -33,8 +35,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from ...errors import RunError
 from ...methods.base import OuterLoopMethod, RoundKit, payload_key, round_steps
 from ...methods.overlap import round_compute_s
@@ -44,9 +44,11 @@ from ..payloads import screen_payload
 from .run_checkpoint import RunCheckpointer
 from .core import RankRun
 from .exchange import Exchanged, StaticExchange, wait_for_slowest_s
+from .owners import OwnerResiduals
 from .plan_loop import PlanLoop
 from .region import lay_out_like
-from .transport import split_gathered
+from .rollback import RoundRollback
+from .share import RegionShare
 from .update import RoundUpdate
 from .wan_shaper import WanShaper, tx_bytes
 
@@ -98,6 +100,17 @@ class RoundLoop:
             overlapped=method.overlapped(sc), theta_changed=self.exchange.theta_changed, emit=self.emit,
             count=lambda name: run.telemetry.count(name), speaks=run.is_leader,
             stood_aside=lambda why: setattr(run, "outvoted", why))  # fmt: skip
+        # the leader's exchange on every rank of the region (elastic: its exchange may re-form the quorum and
+        # retry, so the ranks wait for it outside Gloo)
+        self.sharing = RegionShare(run, self.n, self.d, summed=self.summed, wait_for_leader=(
+            (lambda: run.wait_for_leader("the round's exchange", self.exchange.leader_wait_s())) if self.elastic
+            else None))  # fmt: skip
+        # a round whose vote did not commit it, rolled back (elastic regions)
+        self.owners = OwnerResiduals(self)
+        self.rollback = RoundRollback(
+            run, self.codec, self.owners, self.params, self.names, self.me, self.faults,
+            keeps_local_state=method.keeps_local_state, emit=self.emit,
+            stats=(lambda: self.exchange.state.stats) if self.elastic else None)  # fmt: skip
         if method.overlapped(sc):
             from .overlap import RankOverlap
 
@@ -172,12 +185,10 @@ class RoundLoop:
         every, keep = run._checkpoint_cadence()
         saver = None
         if every > 0 or run._resume_from is not None:
-            from .owners import OwnerResiduals
-
             saver = RunCheckpointer(run, self.params, self.outer, self.codec, run._checkpoint_fingerprint(),
                                     directory=run._checkpoint_dir(), extra=self._checkpoint_state,
                                     load_extra=self._load_checkpoint_state, overlap=self.overlap,
-                                    owners=OwnerResiduals(self))  # fmt: skip
+                                    owners=self.owners)  # fmt: skip
         if run._resume_from is None:  # (a resumed run plans from the profiles its checkpoint holds)
             self.exchange.share_calibration(self.planning.calibrate())
         self.exchange.start()
@@ -252,7 +263,7 @@ class RoundLoop:
                     # others are not held to the deadline) with nothing, vote no, and roll back with them
                     result, _ = self._exchange(None, members, 0.0)
                     self.exchange.agreement.settled(not result.void, result.why, r + 1)
-                    self._roll_back(r, {}, None, result.why or self.exchange.agreement.refusal or "no header")
+                    self.rollback.roll_back(r, {}, None, result.why or self.exchange.agreement.refusal or "no header")
                     continue
                 elif not joined_now:  # overlapped: its exchange leaves under way already; it votes no on it
                     self.exchange.agreement.refused_rounds.add(r + 1)
@@ -288,7 +299,7 @@ class RoundLoop:
             round_start = run._cursor
             once = effects.once.get(self.me, set())
             payload, split = None, None
-            snapshot = self._round_snapshot() if self.elastic and self.overlap is None else None
+            snapshot = self.rollback.snapshot() if self.elastic and self.overlap is None else None
             if self.me in members and (header is not None or not self.elastic or self.overlap is not None):
                 payload, split = self._local_phase(entries, steps, rs, members, plan, once, last or checkpoint_due)
             run._mark("compute")
@@ -317,7 +328,7 @@ class RoundLoop:
                 if self.elastic:
                     self.exchange.agreement.settled(not result.void, result.why, r + 1)
                 if result.void:  # the round's vote did not commit it: rolled back on every region, tried again
-                    self._roll_back(r, planned, snapshot, result.why)
+                    self.rollback.roll_back(r, planned, snapshot, result.why)
                     continue
             wire_after = tx_bytes(run._iface)
             # 5. screen, combine, step (overlapped: the previous round's update, applied inside this round)
@@ -405,7 +416,7 @@ class RoundLoop:
             number = self.run.rounds - len(self._planned_in_flight)
             if outcome.get("void"):  # rolled back on every region: none of its tokens reached θ
                 self.run.tokens_done -= sum(planned.values())
-                self._roll_back(number - 1, planned, None, outcome["void"])
+                self.rollback.roll_back(number - 1, planned, None, outcome["void"])
                 continue
             lost = {i: planned[i] for i in outcome["lost"] if i in planned}
             self.run.tokens_lost += sum(lost.values())
@@ -478,41 +489,6 @@ class RoundLoop:
             self.exchange.planned(trained, list(header.members), round_index, header)
         planning.use_exchange(header.exchange)
         return list(header.members)
-
-    def _round_snapshot(self) -> dict[str, Any]:
-        """What a rolled-back round must restore besides θ and the outer momentum (which change only at the
-        outer step): this region's error-feedback residual and its shard owners' residuals."""
-        from .owners import OwnerResiduals
-
-        codec = self.codec.state_dict() if getattr(self.codec, "residual", None) else None
-        owners = {k: v.clone() for k, v in OwnerResiduals(self).state().items()}
-        return {"codec": codec, "owners": owners}
-
-    def _roll_back(self, round_index: int, planned: dict[int, int], snapshot: dict[str, Any] | None,
-                   why: str) -> None:  # fmt: skip
-        """The round's vote did not commit it: every live region restores the round's starting state and
-        trains it again as a new attempt; what it trained in it is lost work, recorded."""
-        from .owners import OwnerResiduals
-
-        run = self.run
-        if self.method.keeps_local_state:  # what the round trained locally is rolled back with it
-            run.worker.load_global(self.params)
-        if snapshot is not None:
-            if snapshot["codec"] is not None:
-                self.codec.load_state_dict(snapshot["codec"])
-            if snapshot["owners"]:
-                OwnerResiduals(self).load(snapshot["owners"])
-        run.tokens_lost += sum(planned.values())  # (every member's work of the round: none reached θ)
-        self.faults.count_lost(round_index, planned)
-        if self.elastic:
-            for i, t in planned.items():
-                self.exchange.state.stats["tokens_lost"][self.names[i]] += t
-        run.telemetry.count("rollbacks")
-        self.emit({"type": "rollback", "round": round_index + 1, "time": run._now(), "region": self.names[self.me],
-                   "reason": why, "tokens_lost": {self.names[i]: t for i, t in planned.items()}})  # fmt: skip
-        if run.is_leader:
-            print(f"region {self.names[self.me]}: round {round_index + 1} rolled back ({why}); it is trained "
-                  f"again", flush=True)  # fmt: skip
 
     def _info(self, payload: bytes | None, compute_s: float, members: list[int], reason: str | None) -> dict:
         """What this leader tells the others with its payload (JSON)."""
@@ -592,38 +568,8 @@ class RoundLoop:
         return Exchanged(infos=[], payloads=None, summed=None, comm_s=comm_s, wan_bytes=0), comm_s
 
     def _share(self, result: Exchanged | None) -> Exchanged:
-        """The leader's exchange result on every rank of the region (JSON for the infos, raw bytes for the
-        payloads, a float32 tensor for a dense sum, the healing state's tensors one by one)."""
-        run = self.run
-        if run.region_group is None:
-            return result
-        if self.elastic:  # the leader's exchange may re-form the quorum and retry: wait for it outside Gloo
-            run.wait_for_leader("the round's exchange", self.exchange.leader_wait_s())
-        head = run.transport.broadcast_json(result.to_json() if run.is_leader else None, run.leader,
-                                            run.region_group, what="the round's exchange")  # fmt: skip
-        if head.get("void"):
-            return Exchanged(infos=[], payloads=None, summed=None, comm_s=head["comm_s"], wan_bytes=head["wan_bytes"],
-                             void=True, why=head.get("why", ""))  # fmt: skip
-        if head.get("sharded") is not None:  # the sharded exchange's update (runtime/distributed/sharded_loop.py)
-            from .sharded_loop import share_sharded
-
-            return Exchanged(**share_sharded(self, result, head))
-        if self.summed:
-            summed = result.summed if run.is_leader else torch.empty(self.d + 1, dtype=torch.float32,
-                                                                      device=run.device)  # fmt: skip
-            summed = run.transport.broadcast(summed, run.leader, run.region_group)
-            return Exchanged(head["infos"], None, summed, head["comm_s"], head["wan_bytes"])
-        nbytes = self.slot_nbytes
-        packed = torch.zeros(self.n * nbytes, dtype=torch.uint8)
-        if run.is_leader:
-            for i, p in result.payloads.items():
-                if p is not None:
-                    packed[i * nbytes : (i + 1) * nbytes] = torch.frombuffer(bytearray(p), dtype=torch.uint8)
-        packed = run.transport.broadcast(packed, run.leader, run.region_group)
-        slots = split_gathered(packed, nbytes)
-        active = {i["region"] for i in head["infos"]} if head["infos"] else set(range(self.n))
-        payloads = {i: slots[i] for i in range(self.n) if i in active}
-        return Exchanged(head["infos"], payloads, None, head["comm_s"], head["wan_bytes"])
+        """The leader's exchange result on every rank of the region, in slots of the round in progress."""
+        return self.sharing.share(result, self.slot_nbytes)
 
     # ---- overlapped rounds: the plan loop measures each exchange that arrived ---------------------------
     def _applied_meanwhile(self, members: list[int]) -> dict[str, Any]:

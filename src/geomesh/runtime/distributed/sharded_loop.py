@@ -2,8 +2,8 @@
 :func:`loop_exchange`) and its layout for a number of members (:func:`layout_for`), what the WAN shaper holds it
 to (:func:`shaper_s`), a round's exchange of it, static over the leaders' group (:func:`static_sharded_exchange`)
 or elastic over the round's quorum (:func:`quorum_sharded_exchange`, one shard per member), as the fields of the
-round's :class:`~.exchange.Exchanged`, and the update shared inside a region (:func:`share_sharded`); the
-screening step every rank takes alike is the round's update's (:class:`~.update.RoundUpdate`). One round of the
+round's :class:`~.exchange.Exchanged`; the update is shared inside a region by :class:`~.share.RegionShare`, and
+the screening step every rank takes alike is the round's update's (:class:`~.update.RoundUpdate`). One round of the
 exchange itself, its slots and agreements, is :mod:`.sharded`; the loop's exchanges are :mod:`.exchange`
 (static) and :mod:`.elastic` (elastic regions).
 """
@@ -13,8 +13,6 @@ from __future__ import annotations
 import time
 from collections import Counter
 from typing import Any
-
-import torch
 
 from ...codec.sharded import ShardedExchange
 from ...codec.sharded_sparse import sharded_exchange
@@ -211,15 +209,3 @@ def quorum_sharded_exchange(xc: Any, payload: bytes | None, info: dict[str, Any]
                "owners": names}  # fmt: skip
     return {"infos": infos, "payloads": None, "summed": None, "wan_bytes": r.sent_bytes, "update": r.flat,
             "sharded": sharded}  # fmt: skip
-
-
-def share_sharded(loop: Any, result: Any, head: dict[str, Any]) -> dict[str, Any]:
-    """The leader's sharded update on every rank of its region (a flat float32 broadcast): the fields of the
-    region's :class:`~.exchange.Exchanged`."""
-    run = loop.run
-    flat = None
-    if head["sharded"]["has_update"]:
-        flat = result.update if run.is_leader else torch.empty(loop.d, dtype=torch.float32, device=run.device)
-        flat = run.transport.broadcast(flat, run.leader, run.region_group)
-    return {"infos": head["infos"], "payloads": None, "summed": None, "comm_s": head["comm_s"],
-            "wan_bytes": head["wan_bytes"], "update": flat, "sharded": head["sharded"]}  # fmt: skip
