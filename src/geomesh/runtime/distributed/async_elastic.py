@@ -124,10 +124,10 @@ def finish(run: Any, records: RunRecords | None, server: Any, cycle: Any) -> dic
     whose folder is its own evaluates the θ it ended on and writes its records."""
     names = [r.name for r in run.scenario.regions]
     me = names[run.region]
-    crc = (getattr(run, "final_checksums", None) or [None])[0]  # (rank 0 of the region's world has it)
+    crc = (run.ledger.final_checksums or [None])[0]  # (rank 0 of the region's world has it)
     if server is not None:
         at_end = {names[i]: c for i, c in sorted(server.at_end.items())}
-        run.totals["bytes_sent"] = server.sent + server.received
+        run.ledger.totals["bytes_sent"] = server.sent + server.received
         run.board.post("finished", {"round": run.rounds, "regions": list(at_end), "checksum": crc})
         run.writes_summary = True
         return {"param_checksums": at_end, "cycles": {names[i]: k for i, k in enumerate(server.arrivals)},
@@ -139,7 +139,7 @@ def finish(run: Any, records: RunRecords | None, server: Any, cycle: Any) -> dic
               f"this region ends on the parameter server's θ (checksum {crc}; {cycle.cycles} cycles)",
               file=sys.stderr, flush=True)  # fmt: skip
     run.writes_summary = writes
-    run.totals["bytes_sent"] = cycle.sent + cycle.received
+    run.ledger.totals["bytes_sent"] = cycle.sent + cycle.received
     if writes and run.evaluates:
         run._evaluate(run._now())
         records.write_events(False)

@@ -274,7 +274,7 @@ class StaticExchange:
         payloads only, and the plan loop measures them from these (each leader's report carries its wire
         time of the exchange that arrived in the round)."""
         run, loop = self.run, self.loop
-        checksum = params_checksum(loop.params) if not loop.outvoted else None  # (a region standing aside)
+        checksum = params_checksum(loop.params) if not loop.update.outvoted else None  # (a region standing aside)
         run._mark("other")
         parts = payload if split is not None else (payload,)
         clock = {"elapsed_s": run._now()} if run.stopping.timed else {}  # (the time budget's rule)

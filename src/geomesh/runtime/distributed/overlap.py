@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from ...methods.overlap import TailSend, TailSplit, apply_step, eager_start, eager_weights, planned_tokens
-from ..payloads import combine_payloads, screen_payload, screen_slots
+from ..payloads import screen_payload
 from .overlap_tail import TailExchange
 from .region import lay_out_like
 from .transport import split_gathered
@@ -72,6 +72,7 @@ class RankOverlap:
         self.tail = TailExchange(run, method, manifest, combiner.key, shaper, dense, self._start)
         self._rejected: list[tuple[int, str]] = []  # (region, why) of updates left out since last taken
         self.round_loop: Any = None  # the round loop (static: its plan's exchange, the sharded one when picked)
+        self.update: Any = None  # the round's update (update.py): screens, combines and steps what arrives
         self._sharded: dict[str, Any] | None = None  # (static) the sharded exchange in flight on the leader's thread
         # elastic regions: the exchange is the quorum's (torchft), run whole on a thread of the leader while its
         # region trains on; the round loop screens, combines and steps when it arrives (see launch_on_thread)
@@ -149,7 +150,7 @@ class RankOverlap:
         self.loop.exchange.agreement.settled(True, "", self.run.rounds + 1)
         if run.is_leader and not result.void:  # the exchange thread's own time, launch to arrival (not the wait)
             self.wire = (result.comm_s, run.rounds)
-        outcome = self.loop._apply(result, self._members)
+        outcome = self.update.apply(result, self._members, self.run.rounds + 1)
         if outcome.get("update") is not None and len(outcome["update"]) == len(self.params):
             self.last = outcome["update"]
         self.loop.observe_arrived(result, outcome)  # (measured now, before the next exchange's quorum)
@@ -204,9 +205,9 @@ class RankOverlap:
     def _arrive_sharded(self) -> Tensors | None:
         """(static, every rank) The sharded exchange in flight: the leader joins its thread and the shaper, the
         region's ranks share the update and the exchange's decisions (who was refused, had no update, lost its
-        combined shard, or refused most others: :func:`~.sharded_loop.stands_aside`); the update to apply (None:
-        nothing)."""
-        from .sharded_loop import lost_shard, stands_aside
+        combined shard, or refused most others: :meth:`~.update.RoundUpdate.stands_aside`); the update to apply
+        (None: nothing)."""
+        from .update import lost_shard
 
         run, loop, box, self._sharded = self.run, self.round_loop, self._sharded, None
         head, flat = None, None
@@ -236,7 +237,8 @@ class RankOverlap:
         self._dropped.extend(int(j) for j in head["absent"])
         for k, why in head["lost_shards"].items():
             self._rejected.append((int(k), lost_shard(why)))
-        if loop.outvoted or stands_aside(loop, [int(k) for k in head["suspect"]]) or flat is None:
+        suspect = [int(k) for k in head["suspect"]]
+        if self.update.outvoted or self.update.stands_aside(suspect, run.rounds + 1) or flat is None:
             return None
         return loop.combiner._split(flat)
 
@@ -340,13 +342,12 @@ class RankOverlap:
             return codec.reduced_update(exchanged)
         # every payload screened before any is combined (a bad one costs its sender's update)
         slots = dict(enumerate(split_gathered(exchanged.cpu(), codec.payload_nbytes())))
-        passed, rejected, dropped = screen_slots(codec, slots)
-        self._dropped.extend(dropped)
-        loop = self.round_loop  # a static region that cannot authenticate most others holds another run key: it
-        if loop is not None and loop._outvoted(rejected, list(range(loop.n))):  # stands aside (as in plain rounds)
+        screened = self.update.screened(codec, slots, list(slots), self.run.rounds + 1)
+        self._dropped.extend(screened.dropped)
+        if screened.outvoted:  # another run key than most others': it stands aside (as in plain rounds)
             return None
-        self._rejected.extend(rejected)
-        return combine_payloads(codec, list(passed.values()), self.device)
+        self._rejected.extend(screened.rejected)
+        return screened.update
 
     def take_rejected(self) -> list[tuple[int, str]]:
         """(region, why) of every payload screened out since the last call (each region once)."""

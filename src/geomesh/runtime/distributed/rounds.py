@@ -1,9 +1,11 @@
 """The round loop of the distributed runtime, written once, on one rank: static or elastic regions, plain or
 overlapped rounds, scenario faults, payload screening, evaluation and checkpoints are parts of this loop.
 This file is long because the loop is one: every kind of round takes the same six steps here, so that no
-variant of the runtime has a loop of its own (the plan is a component it holds, :class:`.plan_loop.PlanLoop`
-as ``loop.planning``; the exchanges :mod:`.exchange`,
-:mod:`.elastic` and :mod:`.sharded`, the overlapped exchange :mod:`.overlap`).
+variant of the runtime has a loop of its own. The parts of a round are components it holds: the plan
+(:class:`.plan_loop.PlanLoop`, ``loop.planning``), the exchanges (:mod:`.exchange`, :mod:`.elastic`,
+:mod:`.sharded`; overlapped, :mod:`.overlap`), the exchange shared inside the region (:class:`.share.RegionShare`,
+``loop.sharing``), the round's update (:class:`.update.RoundUpdate`, ``loop.update``) and a round rolled back
+(:class:`.rollback.RoundRollback`, ``loop.rollback``).
 
 One round (every rank of every region; the leader alone crosses the WAN):
 
@@ -17,8 +19,8 @@ One round (every rank of every region; the leader alone crosses the WAN):
    round, :mod:`.overlap`), then the region's payload.
 4. **Exchange** over the members' leaders: the straggler barrier, the collective (an all-gather of payloads,
    or an all-reduce of dense contributions), the WAN shaper's hold; the leader shares the bytes inside its
-   region.
-5. **Screen, combine, step.** Every rank screens every payload before combining any
+   region (:mod:`.share`).
+5. **Screen, combine, step** (:mod:`.update`). Every rank screens every payload before combining any
    (:func:`~geomesh.runtime.payloads.screen_payload`): a bad payload costs its sender's update this round (a
    warning naming the region, ``rejected_payloads``), never the run; the combined update is checked finite;
    every rank takes the same outer step.
@@ -33,20 +35,21 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from ...errors import RunError
 from ...methods.base import OuterLoopMethod, RoundKit, payload_key, round_steps
 from ...methods.overlap import round_compute_s
 from ...planner import Plan
 from ..faults import RoundFaults, corrupt_payload, optimizer_finite, poisoned
-from ..payloads import combine_payloads, screen_payload, screen_slots
+from ..payloads import screen_payload
 from .run_checkpoint import RunCheckpointer
 from .core import RankRun
 from .exchange import Exchanged, StaticExchange, wait_for_slowest_s
+from .owners import OwnerResiduals
 from .plan_loop import PlanLoop
 from .region import lay_out_like
-from .transport import split_gathered
+from .rollback import RoundRollback
+from .share import RegionShare
+from .update import RoundUpdate
 from .wan_shaper import WanShaper, tx_bytes
 
 STATIC_MEMBERSHIP_FAULTS = ("the scenario's leave/join faults need elastic regions: set reliability.min_regions "
@@ -68,9 +71,6 @@ class RoundLoop:
         self.params = {k: p.detach() for k, p in run.global_model.named_parameters()}
         self.kit = RoundKit.build(method, sc, self.params, key=payload_key(sc))
         self.codec, self.combiner, self.outer = self.kit.codec, self.kit.combiner, self.kit.outer
-        # the codec of the round in progress: what screens and combines its payloads and sizes their slots (the
-        # combiner, or Streaming DiLoCo's fragment of the round: methods/base.py, round_codec)
-        self.round_combiner = self.combiner
         self.d = self.kit.manifest.numel
         # dense contributions are summed by an all-reduce, unless a run key signs them: then the plan shards
         # them (runtime/distributed/sharded.py: signed slices, each owner screens and sums its shard; a ring
@@ -82,8 +82,6 @@ class RoundLoop:
         # the plan as a loop (plan_loop.py): the plan in force, its members and the exchange kind it is made for,
         # measured in place and re-planned from every round; the same numbers on every rank
         self.planning = PlanLoop(run, self.kit, self.faults, self.emit, self.summed)
-        self.outvoted = False  # this static region holds another run key than the others (see _outvoted)
-        self.lay_out = lambda whole: lay_out_like(whole, self.params)  # updates land as θ is held
         self.overlap = None  # the overlapped round (runtime/distributed/overlap.py, docs/overlap.md)
         self.hooks = run.hooks  # the faults a test or the chaos harness injects (runtime/hooks.py)
         if self.elastic:
@@ -94,6 +92,25 @@ class RoundLoop:
             if any(f.kind in ("leave", "join") for f in sc.faults):
                 raise RunError(STATIC_MEMBERSHIP_FAULTS)
             self.exchange = StaticExchange(self)
+        # the round's update: screen, combine, check, step, warnings; its codec is the round in progress's (the
+        # combiner, or Streaming DiLoCo's fragment of the round: methods/base.py, round_codec)
+        self.update = RoundUpdate(
+            self.combiner, self.outer, lambda whole: lay_out_like(whole, self.params), self.names, self.me,
+            self.hooks, rank=run.rank, device=run.device, summed=self.summed, elastic=self.elastic,
+            overlapped=method.overlapped(sc), theta_changed=self.exchange.theta_changed, emit=self.emit,
+            count=lambda name: run.telemetry.count(name), speaks=run.is_leader,
+            stood_aside=lambda why: setattr(run, "outvoted", why))  # fmt: skip
+        # the leader's exchange on every rank of the region (elastic: its exchange may re-form the quorum and
+        # retry, so the ranks wait for it outside Gloo)
+        self.sharing = RegionShare(run, self.n, self.d, summed=self.summed, wait_for_leader=(
+            (lambda: run.wait_for_leader("the round's exchange", self.exchange.leader_wait_s())) if self.elastic
+            else None))  # fmt: skip
+        # a round whose vote did not commit it, rolled back (elastic regions)
+        self.owners = OwnerResiduals(self)
+        self.rollback = RoundRollback(
+            run, self.codec, self.owners, self.params, self.names, self.me, self.faults,
+            keeps_local_state=method.keeps_local_state, emit=self.emit,
+            stats=(lambda: self.exchange.state.stats) if self.elastic else None)  # fmt: skip
         if method.overlapped(sc):
             from .overlap import RankOverlap
 
@@ -102,6 +119,7 @@ class RoundLoop:
                                        shaper, self.exchange.shaper_s(list(range(self.n))), self.summed,
                                        self.kit.payload_nbytes)  # fmt: skip
             self.overlap.round_loop = self  # (static: its sharded exchange, when the plan picks it)
+            self.overlap.update = self.update
             self.planning.overlap = self.overlap
             if self.elastic:  # the quorum's exchange runs on the leader's thread; this loop applies it
                 self.overlap.loop = self
@@ -123,7 +141,7 @@ class RoundLoop:
     @property
     def slot_nbytes(self) -> int:
         """One gathered payload of the round in progress (its slot's size on the wire)."""
-        return self.round_combiner.payload_nbytes()
+        return self.update.codec.payload_nbytes()
 
     @property
     def sharded(self):
@@ -167,12 +185,10 @@ class RoundLoop:
         every, keep = run.checkpoints.cadence()
         saver = None
         if every > 0 or run.checkpoints.resume_from is not None:
-            from .owners import OwnerResiduals
-
             saver = RunCheckpointer(run, self.params, self.outer, self.codec, run.checkpoints.fingerprint,
                                     directory=run.checkpoints.directory, extra=self._checkpoint_state,
                                     load_extra=self._load_checkpoint_state, overlap=self.overlap,
-                                    owners=OwnerResiduals(self))  # fmt: skip
+                                    owners=self.owners)  # fmt: skip
         if run.checkpoints.resume_from is None:  # (a resumed run plans from the profiles its checkpoint holds)
             self.exchange.share_calibration(self.planning.calibrate())
         self.exchange.start()
@@ -213,7 +229,7 @@ class RoundLoop:
             if run.stopping.spent(run.tokens_done):
                 break
             r = run.rounds  # 0-based index of this round (fault schedule); round records count from 1
-            self.round_combiner = method.round_codec(self.combiner, r)
+            self.update.codec = method.round_codec(self.combiner, r)
             method.round_codec(self.codec, r)  # (what this region sends: the round's, whatever rounds it missed)
             # 2. faults and plan
             effects, new_faults = self.faults.at_round(r, view.members, run._now())
@@ -248,7 +264,7 @@ class RoundLoop:
                     # others are not held to the deadline) with nothing, vote no, and roll back with them
                     result, _ = self._exchange(None, members, 0.0)
                     self.exchange.agreement.settled(not result.void, result.why, r + 1)
-                    self._roll_back(r, {}, None, result.why or self.exchange.agreement.refusal or "no header")
+                    self.rollback.roll_back(r, {}, None, result.why or self.exchange.agreement.refusal or "no header")
                     continue
                 elif not joined_now:  # overlapped: its exchange leaves under way already; it votes no on it
                     self.exchange.agreement.refused_rounds.add(r + 1)
@@ -284,7 +300,7 @@ class RoundLoop:
             round_start = run._cursor
             once = effects.once.get(self.me, set())
             payload, split = None, None
-            snapshot = self._round_snapshot() if self.elastic and self.overlap is None else None
+            snapshot = self.rollback.snapshot() if self.elastic and self.overlap is None else None
             if self.me in members and (header is not None or not self.elastic or self.overlap is not None):
                 payload, split = self._local_phase(entries, steps, rs, members, plan, once, last or checkpoint_due)
             run._mark("compute")
@@ -313,11 +329,11 @@ class RoundLoop:
                 if self.elastic:
                     self.exchange.agreement.settled(not result.void, result.why, r + 1)
                 if result.void:  # the round's vote did not commit it: rolled back on every region, tried again
-                    self._roll_back(r, planned, snapshot, result.why)
+                    self.rollback.roll_back(r, planned, snapshot, result.why)
                     continue
             wire_after = tx_bytes(run._iface)
             # 5. screen, combine, step (overlapped: the previous round's update, applied inside this round)
-            outcome = self._apply(result, members) if self.overlap is None else None
+            outcome = self.update.apply(result, members, run.rounds + 1) if self.overlap is None else None
             run.rounds += 1
             self._in_round = False
             if self.overlap is not None:
@@ -339,7 +355,7 @@ class RoundLoop:
                         self._agree_arrived_clocks()
                     self._end_of_round(tr, saver, every, keep, checkpoint_due)
                     continue
-                outcome = self._overlap_outcome(members)
+                outcome = self._applied_meanwhile(members)
             lost = {i: planned[i] for i in outcome["lost"] if i in planned}
             if self.overlap is None:  # the budget counts tokens whose updates reached θ
                 run.tokens_done += sum(planned[i] for i in outcome["took_part"] if i not in outcome["lost"])
@@ -347,7 +363,7 @@ class RoundLoop:
             run.tokens_lost += sum(lost.values())
             self.faults.count_lost(r, lost)
             # 6. records, evaluation, checkpoint
-            self._warn(outcome)
+            self.update.warn(outcome, run.rounds)
             if self.overlap is not None:  # (the leader) the exchange that arrived this round goes with the report
                 self._note_overlap_wire()
             reports = self.exchange.end_round(result, members, outcome, lost, planned, compute_s, comm_s,
@@ -359,7 +375,7 @@ class RoundLoop:
                 run.stopping.agree_elapsed([i.get("elapsed_s") for i in result.infos])
             if self.overlap is not None and run.stopping.time_up:  # the time budget is spent: the exchange in flight is
                 self.overlap.drain()  # the run's last (nothing is left to hide it under)
-                self._warn(self._overlap_outcome(members))
+                self.update.warn(self._applied_meanwhile(members), run.rounds)
             self._end_of_round(tr, saver, every, keep, checkpoint_due)
             # the round's buffers (the payloads, a dense sum, the update: several bytes per parameter on a
             # leader) are not held through the next round's compute peak
@@ -401,11 +417,11 @@ class RoundLoop:
             number = self.run.rounds - len(self._planned_in_flight)
             if outcome.get("void"):  # rolled back on every region: none of its tokens reached θ
                 self.run.tokens_done -= sum(planned.values())
-                self._roll_back(number - 1, planned, None, outcome["void"])
+                self.rollback.roll_back(number - 1, planned, None, outcome["void"])
                 continue
             lost = {i: planned[i] for i in outcome["lost"] if i in planned}
             self.run.tokens_lost += sum(lost.values())
-            self._warn(outcome, number)
+            self.update.warn(outcome, number)
             # the exchange's quorum and the round's trainers: one that trained the round and is not in the
             # exchange (lost before its quorum) left in this round, the run's last included
             members = sorted(set(members or outcome["took_part"]) | set(planned))
@@ -474,41 +490,6 @@ class RoundLoop:
             self.exchange.planned(trained, list(header.members), round_index, header)
         planning.use_exchange(header.exchange)
         return list(header.members)
-
-    def _round_snapshot(self) -> dict[str, Any]:
-        """What a rolled-back round must restore besides θ and the outer momentum (which change only at the
-        outer step): this region's error-feedback residual and its shard owners' residuals."""
-        from .owners import OwnerResiduals
-
-        codec = self.codec.state_dict() if getattr(self.codec, "residual", None) else None
-        owners = {k: v.clone() for k, v in OwnerResiduals(self).state().items()}
-        return {"codec": codec, "owners": owners}
-
-    def _roll_back(self, round_index: int, planned: dict[int, int], snapshot: dict[str, Any] | None,
-                   why: str) -> None:  # fmt: skip
-        """The round's vote did not commit it: every live region restores the round's starting state and
-        trains it again as a new attempt; what it trained in it is lost work, recorded."""
-        from .owners import OwnerResiduals
-
-        run = self.run
-        if self.method.keeps_local_state:  # what the round trained locally is rolled back with it
-            run.worker.load_global(self.params)
-        if snapshot is not None:
-            if snapshot["codec"] is not None:
-                self.codec.load_state_dict(snapshot["codec"])
-            if snapshot["owners"]:
-                OwnerResiduals(self).load(snapshot["owners"])
-        run.tokens_lost += sum(planned.values())  # (every member's work of the round: none reached θ)
-        self.faults.count_lost(round_index, planned)
-        if self.elastic:
-            for i, t in planned.items():
-                self.exchange.state.stats["tokens_lost"][self.names[i]] += t
-        run.telemetry.count("rollbacks")
-        self.emit({"type": "rollback", "round": round_index + 1, "time": run._now(), "region": self.names[self.me],
-                   "reason": why, "tokens_lost": {self.names[i]: t for i, t in planned.items()}})  # fmt: skip
-        if run.is_leader:
-            print(f"region {self.names[self.me]}: round {round_index + 1} rolled back ({why}); it is trained "
-                  f"again", flush=True)  # fmt: skip
 
     def _info(self, payload: bytes | None, compute_s: float, members: list[int], reason: str | None) -> dict:
         """What this leader tells the others with its payload (JSON)."""
@@ -588,126 +569,14 @@ class RoundLoop:
         return Exchanged(infos=[], payloads=None, summed=None, comm_s=comm_s, wan_bytes=0), comm_s
 
     def _share(self, result: Exchanged | None) -> Exchanged:
-        """The leader's exchange result on every rank of the region (JSON for the infos, raw bytes for the
-        payloads, a float32 tensor for a dense sum, the healing state's tensors one by one)."""
-        run = self.run
-        if run.region_group is None:
-            return result
-        if self.elastic:  # the leader's exchange may re-form the quorum and retry: wait for it outside Gloo
-            run.wait_for_leader("the round's exchange", self.exchange.leader_wait_s())
-        head = run.transport.broadcast_json(result.to_json() if run.is_leader else None, run.leader,
-                                            run.region_group, what="the round's exchange")  # fmt: skip
-        if head.get("void"):
-            return Exchanged(infos=[], payloads=None, summed=None, comm_s=head["comm_s"], wan_bytes=head["wan_bytes"],
-                             void=True, why=head.get("why", ""))  # fmt: skip
-        if head.get("sharded") is not None:  # the sharded exchange's update (runtime/distributed/sharded_loop.py)
-            from .sharded_loop import share_sharded
-
-            return Exchanged(**share_sharded(self, result, head))
-        if self.summed:
-            summed = result.summed if run.is_leader else torch.empty(self.d + 1, dtype=torch.float32,
-                                                                      device=run.device)  # fmt: skip
-            summed = run.transport.broadcast(summed, run.leader, run.region_group)
-            return Exchanged(head["infos"], None, summed, head["comm_s"], head["wan_bytes"])
-        nbytes = self.slot_nbytes
-        packed = torch.zeros(self.n * nbytes, dtype=torch.uint8)
-        if run.is_leader:
-            for i, p in result.payloads.items():
-                if p is not None:
-                    packed[i * nbytes : (i + 1) * nbytes] = torch.frombuffer(bytearray(p), dtype=torch.uint8)
-        packed = run.transport.broadcast(packed, run.leader, run.region_group)
-        slots = split_gathered(packed, nbytes)
-        active = {i["region"] for i in head["infos"]} if head["infos"] else set(range(self.n))
-        payloads = {i: slots[i] for i in range(self.n) if i in active}
-        return Exchanged(head["infos"], payloads, None, head["comm_s"], head["wan_bytes"])
-
-    @torch.no_grad()
-    def _apply(self, result: Exchanged, members: list[int]) -> dict[str, Any]:
-        """Screen every payload, combine those that pass, check the update and take the outer step (every
-        rank alike). Returns who took part, whose update was rejected (why) or dropped, and whose was lost."""
-        infos = result.infos
-        took_part = [i["region"] for i in infos if i.get("active", True)] if infos else list(members)
-        rejected: list[tuple[int, str]] = []
-        dropped: list[int] = []
-        combined = None
-        if self.summed:
-            for i in infos:
-                if i["active"] and not i["sent"]:
-                    dropped.append(i["region"])
-                if i.get("rejected"):
-                    rejected.append((i["region"], f"payload rejected: {i['rejected']}"))
-            combined = self.combiner.reduced_update(result.summed)
-        elif result.sharded is not None:  # combined by the shards' owners (runtime/distributed/sharded_loop.py)
-            from .sharded_loop import apply_sharded
-
-            combined = apply_sharded(self, result, took_part, rejected, dropped)
-            if self.outvoted:
-                return {"took_part": took_part, "rejected": [], "dropped": [], "lost": {self.me}, "update": None}
-        else:
-            for i in infos:  # a slot that failed its signature (another key, forged, replayed): its sender is out
-                if i.get("slot_rejected") and i["region"] in took_part:
-                    rejected.append((i["region"], f"payload rejected: {i['slot_rejected']}"))
-            if self._outvoted(rejected, took_part):  # counted as the others count it: only its own update is lost
-                return {"took_part": took_part, "rejected": [], "dropped": [], "lost": {self.me}, "update": None}
-            out = {i for i, _ in rejected}
-            arrived, screened_out, dropped = screen_slots(
-                self.round_combiner, {i: p for i, p in result.payloads.items() if i in took_part and i not in out})
-            rejected += screened_out
-            combined = combine_payloads(self.round_combiner, list(arrived.values()), self.run.device)
-        if combined is not None and not all(bool(torch.isfinite(t).all()) for t in combined.values()):
-            rejected.extend((i, "the combined update is not finite") for i in took_part)
-            combined = None
-        update = None
-        if combined is not None:
-            self.hooks.at("step", self.names[self.me], self.run.rounds + (0 if self.overlap is not None else 1),
-                          rank=self.run.rank)  # fmt: skip
-            update = self.lay_out(combined)
-            self.outer.step(update)
-            self.exchange.theta_changed()
-        lost = set(dropped) | {i for i, _ in rejected}
-        return {"took_part": took_part, "rejected": rejected, "dropped": dropped, "lost": lost, "update": update}
-
-    def _outvoted(self, rejected: list[tuple[int, str]], took_part: list[int]) -> bool:
-        """A static region that cannot authenticate most of the others' payloads holds another run key than
-        they do: it cannot follow θ (it would have to trust unverified bytes), so it stands aside: it goes on
-        taking part in the collectives (so the others finish; they reject its payloads), applies nothing,
-        leaves the agreement on θ, and ends with one error. (Elastic regions sort this at the quorum.)"""
-        if self.elastic:
-            return False
-        others = [i for i in took_part if i != self.me]
-        bad = {i for i, why in rejected if i != self.me and "HMAC" in why}
-        if not self.outvoted and others and len(bad) * 2 > len(others):
-            self.outvoted = True
-            self.run.outvoted = (f"region {self.names[self.me]} cannot authenticate the payloads of regions "
-                                 f"{', '.join(self.names[i] for i in sorted(bad))}: it holds another run key "
-                                 "(reliability.hmac_key_env / hmac_key_file) than they do; it stood aside "
-                                 "from round {}".format(self.run.rounds + 1))  # fmt: skip
-        return self.outvoted
-
-    def _overlap_outcome(self, members: list[int]) -> dict[str, Any]:
-        """Overlapped rounds: the payloads that the updates applied during this round rejected or missed.
-        Their tokens were counted when trained (the round they came from), so none are counted as lost here."""
-        rejected = self.overlap.take_rejected()
-        return {"took_part": list(members), "rejected": rejected, "dropped": self.overlap.take_dropped(),
-                "lost": set()}  # fmt: skip
-
-    def _warn(self, outcome: dict[str, Any], round_number: int | None = None) -> None:
-        """One warning per bad sender of the round, naming its region, and the counters."""
-        run = self.run
-        number = run.rounds if round_number is None else round_number
-        for i, reason in outcome["rejected"]:
-            run.telemetry.count("rejected_payloads")
-            self.emit({"type": "warning", "round": number, "worker": self.names[i],
-                       "message": f"{reason}; its update is dropped this round"})  # fmt: skip
-            if run.is_leader and run.region == min(outcome["took_part"] or [self.me]):
-                print(f"warning: round {number}: region {self.names[i]}: {reason}; its update is dropped this "
-                      f"round", flush=True)  # fmt: skip
-        for i in outcome["dropped"]:
-            run.telemetry.count("dropped_updates")
-            self.emit({"type": "warning", "round": number, "worker": self.names[i],
-                       "message": "non-finite loss, parameters or pseudo-gradient; its update is dropped"})  # fmt: skip
+        """The leader's exchange result on every rank of the region, in slots of the round in progress."""
+        return self.sharing.share(result, self.slot_nbytes)
 
     # ---- overlapped rounds: the plan loop measures each exchange that arrived ---------------------------
+    def _applied_meanwhile(self, members: list[int]) -> dict[str, Any]:
+        """The outcome of the updates the overlapped round applied (rejected or missed payloads; no lost tokens)."""
+        return self.update.meanwhile(members, self.overlap.take_rejected(), self.overlap.take_dropped())
+
     def observe_arrived(self, result: Exchanged, outcome: dict[str, Any]) -> None:
         """Elastic overlapped rounds, every rank of every member, when an exchange arrives (at the apply step,
         or drained): the plan loop measures it as a plain round's exchange (its infos carry each member's

@@ -2,10 +2,10 @@
 :func:`loop_exchange`) and its layout for a number of members (:func:`layout_for`), what the WAN shaper holds it
 to (:func:`shaper_s`), a round's exchange of it, static over the leaders' group (:func:`static_sharded_exchange`)
 or elastic over the round's quorum (:func:`quorum_sharded_exchange`, one shard per member), as the fields of the
-round's :class:`~.exchange.Exchanged`, the update shared inside a region (:func:`share_sharded`), and the
-screening step every rank takes alike (:func:`apply_sharded`, :func:`stands_aside`). One round of the exchange
-itself, its slots and agreements, is :mod:`.sharded`; the loop's exchanges are :mod:`.exchange` (static) and
-:mod:`.elastic` (elastic regions).
+round's :class:`~.exchange.Exchanged`; the update is shared inside a region by :class:`~.share.RegionShare`, and
+the screening step every rank takes alike is the round's update's (:class:`~.update.RoundUpdate`). One round of the
+exchange itself, its slots and agreements, is :mod:`.sharded`; the loop's exchanges are :mod:`.exchange`
+(static) and :mod:`.elastic` (elastic regions).
 """
 
 from __future__ import annotations
@@ -13,8 +13,6 @@ from __future__ import annotations
 import time
 from collections import Counter
 from typing import Any
-
-import torch
 
 from ...codec.sharded import ShardedExchange
 from ...codec.sharded_sparse import sharded_exchange
@@ -120,7 +118,7 @@ def static_sharded_exchange(xc: Any, payload: bytes | None, info: dict[str, Any]
     """:meth:`StaticExchange.exchange` when the plan picks the sharded exchange: the round infos first (so a
     region whose info is malformed or whose plan differs from the others' is kept out of the combine on every
     leader), then :func:`sharded_round` over the leaders' group; every refused slice, absent update and lost
-    shard is in the infos for the loop's screening step (:func:`apply_sharded`). Returns the fields of the
+    shard is in the infos for the loop's screening step (:meth:`~.update.RoundUpdate.apply`). Returns the fields of the
     round's :class:`~.exchange.Exchanged` (this module sits below the exchange seam)."""
     from .wan_shaper import WanShaper
 
@@ -211,56 +209,3 @@ def quorum_sharded_exchange(xc: Any, payload: bytes | None, info: dict[str, Any]
                "owners": names}  # fmt: skip
     return {"infos": infos, "payloads": None, "summed": None, "wan_bytes": r.sent_bytes, "update": r.flat,
             "sharded": sharded}  # fmt: skip
-
-
-def share_sharded(loop: Any, result: Any, head: dict[str, Any]) -> dict[str, Any]:
-    """The leader's sharded update on every rank of its region (a flat float32 broadcast): the fields of the
-    region's :class:`~.exchange.Exchanged`."""
-    run = loop.run
-    flat = None
-    if head["sharded"]["has_update"]:
-        flat = result.update if run.is_leader else torch.empty(loop.d, dtype=torch.float32, device=run.device)
-        flat = run.transport.broadcast(flat, run.leader, run.region_group)
-    return {"infos": head["infos"], "payloads": None, "summed": None, "comm_s": head["comm_s"],
-            "wan_bytes": head["wan_bytes"], "update": flat, "sharded": head["sharded"]}  # fmt: skip
-
-
-def apply_sharded(loop: Any, result: Any, took_part: list[int], rejected: list, dropped: list[int]):
-    """The screening step of a sharded round (every rank alike): the senders whose slices were refused, the
-    regions with no update, the owners whose combined shard was lost, and the update the leaders combined
-    (None: nothing to apply)."""
-    for i in result.infos:
-        k = i["region"]
-        if k not in took_part:
-            continue
-        if i.get("slot_rejected"):
-            rejected.append((k, f"payload rejected: {i['slot_rejected']}"))
-        elif not i.get("sent"):
-            dropped.append(k)
-        if i.get("shard_lost") and not i.get("slot_rejected"):
-            rejected.append((k, lost_shard(i["shard_lost"])))
-    if stands_aside(loop, result.sharded["suspect"]) or result.update is None:
-        return None
-    return loop.combiner._split(result.update)
-
-
-def stands_aside(loop: Any, suspect: list[int]) -> bool:
-    """Whether this region refused the slices or combined shards of most others (a suspect): elastic, it
-    stops; static, it stands aside from the run (it applies nothing from now on)."""
-    if loop.me not in suspect:
-        return False
-    n = loop.run.rounds + 1
-    why = (f"region {loop.names[loop.me]} refused the slices or combined shards of most other regions in round {n}: "
-           "it holds another run key (reliability.hmac_key_env / hmac_key_file) than they do, or its link corrupts "
-           "them")  # fmt: skip
-    if loop.elastic:  # it cannot follow the others' θ: it leaves their quorum
-        raise RunError(f"{why}; it stops (restart it to rejoin with the live state)")
-    if not loop.outvoted:
-        loop.outvoted = True
-        loop.run.outvoted = f"{why}; it stood aside from then on"
-    return True
-
-
-def lost_shard(why: str) -> str:
-    """Why an owner's update is left out when its combined shard was rejected."""
-    return f"its combined shard was rejected ({why}); the shard is left out of this round's update"
