@@ -40,7 +40,7 @@ from .async_server import ParameterServer
 from .async_wire import PULL, PUSH, message_width, pack, unpack
 from .core import RankFailure, RankRun
 from .frames import Rejected
-from .membership import MembershipError
+from .service import MembershipError
 from .trust import LAUNCHER_ENV
 from .wan_shaper import WanShaper
 
