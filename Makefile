@@ -20,25 +20,24 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q -e ".[dev]"
 	touch $(STAMP)
 
-# Three lanes at once:
-# - two workers, one test file each at a time (module fixtures stay shared; files of tests marked long first: in
-#   collection order, not reordered by their number of tests);
-# - beside them, the tests marked waits (elastic runs whose processes mostly wait on purpose: they would hold a
-#   worker's core idle): the hosts test bed's (marked bed), two at a time (each bed is network namespaces,
-#   addresses and CPU groups of its own; hosts that compute are held to CPU quotas), and the others two at a
-#   time too (on this machine's loopback: two launches never pick the same free port, transport.reserve_port);
-#   their output follows the workers'.
-WAITS_LOG := .pytest-waits.log
+# Two lanes at once:
+# - four workers, one test file each at a time (module fixtures stay shared): every test but the waiting ones of
+#   the hosts test bed, files of tests marked long or waits first (in collection order, not reordered by their
+#   number of tests). A test marked waits (an elastic run whose processes mostly wait on purpose) leaves its
+#   worker's core to the others, so four workers keep the two cores busy to the end (in a lane of their own, the
+#   waiting tests were done minutes before the others, and the machine was half idle for the rest);
+# - beside them, the hosts test bed's waiting tests (marked waits and bed), two at a time (each bed is network
+#   namespaces, addresses and CPU groups of its own; hosts that compute are held to CPU quotas); their output
+#   follows the workers'.
+# (Two launches never pick the same free port: transport.reserve_port reserves it machine-wide.)
 BED_LOG := .pytest-bed.log
 
 test: $(STAMP)
 	@$(PY) -m pytest -q -p no:cacheprovider -n 2 --dist load -m "waits and bed" > $(BED_LOG) 2>&1 & bed=$$!; \
-	$(PY) -m pytest -q -p no:cacheprovider -n 2 --dist load -m "waits and not bed" > $(WAITS_LOG) 2>&1 & waits=$$!; \
-	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder -m "not waits"; workers=$$?; \
-	wait $$waits; waited=$$?; wait $$bed; bedded=$$?; \
-	echo "tests marked waits (two at a time, beside the workers):"; cat $(WAITS_LOG); \
-	echo "tests marked waits on the hosts test bed (two at a time, beside the workers):"; cat $(BED_LOG); \
-	test $$workers -eq 0 && test $$waited -eq 0 && test $$bedded -eq 0
+	$(PY) -m pytest -q -n 4 --dist loadfile --no-loadscope-reorder -m "not (waits and bed)"; workers=$$?; \
+	wait $$bed; bedded=$$?; \
+	echo "tests on the hosts test bed (two at a time, beside the workers):"; cat $(BED_LOG); \
+	test $$workers -eq 0 && test $$bedded -eq 0
 
 demo: $(STAMP)
 	$(VENV)/bin/geomesh demo --out runs/demo

@@ -144,10 +144,10 @@ def healed_in_place(events: list[dict]) -> list[tuple[int, str]]:
 
 
 def pytest_collection_modifyitems(config, items):
-    """The files that hold a test marked ``long`` are collected first (the order inside each group kept):
-    make test's workers take one file at a time, and a long file taken last keeps one worker busy while the
-    others have nothing left to do."""
-    long_files = {item.path for item in items if item.get_closest_marker("long")}
+    """The files that hold a test marked ``long`` or ``waits`` are collected first (the order inside each group
+    kept): make test's workers take one file at a time, and a long file taken last keeps one worker busy while
+    the others have nothing left to do."""
+    long_files = {item.path for item in items if item.get_closest_marker("long") or item.get_closest_marker("waits")}
     items.sort(key=lambda item: item.path not in long_files)
 
 
