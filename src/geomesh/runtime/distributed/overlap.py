@@ -76,7 +76,9 @@ class RankOverlap:
         self._sharded: dict[str, Any] | None = None  # (static) the sharded exchange in flight on the leader's thread
         # elastic regions: the exchange is the quorum's (torchft), run whole on a thread of the leader while its
         # region trains on; the round loop screens, combines and steps when it arrives (see launch_on_thread)
-        self.loop: Any = None
+        self.quorum: Any = None  # (elastic) the quorum's exchange (elastic.py): its agreement settles each vote
+        self.share: Any = None  # (elastic) the leader's exchange result on every rank (leader_exchange.py)
+        self.observe_arrived: Any = None  # (elastic) the plan loop measures an exchange as it arrives (rounds.py)
         self._members: list[int] = []
         self._thread: threading.Thread | None = None
         self._outcome: Any = None
@@ -137,23 +139,23 @@ class RankOverlap:
             if "error" in box:
                 raise box["error"]
             result = box["result"]
-        result = self.loop._share(result)
+        result = self.share(result)
         run._mark("comm_wait")
         self.waited_s += run._cursor - waited_from
         if result.void:  # the exchange's vote did not commit it: no region applies it (the round is rolled back;
             # its tokens are lost work), and each moves its steps onto θ as it stands
             self.last = None
-            self.loop.exchange.agreement.settled(False, result.why, self.run.rounds + 1)
+            self.quorum.agreement.settled(False, result.why, self.run.rounds + 1)
             self.arrived.append((result, {"took_part": [], "rejected": [], "dropped": [], "lost": set(self._members),
                                           "update": None, "void": result.why or "rolled back"}, self._members))
             return self.params
-        self.loop.exchange.agreement.settled(True, "", self.run.rounds + 1)
+        self.quorum.agreement.settled(True, "", self.run.rounds + 1)
         if run.is_leader and not result.void:  # the exchange thread's own time, launch to arrival (not the wait)
             self.wire = (result.comm_s, run.rounds)
         outcome = self.update.apply(result, self._members, self.run.rounds + 1)
         if outcome.get("update") is not None and len(outcome["update"]) == len(self.params):
             self.last = outcome["update"]
-        self.loop.observe_arrived(result, outcome)  # (measured now, before the next exchange's quorum)
+        self.observe_arrived(result, outcome)  # (measured now, before the next exchange's quorum)
         self.arrived.append((result, outcome, self._members))
         return self.params
 
@@ -175,7 +177,7 @@ class RankOverlap:
 
     def _sharded_now(self) -> bool:
         """Static rounds whose plan picked the sharded exchange (the same on every rank)."""
-        return self.loop is None and self.round_loop is not None and self.round_loop.sharded is not None
+        return self.quorum is None and self.round_loop is not None and self.round_loop.sharded is not None
 
     def _launch_sharded(self, payload: bytes | None, since: float) -> None:
         """(static, the leader) This round's sharded exchange (:func:`~.sharded.sharded_round`, payloads only, as
@@ -280,7 +282,7 @@ class RankOverlap:
             return self.params
         run._mark(before)
         waited_from = run._cursor
-        if self.loop is not None:
+        if self.quorum is not None:
             self._arrive_elastic(waited_from)
             return self._apart(self._formed(), waited_from)
         if self._sharded is not None or (not run.is_leader and self._sharded_now()):

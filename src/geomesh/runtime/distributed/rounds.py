@@ -1,11 +1,11 @@
 """The round loop of the distributed runtime, written once, on one rank: static or elastic regions, plain or
-overlapped rounds, scenario faults, payload screening, evaluation and checkpoints are parts of this loop.
-This file is long because the loop is one: every kind of round takes the same six steps here, so that no
-variant of the runtime has a loop of its own. The parts of a round are components it holds: the plan
-(:class:`.plan_loop.PlanLoop`, ``loop.planning``), the exchanges (:mod:`.exchange`, :mod:`.elastic`,
-:mod:`.sharded`; overlapped, :mod:`.overlap`), the exchange shared inside the region (:class:`.share.RegionShare`,
-``loop.sharing``), the round's update (:class:`.update.RoundUpdate`, ``loop.update``) and a round rolled back
-(:class:`.rollback.RoundRollback`, ``loop.rollback``).
+overlapped rounds, scenario faults, payload screening, evaluation and checkpoints are parts of this loop. Every
+kind of round takes the same six steps here, so that no variant of the runtime has a loop of its own. The parts
+of a round are components it holds: the plan (:class:`.plan_loop.PlanLoop`, ``loop.planning``), the exchanges
+(:mod:`.exchange`, :mod:`.elastic`, :mod:`.sharded`; overlapped, :mod:`.overlap`), the leader's exchange of a
+round (:class:`.leader_exchange.LeaderExchange`, ``loop.leader``), shared inside the region
+(:class:`.share.RegionShare`, ``loop.sharing``), the round's update (:class:`.update.RoundUpdate`,
+``loop.update``) and a round rolled back (:class:`.rollback.RoundRollback`, ``loop.rollback``).
 
 One round (every rank of every region; the leader alone crosses the WAN):
 
@@ -31,19 +31,17 @@ One round (every rank of every region; the leader alone crosses the WAN):
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Any
 
 from ...errors import RunError
 from ...methods.base import OuterLoopMethod, RoundKit, payload_key, round_steps
 from ...methods.overlap import round_compute_s
-from ...planner import Plan
 from ..faults import RoundFaults, corrupt_payload, optimizer_finite, poisoned
-from ..payloads import screen_payload
 from .run_checkpoint import RunCheckpointer
 from .core import RankRun
-from .exchange import Exchanged, StaticExchange, wait_for_slowest_s
+from .exchange import Exchanged, StaticExchange
+from .leader_exchange import LeaderExchange
 from .owners import OwnerResiduals
 from .plan_loop import PlanLoop
 from .region import lay_out_like
@@ -122,7 +120,13 @@ class RoundLoop:
             self.overlap.update = self.update
             self.planning.overlap = self.overlap
             if self.elastic:  # the quorum's exchange runs on the leader's thread; this loop applies it
-                self.overlap.loop = self
+                self.overlap.quorum = self.exchange
+        # the leader's exchange of a plain or an overlapped round, shared inside the region
+        self.leader = LeaderExchange(run, self.exchange, self.planning, self.sharing, self.combiner, self.faults,
+                                     self.me, summed=self.summed, elastic=self.elastic, overlap=self.overlap,
+                                     slot_nbytes=lambda: self.update.codec.payload_nbytes())  # fmt: skip
+        if self.overlap is not None and self.elastic:
+            self.overlap.share, self.overlap.observe_arrived = self.leader.share, self.observe_arrived
         # elastic overlap, the exchanges in flight: (planned tokens, plan, steps, plan entries, round number)
         self._planned_in_flight: list[tuple] = []
         self._clocks_arrived: list[list] = []  # (elastic overlapped: the clocks of exchanges recorded, not agreed)
@@ -262,7 +266,7 @@ class RoundLoop:
                     members = self._adopt(header, r)
                 elif self.overlap is None:  # no round without its header: take part in the exchange (so the
                     # others are not held to the deadline) with nothing, vote no, and roll back with them
-                    result, _ = self._exchange(None, members, 0.0)
+                    result, _ = self.leader.plain(None, members, 0.0, self.round_overhead_s)
                     self.exchange.agreement.settled(not result.void, result.why, r + 1)
                     self.rollback.roll_back(r, {}, None, result.why or self.exchange.agreement.refusal or "no header")
                     continue
@@ -320,11 +324,11 @@ class RoundLoop:
                 # (recorded after it, the writer healed there never had the round it healed over)
                 self._record_arrived(compute_s, 0.0)
             if self.overlap is not None:
-                result, comm_s = self._exchange_overlapped(payload, split, in_exchange, compute_s,
-                                                           quorum=not joined_now)  # fmt: skip
+                result, comm_s = self.leader.overlapped(payload, split, in_exchange, compute_s, self.round_overhead_s,
+                                                        quorum=not joined_now)  # fmt: skip
                 self._exchange_end = run._cursor
             else:
-                result, comm_s = self._exchange(payload, members, compute_s)
+                result, comm_s = self.leader.plain(payload, members, compute_s, self.round_overhead_s)
                 self._exchange_end = run._cursor
                 if self.elastic:
                     self.exchange.agreement.settled(not result.void, result.why, r + 1)
@@ -365,7 +369,7 @@ class RoundLoop:
             # 6. records, evaluation, checkpoint
             self.update.warn(outcome, run.rounds)
             if self.overlap is not None:  # (the leader) the exchange that arrived this round goes with the report
-                self._note_overlap_wire()
+                self.leader.note_overlap_wire()
             reports = self.exchange.end_round(result, members, outcome, lost, planned, compute_s, comm_s,
                                               payload=payload, split=split, sent_before=sent_before,
                                               wire_before=wire_before, wire_after=wire_after)  # fmt: skip
@@ -469,13 +473,6 @@ class RoundLoop:
             payload = parts if split is not None else parts[0]
         return payload, split
 
-    def _propose_next(self, quorum: list[int]) -> tuple[list[int], Plan, str]:
-        """(leader, overlapped elastic rounds) What this region proposes for the round that starts with the
-        members of the exchange's quorum now forming: (members, plan, why); shipped only by the maker."""
-        members = [i for i in quorum if not self.faults.away(i)]
-        self.planning.propose(members)
-        return members, self.planning.plan, self.planning.plan_reason
-
     def _adopt(self, header, round_index: int) -> list[int]:
         """Train the round as its header says (elastic): the maker's plan and exchange, whatever this region's
         own plan loop proposed (a proposal of its own made since, for a reason the header does not carry yet,
@@ -490,87 +487,6 @@ class RoundLoop:
             self.exchange.planned(trained, list(header.members), round_index, header)
         planning.use_exchange(header.exchange)
         return list(header.members)
-
-    def _info(self, payload: bytes | None, compute_s: float, members: list[int], reason: str | None) -> dict:
-        """What this leader tells the others with its payload (JSON)."""
-        run = self.run
-        info = {"region": self.me, "active": self.me in members, "compute_s": compute_s, "sent": payload is not None,
-                "rejected": reason,
-                "plan": self.planning.plan.digest() if self.planning.plan is not None else None}  # fmt: skip
-        if self.round_overhead_s is not None:
-            info["overhead_s"] = self.round_overhead_s
-        info.update(self.exchange.info_fields())
-        info.update(self.planning.wan.wire)
-        if self.elastic and run.stopping.timed:  # this region's clock, for the time budget's rule
-            info["elapsed_s"] = run._now()
-        return info
-
-    def _exchange(self, payload: bytes | None, members: list[int], compute_s: float) -> tuple[Exchanged, float]:
-        """The plain round's exchange on the leader, shared inside the region: (what arrived, comm seconds)."""
-        run = self.run
-        result = None
-        comm_start = run._cursor
-        if run.is_leader:
-            self.exchange.straggler_barrier(run.rounds + 1)
-            run._mark("straggler_wait")
-            comm_start = run._cursor
-            summed, reason = None, None
-            if self.summed:  # a sum mixes contributions before anyone could check one: the sender checks its own
-                reason = screen_payload(self.combiner, payload) if payload is not None else None
-                summed = self.combiner.reducible(payload if reason is None else None, device=run.device)
-            info = self._info(payload, compute_s, members, reason)
-            result = self.exchange.exchange(payload, summed, info, members)
-            if self.elastic:  # no barrier before the exchange (the quorum opened the round): the wait for the
-                # slowest member is inside it: the part its compute outlasted this region's, as a barrier books it
-                waited = wait_for_slowest_s(result.infos, compute_s + (self.round_overhead_s or 0.0))
-                run._mark("straggler_wait", until=min(run._now(), comm_start + waited))
-                comm_start = run._cursor
-            self.planning.note_wire(max(0.0, result.comm_s - (waited if self.elastic else 0.0)))
-        result = self._share(result)
-        run._mark("comm_wait")
-        return result, run._cursor - comm_start
-
-    def _exchange_overlapped(self, payload, split, members, compute_s: float,
-                             quorum: bool = True) -> tuple[Exchanged, float]:  # fmt: skip
-        """The overlapped round: the leader passes the barrier and launches the exchange (or its last
-        fragment); it arrives inside the next round. Returns the round's info exchange, done with it.
-        Elastic, the info carries this region's measured compute of the round and its wire time of the last
-        exchange that arrived."""
-        run, ov = self.run, self.overlap
-        comm_start = run._cursor
-        if run.is_leader:
-            self._note_overlap_wire()
-            self.exchange.straggler_barrier(run.rounds + 1)
-            run._mark("straggler_wait")
-            comm_start = run._cursor
-            since = time.perf_counter()
-            if self.elastic:  # this exchange's quorum now (the barrier), then the exchange on a thread
-                now = self.exchange.launch_quorum(self._propose_next) if quorum else list(members)
-                # the quorum waits for the slowest member, as the static barrier does: straggler_wait (it was
-                # booked as comm_wait, so overlapped elastic rounds showed their stragglers as WAN idle)
-                run._mark("straggler_wait")
-                comm_start = run._cursor
-                if not quorum:  # healed at this exchange's quorum: its next round starts with these members,
-                    self.exchange.launch_members = list(now)  # as the others' does (no quorum of its own)
-                summed, reason = None, None
-                if self.summed:
-                    reason = screen_payload(self.combiner, payload) if payload is not None else None
-                    summed = self.combiner.reducible(payload if reason is None else None)
-                trained = now if quorum else [i for i in now if i != self.me]  # (one healed now trained nothing)
-                info = self._info(payload, compute_s if quorum else 0.0, trained, reason)
-                number = run.rounds + 1  # (the thread's: this loop counts the round on meanwhile)
-                ov.launch_on_thread(lambda: self.exchange.exchange(payload, summed, info, now, number), now)
-            elif split is not None:  # the last fragment, launched as the others were; drained below
-                ov.tail.launch(split.fragments - 1, payload[-1])
-            else:
-                ov.launch(payload, since)
-        run._mark("comm_wait")
-        comm_s = run._cursor - comm_start + ov.take_waited()
-        return Exchanged(infos=[], payloads=None, summed=None, comm_s=comm_s, wan_bytes=0), comm_s
-
-    def _share(self, result: Exchanged | None) -> Exchanged:
-        """The leader's exchange result on every rank of the region, in slots of the round in progress."""
-        return self.sharing.share(result, self.slot_nbytes)
 
     # ---- overlapped rounds: the plan loop measures each exchange that arrived ---------------------------
     def _applied_meanwhile(self, members: list[int]) -> dict[str, Any]:
@@ -589,13 +505,6 @@ class RoundLoop:
         _, plan, steps, entries, number = self._planned_in_flight[k]
         self.planning.observe(result, outcome, steps, entries, plan=plan, wire_round=number - 1,
                      after_round=self.run.rounds + (1 if self._in_round else 0))  # fmt: skip
-
-    def _note_overlap_wire(self) -> None:
-        """(leader) The wire time of the overlapped exchange that arrived (its launch to its arrival), for the
-        next report or info this leader sends."""
-        wire = self.overlap.take_wire() if self.run.is_leader else None
-        if wire is not None:
-            self.planning.note_wire(*wire)
 
     # ---- checkpoint state of this loop (plain JSON; the same on every rank) --------------------------------
     def _checkpoint_state(self) -> dict[str, Any]:
