@@ -5,7 +5,8 @@ of a round are components it holds: the plan (:class:`.plan_loop.PlanLoop`, ``lo
 (:mod:`.exchange`, :mod:`.elastic`, :mod:`.sharded`; overlapped, :mod:`.overlap`), the leader's exchange of a
 round (:class:`.leader_exchange.LeaderExchange`, ``loop.leader``), shared inside the region
 (:class:`.share.RegionShare`, ``loop.sharing``), the round's update (:class:`.update.RoundUpdate`,
-``loop.update``) and a round rolled back (:class:`.rollback.RoundRollback`, ``loop.rollback``).
+``loop.update``), a round rolled back (:class:`.rollback.RoundRollback`, ``loop.rollback``) and the elastic
+overlapped exchanges in flight (:class:`.in_flight.ExchangesInFlight`, ``loop.in_flight``).
 
 One round (every rank of every region; the leader alone crosses the WAN):
 
@@ -40,7 +41,8 @@ from ...methods.overlap import round_compute_s
 from ..faults import RoundFaults, corrupt_payload, optimizer_finite, poisoned
 from .run_checkpoint import RunCheckpointer
 from .core import RankRun
-from .exchange import Exchanged, StaticExchange
+from .exchange import StaticExchange
+from .in_flight import ExchangesInFlight
 from .leader_exchange import LeaderExchange
 from .owners import OwnerResiduals
 from .plan_loop import PlanLoop
@@ -125,12 +127,12 @@ class RoundLoop:
         self.leader = LeaderExchange(run, self.exchange, self.planning, self.sharing, self.combiner, self.faults,
                                      self.me, summed=self.summed, elastic=self.elastic, overlap=self.overlap,
                                      slot_nbytes=lambda: self.update.codec.payload_nbytes())  # fmt: skip
+        # elastic overlapped rounds: the exchanges in flight, recorded when they arrive
+        self.in_flight = None
         if self.overlap is not None and self.elastic:
-            self.overlap.share, self.overlap.observe_arrived = self.leader.share, self.observe_arrived
-        # elastic overlap, the exchanges in flight: (planned tokens, plan, steps, plan entries, round number)
-        self._planned_in_flight: list[tuple] = []
-        self._clocks_arrived: list[list] = []  # (elastic overlapped: the clocks of exchanges recorded, not agreed)
-        self._in_round = False
+            self.in_flight = ExchangesInFlight(run, self.overlap, self.planning, self.exchange, self.update,
+                                               self.rollback)  # fmt: skip
+            self.overlap.share, self.overlap.observe_arrived = self.leader.share, self.in_flight.observe_arrived
         # the index in ``run.plans`` of the plan the round in progress runs, as a healing state gave it
         self.healed_round_plan: int | None = None
         # this region's round overhead: its time outside the inner steps since its last exchange (that round's
@@ -299,7 +301,8 @@ class RoundLoop:
                 self._evaluation_due = False
                 run._evaluate(run._now())
             # 3. inner steps
-            self._in_round = True  # (until the round is counted: an exchange arriving now re-plans the next)
+            if self.in_flight is not None:  # (until the round is counted: an exchange arriving now re-plans the next)
+                self.in_flight.in_round = True
             run._mark("other")
             round_start = run._cursor
             once = effects.once.get(self.me, set())
@@ -322,7 +325,7 @@ class RoundLoop:
                 # the exchanges that arrived during this round: their rounds' records before the next exchange's
                 # quorum, where a region whose own exchange failed heals with the live state, records included
                 # (recorded after it, the writer healed there never had the round it healed over)
-                self._record_arrived(compute_s, 0.0)
+                self.in_flight.record_arrived(compute_s, 0.0)
             if self.overlap is not None:
                 result, comm_s = self.leader.overlapped(payload, split, in_exchange, compute_s, self.round_overhead_s,
                                                         quorum=not joined_now)  # fmt: skip
@@ -339,11 +342,12 @@ class RoundLoop:
             # 5. screen, combine, step (overlapped: the previous round's update, applied inside this round)
             outcome = self.update.apply(result, members, run.rounds + 1) if self.overlap is None else None
             run.rounds += 1
-            self._in_round = False
+            if self.in_flight is not None:
+                self.in_flight.in_round = False
             if self.overlap is not None:
                 run.tokens_done += rs.tokens  # (the update of these tokens is formed when the exchange arrives)
                 if self.elastic:  # (with what the plan loop measures it against when it arrives)
-                    self._planned_in_flight.append((planned, plan, steps, entries, run.rounds))
+                    self.in_flight.launched(planned, plan, steps, entries, run.rounds)
                 drained = run.stopping.spent(run.tokens_done) or checkpoint_due
                 if drained:
                     # the last round's exchange (nothing is left to hide it under), or one a checkpoint must not
@@ -351,12 +355,12 @@ class RoundLoop:
                     self.overlap.drain()
                     comm_s += self.overlap.take_waited()
                 if self.elastic:  # an exchange waited for since (drained): its record now
-                    self._record_arrived(compute_s, comm_s)
-                    self._agree_arrived_clocks()  # (with this round counted: the run ends with it)
+                    self.in_flight.record_arrived(compute_s, comm_s)
+                    self.in_flight.agree_clocks()  # (with this round counted: the run ends with it)
                     if run.stopping.time_up:  # the time budget is spent: the exchange in flight is the run's last
                         self.overlap.drain()
-                        self._record_arrived(compute_s, comm_s + self.overlap.take_waited())
-                        self._agree_arrived_clocks()
+                        self.in_flight.record_arrived(compute_s, comm_s + self.overlap.take_waited())
+                        self.in_flight.agree_clocks()
                     self._end_of_round(tr, saver, every, keep, checkpoint_due)
                     continue
                 outcome = self._applied_meanwhile(members)
@@ -411,36 +415,6 @@ class RoundLoop:
             self._overhead_tail, self._exchange_end = max(tail, 0.0), None
         run._test_exit_point()
 
-    def _record_arrived(self, compute_s: float, comm_s: float) -> None:
-        """Elastic overlapped rounds: warnings and records of the exchanges that arrived (each labelled with
-        its own round). A region lost while its exchange was in flight is left out by the survivors, who
-        redo the exchange with the payloads they have; its tokens of that round are counted as lost. (The plan
-        loop measured each when it arrived: :meth:`observe_arrived`.)"""
-        for result, outcome, members in self.overlap.arrived:
-            planned = self._planned_in_flight.pop(0)[0]
-            number = self.run.rounds - len(self._planned_in_flight)
-            if outcome.get("void"):  # rolled back on every region: none of its tokens reached θ
-                self.run.tokens_done -= sum(planned.values())
-                self.rollback.roll_back(number - 1, planned, None, outcome["void"])
-                continue
-            lost = {i: planned[i] for i in outcome["lost"] if i in planned}
-            self.run.tokens_lost += sum(lost.values())
-            self.update.warn(outcome, number)
-            # the exchange's quorum and the round's trainers: one that trained the round and is not in the
-            # exchange (lost before its quorum) left in this round, the run's last included
-            members = sorted(set(members or outcome["took_part"]) | set(planned))
-            self.exchange.end_round(result, members, outcome, lost, planned, compute_s, comm_s,
-                                    round_number=number)  # fmt: skip
-            self._clocks_arrived.append([i.get("elapsed_s") for i in result.infos])  # (the clocks it carried)
-        self.overlap.arrived.clear()
-
-    def _agree_arrived_clocks(self) -> None:
-        """The time budget's decision from the clocks of the exchanges recorded this round, taken once the round
-        is counted (as a static round takes it), whenever their records were made."""
-        for clocks in self._clocks_arrived:
-            self.run.stopping.agree_elapsed(clocks)
-        self._clocks_arrived.clear()
-
     # ---- the parts of a round ----------------------------------------------------------------------------
     def _local_phase(self, entries, steps, rs, members, plan, once, drains: bool):
         """This region's inner steps and payload (a tuple of fragments when the last overlapped exchange
@@ -492,19 +466,6 @@ class RoundLoop:
     def _applied_meanwhile(self, members: list[int]) -> dict[str, Any]:
         """The outcome of the updates the overlapped round applied (rejected or missed payloads; no lost tokens)."""
         return self.update.meanwhile(members, self.overlap.take_rejected(), self.overlap.take_dropped())
-
-    def observe_arrived(self, result: Exchanged, outcome: dict[str, Any]) -> None:
-        """Elastic overlapped rounds, every rank of every member, when an exchange arrives (at the apply step,
-        or drained): the plan loop measures it as a plain round's exchange (its infos carry each member's
-        compute of that round, under that round's plan, and its leader's wire time of the exchange before).
-        Here, before the next exchange's quorum, so that a region healed at that quorum receives the plan loop
-        as the others hold it when they launch. A re-plan is in force from the next round."""
-        k = len(self.overlap.arrived)
-        if k >= len(self._planned_in_flight):  # (an exchange this region launched nothing for: not measured)
-            return
-        _, plan, steps, entries, number = self._planned_in_flight[k]
-        self.planning.observe(result, outcome, steps, entries, plan=plan, wire_round=number - 1,
-                     after_round=self.run.rounds + (1 if self._in_round else 0))  # fmt: skip
 
     # ---- checkpoint state of this loop (plain JSON; the same on every rank) --------------------------------
     def _checkpoint_state(self) -> dict[str, Any]:
