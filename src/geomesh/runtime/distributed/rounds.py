@@ -5,8 +5,9 @@ of a round are components it holds: the plan (:class:`.plan_loop.PlanLoop`, ``lo
 (:mod:`.exchange`, :mod:`.elastic`, :mod:`.sharded`; overlapped, :mod:`.overlap`), the leader's exchange of a
 round (:class:`.leader_exchange.LeaderExchange`, ``loop.leader``), shared inside the region
 (:class:`.share.RegionShare`, ``loop.sharing``), the round's update (:class:`.update.RoundUpdate`,
-``loop.update``), a round rolled back (:class:`.rollback.RoundRollback`, ``loop.rollback``) and the elastic
-overlapped exchanges in flight (:class:`.in_flight.ExchangesInFlight`, ``loop.in_flight``).
+``loop.update``), a round rolled back (:class:`.rollback.RoundRollback`, ``loop.rollback``), the elastic
+overlapped exchanges in flight (:class:`.in_flight.ExchangesInFlight`, ``loop.in_flight``) and the rounds'
+checkpoints, written and resumed (:class:`.round_checkpoints.RoundCheckpoints`, ``loop.checkpointing``).
 
 One round (every rank of every region; the leader alone crosses the WAN):
 
@@ -32,14 +33,12 @@ One round (every rank of every region; the leader alone crosses the WAN):
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 from ...errors import RunError
 from ...methods.base import OuterLoopMethod, RoundKit, payload_key, round_steps
 from ...methods.overlap import round_compute_s
 from ..faults import RoundFaults, corrupt_payload, optimizer_finite, poisoned
-from .run_checkpoint import RunCheckpointer
 from .core import RankRun
 from .exchange import StaticExchange
 from .in_flight import ExchangesInFlight
@@ -48,6 +47,7 @@ from .owners import OwnerResiduals
 from .plan_loop import PlanLoop
 from .region import lay_out_like
 from .rollback import RoundRollback
+from .round_checkpoints import RoundCheckpoints
 from .share import RegionShare
 from .update import RoundUpdate
 from .wan_shaper import WanShaper, tx_bytes
@@ -143,6 +143,10 @@ class RoundLoop:
         self._evaluation_due = False  # (elastic plain rounds) the last round's evaluation, run after this quorum
         self._exchange_end: float | None = None
         self._overhead_tail = 0.0
+        # the rounds' checkpoints: when due, written, resumed, with this loop's components' state
+        self.checkpointing = RoundCheckpoints(
+            run, self.params, self.outer, self.codec, overlap=self.overlap, owners=self.owners, faults=self.faults,
+            planning=self.planning, exchange=self.exchange, label=(method.name, self.names[self.me]))  # fmt: skip
 
     @property
     def slot_nbytes(self) -> int:
@@ -160,57 +164,20 @@ class RoundLoop:
             self.run.telemetry.emit(record)
 
     # ---- the run ----------------------------------------------------------------------------------------
-    def _resume_at(self, round_index: int, saver) -> None:
-        """(elastic regions resumed together) Load the checkpoint of ``round_index``, the newest round every
-        resumed region holds, where this region loaded a newer one: a region that got further before the hosts
-        were lost steps back, so that no region is healed across rounds it never trained (a heal starts a fresh
-        AdamW: the run would part from the uninterrupted one)."""
-        run = self.run
-        if run.checkpoints.resume_from is None:  # its folder held none: it stays behind and heals at the next quorum
-            return
-        if round_index != run.rounds:
-            from .checkpoints import list_complete, verify
-
-            found = {r: (p, m) for r, p, m in list_complete(run.checkpoints.directory)}
-            if round_index not in found:  # none in common: this one is behind and heals at the next quorum
-                return
-            path, marker = found[round_index]
-            try:
-                verify(path, marker, saver.key)
-            except Exception as exc:  # noqa: BLE001 - DistCheckpointError/CheckpointError: one line
-                raise RunError(f"--resume: {exc}") from None
-            was = run.rounds
-            saver.restore(path)
-            run.clock.resume(run._cursor)
-            run._say(f"[{self.method.name}] region {self.names[self.me]}: resumed from round {round_index}, the "
-                     f"newest every resumed region holds (its own newest: {was})")  # fmt: skip
-        self.exchange.resumed_at_round()
-
     def run_loop(self) -> dict[str, Any]:
-        run, method, tr = self.run, self.method, self.tr
-        every, keep = run.checkpoints.cadence()
-        saver = None
-        if every > 0 or run.checkpoints.resume_from is not None:
-            saver = RunCheckpointer(run, self.params, self.outer, self.codec, run.checkpoints.fingerprint,
-                                    directory=run.checkpoints.directory, extra=self._checkpoint_state,
-                                    load_extra=self._load_checkpoint_state, overlap=self.overlap,
-                                    owners=self.owners)  # fmt: skip
-        if run.checkpoints.resume_from is None:  # (a resumed run plans from the profiles its checkpoint holds)
+        run, method, checkpointing = self.run, self.method, self.checkpointing
+        if not checkpointing.resumed:  # (a resumed run plans from the profiles its checkpoint holds)
             self.exchange.share_calibration(self.planning.calibrate())
         self.exchange.start()
-        if run.checkpoints.resume_from is not None:
-            saver.restore(Path(run.checkpoints.resume_from))
-            run.clock.resume(run._cursor)  # the clock goes on from the checkpoint's time
-            self.exchange.resumed()
-            run._say(f"[{method.name}] resumed from the checkpoint of round {run.rounds} "
-                     f"({run.checkpoints.resume_from})")  # fmt: skip
+        if checkpointing.resumed:
+            checkpointing.resume()
         first = True
         while True:
             # 1. who trains this round
             self.hooks.at("quorum", self.names[self.me], run.rounds + 1, rank=run.rank)
             view = self.exchange.open_round(first)
             if view.resume_round is not None:
-                self._resume_at(view.resume_round, saver)
+                checkpointing.resume_at(view.resume_round)
                 continue
             # elastic: the round's quorum, a round trip through the Lighthouse that every live region asks for as
             # its last exchange ends (so nobody waits there for a slower one's compute: that wait is in the exchange)
@@ -295,7 +262,7 @@ class RoundLoop:
                              overlapped=self.overlap is not None)  # fmt: skip
             steps = dict(zip(members, rs.steps))
             planned = {i: entries[i].batch * steps[i] * self.seq for i in members}
-            checkpoint_due = saver is not None and every > 0 and (run.rounds + 1) % every == 0  # after this round
+            checkpoint_due = checkpointing.due(run.rounds + 1)  # after this round
             last = run.tokens_done + rs.tokens >= run.stopping.token_cap  # (a time budget: known once the round is reported)
             if self._evaluation_due:  # the last round's evaluation, after this round's quorum (see _end_of_round)
                 self._evaluation_due = False
@@ -361,7 +328,7 @@ class RoundLoop:
                         self.overlap.drain()
                         self.in_flight.record_arrived(compute_s, comm_s + self.overlap.take_waited())
                         self.in_flight.agree_clocks()
-                    self._end_of_round(tr, saver, every, keep, checkpoint_due)
+                    self._end_of_round(checkpoint_due)
                     continue
                 outcome = self._applied_meanwhile(members)
             lost = {i: planned[i] for i in outcome["lost"] if i in planned}
@@ -384,16 +351,16 @@ class RoundLoop:
             if self.overlap is not None and run.stopping.time_up:  # the time budget is spent: the exchange in flight is
                 self.overlap.drain()  # the run's last (nothing is left to hide it under)
                 self.update.warn(self._applied_meanwhile(members), run.rounds)
-            self._end_of_round(tr, saver, every, keep, checkpoint_due)
+            self._end_of_round(checkpoint_due)
             # the round's buffers (the payloads, a dense sum, the update: several bytes per parameter on a
             # leader) are not held through the next round's compute peak
             del result, outcome, payload
         return self.exchange.finish()
 
-    def _end_of_round(self, tr, saver, every: int, keep: int, checkpoint_due: bool) -> None:
+    def _end_of_round(self, checkpoint_due: bool) -> None:
         """Evaluation on its cadence (overlapped: when the update arrives), a checkpoint when due, test hooks."""
         run = self.run
-        if self.overlap is None and run.evaluates and (run.rounds % tr.eval_every_rounds == 0
+        if self.overlap is None and run.evaluates and (run.rounds % self.tr.eval_every_rounds == 0
                                                         or run.stopping.spent(run.tokens_done)):  # fmt: skip
             if self.elastic and not (run.stopping.spent(run.tokens_done) or checkpoint_due):
                 # elastic: after the next round's quorum, which waits for every member. Run before it, a slower
@@ -405,7 +372,7 @@ class RoundLoop:
                 run._evaluate(run._now())
         if checkpoint_due:
             self.hooks.at("checkpoint", self.names[self.me], run.rounds, rank=run.rank)
-            run._save_checkpoint(saver, keep)
+            self.checkpointing.save()
         # the evaluation and the checkpoint are the round's "other" time, as in an overlapped round (unmarked, the
         # next round's quorum or barrier booked them as a wait: an evaluation at a slow region's speed read as WAN
         # or straggler idle)
@@ -466,18 +433,6 @@ class RoundLoop:
     def _applied_meanwhile(self, members: list[int]) -> dict[str, Any]:
         """The outcome of the updates the overlapped round applied (rejected or missed payloads; no lost tokens)."""
         return self.update.meanwhile(members, self.overlap.take_rejected(), self.overlap.take_dropped())
-
-    # ---- checkpoint state of this loop (plain JSON; the same on every rank) --------------------------------
-    def _checkpoint_state(self) -> dict[str, Any]:
-        common = {"faults": self.faults.state_dict(), "plan_loop": self.planning.plan_state(),
-                  **self.exchange.checkpoint_state()}  # fmt: skip
-        return {"common": common, "rank0": self.exchange.checkpoint_state_rank0()}
-
-    def _load_checkpoint_state(self, state: dict[str, Any]) -> None:
-        self.faults.load_state_dict(state["common"]["faults"])
-        self.planning.load_plan_state(state["common"]["plan_loop"],
-                                      members_after_resume=self.exchange.planned_for_after_resume())  # fmt: skip
-        self.exchange.load_checkpoint_state(state)
 
 
 def run_rounds(run: RankRun) -> dict[str, Any]:
