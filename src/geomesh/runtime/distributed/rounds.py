@@ -1,13 +1,18 @@
 """The round loop of the distributed runtime, written once, on one rank: static or elastic regions, plain or
 overlapped rounds, scenario faults, payload screening, evaluation and checkpoints are parts of this loop. Every
 kind of round takes the same six steps here, so that no variant of the runtime has a loop of its own. The parts
-of a round are components it holds: the plan (:class:`.plan_loop.PlanLoop`, ``loop.planning``), the exchanges
-(:mod:`.exchange`, :mod:`.elastic`, :mod:`.sharded`; overlapped, :mod:`.overlap`), the leader's exchange of a
-round (:class:`.leader_exchange.LeaderExchange`, ``loop.leader``), shared inside the region
-(:class:`.share.RegionShare`, ``loop.sharing``), the round's update (:class:`.update.RoundUpdate`,
-``loop.update``), a round rolled back (:class:`.rollback.RoundRollback`, ``loop.rollback``), the elastic
-overlapped exchanges in flight (:class:`.in_flight.ExchangesInFlight`, ``loop.in_flight``) and the rounds'
-checkpoints, written and resumed (:class:`.round_checkpoints.RoundCheckpoints`, ``loop.checkpointing``).
+of a round are components it holds, each given the values it needs:
+
+- the plan (:class:`.plan_loop.PlanLoop`, ``loop.planning``) and the exchanges (:mod:`.exchange`,
+  :mod:`.elastic`, :mod:`.sharded`; overlapped, :mod:`.overlap`);
+- this region's inner steps (:class:`.inner_steps.InnerSteps`, ``loop.inner``);
+- the leader's exchange of a round (:class:`.leader_exchange.LeaderExchange`, ``loop.leader``), shared inside
+  the region (:class:`.share.RegionShare`, ``loop.sharing``);
+- the round's update (:class:`.update.RoundUpdate`, ``loop.update``) and a round rolled back
+  (:class:`.rollback.RoundRollback`, ``loop.rollback``);
+- the elastic overlapped exchanges in flight (:class:`.in_flight.ExchangesInFlight`, ``loop.in_flight``);
+- the rounds' checkpoints, written and resumed (:class:`.round_checkpoints.RoundCheckpoints`,
+  ``loop.checkpointing``).
 
 One round (every rank of every region; the leader alone crosses the WAN):
 
@@ -37,11 +42,11 @@ from typing import Any
 
 from ...errors import RunError
 from ...methods.base import OuterLoopMethod, RoundKit, payload_key, round_steps
-from ...methods.overlap import round_compute_s
-from ..faults import RoundFaults, corrupt_payload, optimizer_finite, poisoned
+from ..faults import RoundFaults
 from .core import RankRun
 from .exchange import StaticExchange
 from .in_flight import ExchangesInFlight
+from .inner_steps import InnerSteps
 from .leader_exchange import LeaderExchange
 from .owners import OwnerResiduals
 from .plan_loop import PlanLoop
@@ -123,6 +128,10 @@ class RoundLoop:
             self.planning.overlap = self.overlap
             if self.elastic:  # the quorum's exchange runs on the leader's thread; this loop applies it
                 self.overlap.quorum = self.exchange
+        # this region's inner steps and payload of a round
+        self.inner = InnerSteps(run, method, self.codec, self.params, self.tr, self.me, overlap=self.overlap,
+                                planning=self.planning, modeled_payload_nbytes=self.kit.modeled_payload_nbytes,
+                                elastic=self.elastic)  # fmt: skip
         # the leader's exchange of a plain or an overlapped round, shared inside the region
         self.leader = LeaderExchange(run, self.exchange, self.planning, self.sharing, self.combiner, self.faults,
                                      self.me, summed=self.summed, elastic=self.elastic, overlap=self.overlap,
@@ -208,10 +217,8 @@ class RoundLoop:
             effects, new_faults = self.faults.at_round(r, view.members, run._now())
             for record in new_faults:
                 self.emit({"type": "fault", **{k: v for k, v in record.items() if k != "tokens_lost"}})
-            if self.me in effects.joined:  # back as a restarted process would be: fresh AdamW, empty residual
-                run.worker.reset_inner_state()  # (fresh AdamW and loss scaler)
-                if hasattr(self.codec, "reset_residual"):
-                    self.codec.reset_residual()
+            if self.me in effects.joined:  # back as a restarted process would be
+                self.inner.restart()
             run.worker.slowdown = (self.sc.regions[self.me].slowdown * self.faults.speed(self.me)
                                    * self.hooks.slowdown(self.names[self.me], r + 1))  # fmt: skip
             if effects.remake:
@@ -276,7 +283,7 @@ class RoundLoop:
             payload, split = None, None
             snapshot = self.rollback.snapshot() if self.elastic and self.overlap is None else None
             if self.me in members and (header is not None or not self.elastic or self.overlap is not None):
-                payload, split = self._local_phase(entries, steps, rs, members, plan, once, last or checkpoint_due)
+                payload, split = self.inner.train(entries, steps, rs, members, plan, once, last or checkpoint_due)
             run._mark("compute")
             # (overlapped: less the wait for the exchange that arrived at the apply step, its outer step and an
             # evaluation there: the region's own compute, which the plan loop re-plans from)
@@ -383,37 +390,6 @@ class RoundLoop:
         run._test_exit_point()
 
     # ---- the parts of a round ----------------------------------------------------------------------------
-    def _local_phase(self, entries, steps, rs, members, plan, once, drains: bool):
-        """This region's inner steps and payload (a tuple of fragments when the last overlapped exchange
-        leaves in fragments); faults of this round applied to it."""
-        run, method = self.run, self.method
-        wp, h = entries[self.me], steps[self.me]
-        run.worker.follow_plan(wp)
-        lr_at = rs.lr_at(h, run.stopping.lr_tokens(run.plans), self.tr)
-        split = None
-        with poisoned(run.worker, "nan" in once):
-            if self.overlap is not None:
-                ov = self.overlap
-                if drains and not self.elastic:  # an exchange nothing hides (the last, one a checkpoint waits
-                    # for) leaves in fragments (elastic: one exchange, the quorum's)
-                    split = ov.tail_split(self.planning.planning_wan(members), self.kit.modeled_payload_nbytes,
-                                          round_compute_s([entries[i] for i in members], [steps[i] for i in members]))  # fmt: skip
-                apply_at = ov.apply_at(wp, h, self.planning.arrival_margin())
-                tail = ov.tail_send(split, wp, h, apply_at) if split is not None else None
-                payload, _ = method.local_phase_overlapped(run.worker, h, wp.batch, ov.start, apply_at, ov.arrive,
-                                                           self.codec, lr_at, tail)  # fmt: skip
-                if split is None:
-                    ov.prepare_next(payload, plan, [steps[i] for i in members], plan.exchange_s)
-            else:
-                payload, _ = method.local_phase(run.worker, h, wp.batch, self.params, self.codec, lr_at)
-        parts = payload if split is not None else (payload,)
-        if any(p is None for p in parts) and not optimizer_finite(run.worker.optimizer):
-            run.worker.optimizer.state.clear()  # one bad round must not poison the next ones
-        if "corrupt" in once:  # damage on the wire (the ``corrupt`` fault)
-            parts = tuple(corrupt_payload(p) if p is not None else None for p in parts)
-            payload = parts if split is not None else parts[0]
-        return payload, split
-
     def _adopt(self, header, round_index: int) -> list[int]:
         """Train the round as its header says (elastic): the maker's plan and exchange, whatever this region's
         own plan loop proposed (a proposal of its own made since, for a reason the header does not carry yet,
