@@ -12,7 +12,8 @@ of a round are components it holds, each given the values it needs:
   (:class:`.rollback.RoundRollback`, ``loop.rollback``);
 - the elastic overlapped exchanges in flight (:class:`.in_flight.ExchangesInFlight`, ``loop.in_flight``);
 - the rounds' checkpoints, written and resumed (:class:`.round_checkpoints.RoundCheckpoints`,
-  ``loop.checkpointing``).
+  ``loop.checkpointing``), and the evaluations and checkpoints at the end of a round, measured as this region's
+  round overhead (:class:`.round_overhead.RoundOverhead`, ``loop.overhead``).
 
 One round (every rank of every region; the leader alone crosses the WAN):
 
@@ -53,6 +54,7 @@ from .plan_loop import PlanLoop
 from .region import lay_out_like
 from .rollback import RoundRollback
 from .round_checkpoints import RoundCheckpoints
+from .round_overhead import RoundOverhead
 from .share import RegionShare
 from .update import RoundUpdate
 from .wan_shaper import WanShaper, tx_bytes
@@ -144,18 +146,14 @@ class RoundLoop:
             self.overlap.share, self.overlap.observe_arrived = self.leader.share, self.in_flight.observe_arrived
         # the index in ``run.plans`` of the plan the round in progress runs, as a healing state gave it
         self.healed_round_plan: int | None = None
-        # this region's round overhead: its time outside the inner steps since its last exchange (that round's
-        # outer step, evaluation and checkpoint, this round's start; overlapped: the outer step and evaluation at
-        # the apply step), reported with its compute so that the plan loop plans each region's round less its
-        # own (a slower region's evaluation is not waited out by the faster ones)
-        self.round_overhead_s: float | None = None
-        self._evaluation_due = False  # (elastic plain rounds) the last round's evaluation, run after this quorum
-        self._exchange_end: float | None = None
-        self._overhead_tail = 0.0
         # the rounds' checkpoints: when due, written, resumed, with this loop's components' state
         self.checkpointing = RoundCheckpoints(
             run, self.params, self.outer, self.codec, overlap=self.overlap, owners=self.owners, faults=self.faults,
             planning=self.planning, exchange=self.exchange, label=(method.name, self.names[self.me]))  # fmt: skip
+        # evaluation and checkpoints where they hold no other region up, measured as this region's overhead
+        self.overhead = RoundOverhead(run, self.checkpointing, self.exchange, self.hooks, self.names[self.me],
+                                      eval_every_rounds=self.tr.eval_every_rounds, overlapped=self.overlap is not None,
+                                      elastic=self.elastic)  # fmt: skip
 
     @property
     def slot_nbytes(self) -> int:
@@ -197,7 +195,7 @@ class RoundLoop:
             # (with no update: it trained nothing this round), and trains from the next round on
             joined_now = view.healed and self.overlap is not None
             if view.healed:  # the live state first (its plan loop too), then this round's news, as the others
-                self._evaluation_due = False  # (of the θ it held before: not the run's)
+                self.overhead.healed()
                 self.healed_round_plan = self.exchange.apply_healed(view.state)
                 if method.keeps_local_state:  # (its local state is of rounds the run went on without)
                     run.worker.load_global(self.params)
@@ -242,7 +240,7 @@ class RoundLoop:
                     members = self._adopt(header, r)
                 elif self.overlap is None:  # no round without its header: take part in the exchange (so the
                     # others are not held to the deadline) with nothing, vote no, and roll back with them
-                    result, _ = self.leader.plain(None, members, 0.0, self.round_overhead_s)
+                    result, _ = self.leader.plain(None, members, 0.0, self.overhead.s)
                     self.exchange.agreement.settled(not result.void, result.why, r + 1)
                     self.rollback.roll_back(r, {}, None, result.why or self.exchange.agreement.refusal or "no header")
                     continue
@@ -270,10 +268,9 @@ class RoundLoop:
             steps = dict(zip(members, rs.steps))
             planned = {i: entries[i].batch * steps[i] * self.seq for i in members}
             checkpoint_due = checkpointing.due(run.rounds + 1)  # after this round
-            last = run.tokens_done + rs.tokens >= run.stopping.token_cap  # (a time budget: known once the round is reported)
-            if self._evaluation_due:  # the last round's evaluation, after this round's quorum (see _end_of_round)
-                self._evaluation_due = False
-                run._evaluate(run._now())
+            # (a time budget: known once the round is reported)
+            last = run.tokens_done + rs.tokens >= run.stopping.token_cap
+            self.overhead.after_quorum()  # (the last round's evaluation)
             # 3. inner steps
             if self.in_flight is not None:  # (until the round is counted: an exchange arriving now re-plans the next)
                 self.in_flight.in_round = True
@@ -290,8 +287,7 @@ class RoundLoop:
             compute_s = run._cursor - round_start - (self.overlap.apart_s if self.overlap is not None else 0.0)
             # (overlapped: with the outer step and an evaluation at the apply step, less the wait there)
             apart = self.overlap.apart_s - self.overlap.waited_s if self.overlap is not None else 0.0
-            self.round_overhead_s = self._overhead_tail + (round_start - quorum_end) + max(apart, 0.0)
-            self._overhead_tail = 0.0
+            overhead_s = self.overhead.measure(quorum_end, round_start, apart)
             self.hooks.at("send", self.names[self.me], r + 1, rank=run.rank)
             # 4. exchange over the members' leaders
             sent_before, wire_before = run.transport.wan_bytes, tx_bytes(run._iface)
@@ -301,12 +297,12 @@ class RoundLoop:
                 # (recorded after it, the writer healed there never had the round it healed over)
                 self.in_flight.record_arrived(compute_s, 0.0)
             if self.overlap is not None:
-                result, comm_s = self.leader.overlapped(payload, split, in_exchange, compute_s, self.round_overhead_s,
+                result, comm_s = self.leader.overlapped(payload, split, in_exchange, compute_s, overhead_s,
                                                         quorum=not joined_now)  # fmt: skip
-                self._exchange_end = run._cursor
+                self.overhead.exchange_ended()
             else:
-                result, comm_s = self.leader.plain(payload, members, compute_s, self.round_overhead_s)
-                self._exchange_end = run._cursor
+                result, comm_s = self.leader.plain(payload, members, compute_s, overhead_s)
+                self.overhead.exchange_ended()
                 if self.elastic:
                     self.exchange.agreement.settled(not result.void, result.why, r + 1)
                 if result.void:  # the round's vote did not commit it: rolled back on every region, tried again
@@ -335,7 +331,7 @@ class RoundLoop:
                         self.overlap.drain()
                         self.in_flight.record_arrived(compute_s, comm_s + self.overlap.take_waited())
                         self.in_flight.agree_clocks()
-                    self._end_of_round(checkpoint_due)
+                    self.overhead.end_round(checkpoint_due)
                     continue
                 outcome = self._applied_meanwhile(members)
             lost = {i: planned[i] for i in outcome["lost"] if i in planned}
@@ -350,7 +346,8 @@ class RoundLoop:
                 self.leader.note_overlap_wire()
             reports = self.exchange.end_round(result, members, outcome, lost, planned, compute_s, comm_s,
                                               payload=payload, split=split, sent_before=sent_before,
-                                              wire_before=wire_before, wire_after=wire_after)  # fmt: skip
+                                              wire_before=wire_before, wire_after=wire_after,
+                                              overhead_s=overhead_s)  # fmt: skip
             if self.overlap is not None:  # (static) measured and re-planned from the round's reports
                 self.planning.observe_reports(reports, members, steps, entries, drained)
             if self.elastic:  # the members' clocks came with the round's exchange (static: with its report)
@@ -358,36 +355,11 @@ class RoundLoop:
             if self.overlap is not None and run.stopping.time_up:  # the time budget is spent: the exchange in flight is
                 self.overlap.drain()  # the run's last (nothing is left to hide it under)
                 self.update.warn(self._applied_meanwhile(members), run.rounds)
-            self._end_of_round(checkpoint_due)
+            self.overhead.end_round(checkpoint_due)
             # the round's buffers (the payloads, a dense sum, the update: several bytes per parameter on a
             # leader) are not held through the next round's compute peak
             del result, outcome, payload
         return self.exchange.finish()
-
-    def _end_of_round(self, checkpoint_due: bool) -> None:
-        """Evaluation on its cadence (overlapped: when the update arrives), a checkpoint when due, test hooks."""
-        run = self.run
-        if self.overlap is None and run.evaluates and (run.rounds % self.tr.eval_every_rounds == 0
-                                                        or run.stopping.spent(run.tokens_done)):  # fmt: skip
-            if self.elastic and not (run.stopping.spent(run.tokens_done) or checkpoint_due):
-                # elastic: after the next round's quorum, which waits for every member. Run before it, a slower
-                # region's evaluation held every other region there; after it, it is this region's round
-                # overhead, which the plan gives the faster ones as inner steps. (The last round's, and one a
-                # checkpoint follows, at once: a resumed run has the records the uninterrupted one has.)
-                self._evaluation_due = True
-            else:
-                run._evaluate(run._now())
-        if checkpoint_due:
-            self.hooks.at("checkpoint", self.names[self.me], run.rounds, rank=run.rank)
-            self.checkpointing.save()
-        # the evaluation and the checkpoint are the round's "other" time, as in an overlapped round (unmarked, the
-        # next round's quorum or barrier booked them as a wait: an evaluation at a slow region's speed read as WAN
-        # or straggler idle)
-        run._mark("other")
-        if self._exchange_end is not None:  # (plain rounds) the round overhead's part after the exchange
-            tail = run._cursor - self._exchange_end - self.exchange.report_wait_s
-            self._overhead_tail, self._exchange_end = max(tail, 0.0), None
-        run._test_exit_point()
 
     # ---- the parts of a round ----------------------------------------------------------------------------
     def _adopt(self, header, round_index: int) -> list[int]:
