@@ -78,7 +78,7 @@ class RankOverlap:
         # region trains on; the round loop screens, combines and steps when it arrives (see launch_on_thread)
         self.quorum: Any = None  # (elastic) the quorum's exchange (elastic.py): its agreement settles each vote
         self.share: Any = None  # (elastic) the leader's exchange result on every rank (leader_exchange.py)
-        self.observe_arrived: Any = None  # (elastic) the plan loop measures an exchange as it arrives (rounds.py)
+        self.observe_arrived: Any = None  # (elastic) the plan loop measures an exchange as it arrives (in_flight.py)
         self._members: list[int] = []
         self._thread: threading.Thread | None = None
         self._outcome: Any = None

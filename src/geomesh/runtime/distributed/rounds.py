@@ -268,7 +268,7 @@ class RoundLoop:
             steps = dict(zip(members, rs.steps))
             planned = {i: entries[i].batch * steps[i] * self.seq for i in members}
             checkpoint_due = checkpointing.due(run.rounds + 1)  # after this round
-            # (a time budget: known once the round is reported)
+            # the run's last round by its tokens (by a time budget: known once the round is reported)
             last = run.tokens_done + rs.tokens >= run.stopping.token_cap
             self.overhead.after_quorum()  # (the last round's evaluation)
             # 3. inner steps
@@ -377,7 +377,7 @@ class RoundLoop:
         planning.use_exchange(header.exchange)
         return list(header.members)
 
-    # ---- overlapped rounds: the plan loop measures each exchange that arrived ---------------------------
+    # ---- overlapped rounds: the updates applied inside the round ------------------------------------------
     def _applied_meanwhile(self, members: list[int]) -> dict[str, Any]:
         """The outcome of the updates the overlapped round applied (rejected or missed payloads; no lost tokens)."""
         return self.update.meanwhile(members, self.overlap.take_rejected(), self.overlap.take_dropped())
