@@ -125,8 +125,9 @@ class RoundLoop:
             self.overlap = RankOverlap(run, method, self.combiner, self.outer, self.params, self.kit.manifest,
                                        shaper, self.exchange.shaper_s(list(range(self.n))), self.summed,
                                        self.kit.payload_nbytes)  # fmt: skip
-            self.overlap.round_loop = self  # (static: its sharded exchange, when the plan picks it)
             self.overlap.update = self.update
+            # (static: the plan's sharded exchange, when it picks it, and its shaper's time)
+            self.overlap.planning, self.overlap.exchange = self.planning, self.exchange
             self.planning.overlap = self.overlap
             if self.elastic:  # the quorum's exchange runs on the leader's thread; this loop applies it
                 self.overlap.quorum = self.exchange
