@@ -268,11 +268,13 @@ class StaticExchange:
     def end_round(self, result: Exchanged, members: list[int], outcome: dict[str, Any], lost: dict[int, int],
                   planned: dict[int, int], compute_s: float, comm_s: float, *, payload: Any = None,
                   split: Any = None, sent_before: int = 0, wire_before: int | None = None,
-                  wire_after: int | None = None) -> list[dict[str, Any]] | None:  # fmt: skip
-        """Every region reports the round to rank 0 (θ's checksum, spans, bytes), which records it. Returns
-        the reports on the leaders (every leader gathers them; None elsewhere): overlapped rounds exchange
-        payloads only, and the plan loop measures them from these (each leader's report carries its wire
-        time of the exchange that arrived in the round)."""
+                  wire_after: int | None = None, overhead_s: float | None = None,
+                  ) -> list[dict[str, Any]] | None:  # fmt: skip
+        """Every region reports the round to rank 0 (θ's checksum, spans, bytes, ``overhead_s``: its round
+        overhead, None where not measured yet), which records it. Returns the reports on the leaders (every
+        leader gathers them; None elsewhere): overlapped rounds exchange payloads only, and the plan loop
+        measures them from these (each leader's report carries its wire time of the exchange that arrived in
+        the round)."""
         run, loop = self.run, self.loop
         checksum = params_checksum(loop.params) if not loop.update.outvoted else None  # (a region standing aside)
         run._mark("other")
@@ -282,7 +284,7 @@ class StaticExchange:
         info = run._round_info(checksum, compute_s, comm_s, sent_before, wire_before, wire_after,
                                proxy_bytes=sum(len(p) for p in parts if p is not None) if run.is_leader else 0,
                                dropped=False, **clock, **wire,
-                               **({} if loop.round_overhead_s is None else {"overhead_s": loop.round_overhead_s}))
+                               **({} if overhead_s is None else {"overhead_s": overhead_s}))
         run._mark("other")
         before = run._cursor
         infos = run.reports.checked(info, "round", "global parameters", run.rounds)
@@ -300,7 +302,7 @@ class StaticExchange:
                               tokens_lost={loop.names[i]: t for i, t in lost.items()},
                               straggler_idle_frac=round_idle(infos),
                               **({"overhead_s": [reported_overhead_s(i) for i in infos]}
-                                 if loop.round_overhead_s is not None else {}),
+                                 if overhead_s is not None else {}),
                               **({"elapsed_s": run.stopping.time_elapsed_s} if clock else {}))  # fmt: skip
         return infos
 

@@ -71,12 +71,13 @@ class RankOverlap:
         # the last round's exchange, in fragments
         self.tail = TailExchange(run, method, manifest, combiner.key, shaper, dense, self._start)
         self._rejected: list[tuple[int, str]] = []  # (region, why) of updates left out since last taken
-        self.round_loop: Any = None  # the round loop (static: its plan's exchange, the sharded one when picked)
+        self.planning: Any = None  # (static) the plan loop (plan_loop.py): the sharded exchange, when its plan picks it
+        self.exchange: Any = None  # (static) the leaders' exchange (exchange.py): the shaper's time of the sharded one
         self.update: Any = None  # the round's update (update.py): screens, combines and steps what arrives
         self._sharded: dict[str, Any] | None = None  # (static) the sharded exchange in flight on the leader's thread
-        # elastic regions: the exchange is the quorum's (torchft), run whole on a thread of the leader while its
-        # region trains on; the round loop screens, combines and steps when it arrives (see launch_on_thread)
-        self.loop: Any = None
+        self.quorum: Any = None  # (elastic) the quorum's exchange, run on the leader's thread: its agreement settles it
+        self.share: Any = None  # (elastic) the leader's exchange result on every rank (leader_exchange.py)
+        self.observe_arrived: Any = None  # (elastic) the plan loop measures an exchange as it arrives (in_flight.py)
         self._members: list[int] = []
         self._thread: threading.Thread | None = None
         self._outcome: Any = None
@@ -97,7 +98,8 @@ class RankOverlap:
         mine = (lay_out_like(self.combiner.combine([payload], device=self.device), self.params)
                 if payload is not None else None)  # fmt: skip
         name = run.scenario.regions[run.region].name  # (an elastic plan holds only the round's members)
-        self.start = eager_start(self.outer, mine, self.last, weights.get(name, 0.0), run.scenario.geomesh.overlap_start)
+        weight = weights.get(name, 0.0)
+        self.start = eager_start(self.outer, mine, self.last, weight, run.scenario.geomesh.overlap_start)
         self.in_flight_s = exchange_s
         self._expect = True
 
@@ -137,23 +139,23 @@ class RankOverlap:
             if "error" in box:
                 raise box["error"]
             result = box["result"]
-        result = self.loop._share(result)
+        result = self.share(result)
         run._mark("comm_wait")
         self.waited_s += run._cursor - waited_from
         if result.void:  # the exchange's vote did not commit it: no region applies it (the round is rolled back;
             # its tokens are lost work), and each moves its steps onto θ as it stands
             self.last = None
-            self.loop.exchange.agreement.settled(False, result.why, self.run.rounds + 1)
+            self.quorum.agreement.settled(False, result.why, self.run.rounds + 1)
             self.arrived.append((result, {"took_part": [], "rejected": [], "dropped": [], "lost": set(self._members),
                                           "update": None, "void": result.why or "rolled back"}, self._members))
             return self.params
-        self.loop.exchange.agreement.settled(True, "", self.run.rounds + 1)
+        self.quorum.agreement.settled(True, "", self.run.rounds + 1)
         if run.is_leader and not result.void:  # the exchange thread's own time, launch to arrival (not the wait)
             self.wire = (result.comm_s, run.rounds)
         outcome = self.update.apply(result, self._members, self.run.rounds + 1)
         if outcome.get("update") is not None and len(outcome["update"]) == len(self.params):
             self.last = outcome["update"]
-        self.loop.observe_arrived(result, outcome)  # (measured now, before the next exchange's quorum)
+        self.observe_arrived(result, outcome)  # (measured now, before the next exchange's quorum)
         self.arrived.append((result, outcome, self._members))
         return self.params
 
@@ -175,7 +177,7 @@ class RankOverlap:
 
     def _sharded_now(self) -> bool:
         """Static rounds whose plan picked the sharded exchange (the same on every rank)."""
-        return self.loop is None and self.round_loop is not None and self.round_loop.sharded is not None
+        return self.quorum is None and self.planning is not None and self.planning.sharded is not None
 
     def _launch_sharded(self, payload: bytes | None, since: float) -> None:
         """(static, the leader) This round's sharded exchange (:func:`~.sharded.sharded_round`, payloads only, as
@@ -184,15 +186,15 @@ class RankOverlap:
         WAN model's time of the bytes it moves."""
         from .sharded import quiet, sharded_round
 
-        run, loop = self.run, self.round_loop
+        run, names = self.run, [r.name for r in self.run.scenario.regions]
         key, run_id = run.transport._trust()
         number = run.rounds + 1
-        box: dict[str, Any] = {"shaper_s": loop.exchange.shaper_s(list(range(loop.n)))}
+        box: dict[str, Any] = {"shaper_s": self.exchange.shaper_s(list(range(len(names))))}
 
         def work() -> None:
             try:
-                box["result"] = sharded_round(payload, loop.sharded, run.overlap_group, device=run.device,
-                                              names=loop.names, round_number=number, key=key, run_id=run_id,
+                box["result"] = sharded_round(payload, self.planning.sharded, run.overlap_group, device=run.device,
+                                              names=names, round_number=number, key=key, run_id=run_id,
                                               warn=quiet)  # fmt: skip
             except BaseException as exc:  # noqa: BLE001 - raised where the exchange is waited for
                 box["error"] = exc
@@ -209,7 +211,7 @@ class RankOverlap:
         (None: nothing)."""
         from .update import lost_shard
 
-        run, loop, box, self._sharded = self.run, self.round_loop, self._sharded, None
+        run, box, self._sharded = self.run, self._sharded, None
         head, flat = None, None
         if run.is_leader:
             box["thread"].join()
@@ -240,7 +242,7 @@ class RankOverlap:
         suspect = [int(k) for k in head["suspect"]]
         if self.update.outvoted or self.update.stands_aside(suspect, run.rounds + 1) or flat is None:
             return None
-        return loop.combiner._split(flat)
+        return self.combiner._split(flat)
 
     def _start(self, payload: bytes | None, codec: Any) -> tuple[Any, torch.Tensor]:
         """Launch the collective of one payload made by ``codec`` (the whole model's or a fragment's):
@@ -280,7 +282,7 @@ class RankOverlap:
             return self.params
         run._mark(before)
         waited_from = run._cursor
-        if self.loop is not None:
+        if self.quorum is not None:
             self._arrive_elastic(waited_from)
             return self._apart(self._formed(), waited_from)
         if self._sharded is not None or (not run.is_leader and self._sharded_now()):

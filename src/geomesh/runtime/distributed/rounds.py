@@ -1,11 +1,19 @@
 """The round loop of the distributed runtime, written once, on one rank: static or elastic regions, plain or
-overlapped rounds, scenario faults, payload screening, evaluation and checkpoints are parts of this loop.
-This file is long because the loop is one: every kind of round takes the same six steps here, so that no
-variant of the runtime has a loop of its own. The parts of a round are components it holds: the plan
-(:class:`.plan_loop.PlanLoop`, ``loop.planning``), the exchanges (:mod:`.exchange`, :mod:`.elastic`,
-:mod:`.sharded`; overlapped, :mod:`.overlap`), the exchange shared inside the region (:class:`.share.RegionShare`,
-``loop.sharing``), the round's update (:class:`.update.RoundUpdate`, ``loop.update``) and a round rolled back
-(:class:`.rollback.RoundRollback`, ``loop.rollback``).
+overlapped rounds, scenario faults, payload screening, evaluation and checkpoints are parts of this loop. Every
+kind of round takes the same six steps here, so that no variant of the runtime has a loop of its own. The parts
+of a round are components it holds, each given the values it needs:
+
+- the plan (:class:`.plan_loop.PlanLoop`, ``loop.planning``) and the exchanges (:mod:`.exchange`,
+  :mod:`.elastic`, :mod:`.sharded`; overlapped, :mod:`.overlap`);
+- this region's inner steps (:class:`.inner_steps.InnerSteps`, ``loop.inner``);
+- the leader's exchange of a round (:class:`.leader_exchange.LeaderExchange`, ``loop.leader``), shared inside
+  the region (:class:`.share.RegionShare`, ``loop.sharing``);
+- the round's update (:class:`.update.RoundUpdate`, ``loop.update``) and a round rolled back
+  (:class:`.rollback.RoundRollback`, ``loop.rollback``);
+- the elastic overlapped exchanges in flight (:class:`.in_flight.ExchangesInFlight`, ``loop.in_flight``);
+- the rounds' checkpoints, written and resumed (:class:`.round_checkpoints.RoundCheckpoints`,
+  ``loop.checkpointing``), and the evaluations and checkpoints at the end of a round, measured as this region's
+  round overhead (:class:`.round_overhead.RoundOverhead`, ``loop.overhead``).
 
 One round (every rank of every region; the leader alone crosses the WAN):
 
@@ -31,23 +39,22 @@ One round (every rank of every region; the leader alone crosses the WAN):
 
 from __future__ import annotations
 
-import time
-from pathlib import Path
 from typing import Any
 
 from ...errors import RunError
 from ...methods.base import OuterLoopMethod, RoundKit, payload_key, round_steps
-from ...methods.overlap import round_compute_s
-from ...planner import Plan
-from ..faults import RoundFaults, corrupt_payload, optimizer_finite, poisoned
-from ..payloads import screen_payload
-from .run_checkpoint import RunCheckpointer
+from ..faults import RoundFaults
 from .core import RankRun
-from .exchange import Exchanged, StaticExchange, wait_for_slowest_s
+from .exchange import StaticExchange
+from .in_flight import ExchangesInFlight
+from .inner_steps import InnerSteps
+from .leader_exchange import LeaderExchange
 from .owners import OwnerResiduals
 from .plan_loop import PlanLoop
 from .region import lay_out_like
 from .rollback import RoundRollback
+from .round_checkpoints import RoundCheckpoints
+from .round_overhead import RoundOverhead
 from .share import RegionShare
 from .update import RoundUpdate
 from .wan_shaper import WanShaper, tx_bytes
@@ -118,25 +125,36 @@ class RoundLoop:
             self.overlap = RankOverlap(run, method, self.combiner, self.outer, self.params, self.kit.manifest,
                                        shaper, self.exchange.shaper_s(list(range(self.n))), self.summed,
                                        self.kit.payload_nbytes)  # fmt: skip
-            self.overlap.round_loop = self  # (static: its sharded exchange, when the plan picks it)
             self.overlap.update = self.update
+            # (static: the plan's sharded exchange, when it picks it, and its shaper's time)
+            self.overlap.planning, self.overlap.exchange = self.planning, self.exchange
             self.planning.overlap = self.overlap
             if self.elastic:  # the quorum's exchange runs on the leader's thread; this loop applies it
-                self.overlap.loop = self
-        # elastic overlap, the exchanges in flight: (planned tokens, plan, steps, plan entries, round number)
-        self._planned_in_flight: list[tuple] = []
-        self._clocks_arrived: list[list] = []  # (elastic overlapped: the clocks of exchanges recorded, not agreed)
-        self._in_round = False
+                self.overlap.quorum = self.exchange
+        # this region's inner steps and payload of a round
+        self.inner = InnerSteps(run, method, self.codec, self.params, self.tr, self.me, overlap=self.overlap,
+                                planning=self.planning, modeled_payload_nbytes=self.kit.modeled_payload_nbytes,
+                                elastic=self.elastic)  # fmt: skip
+        # the leader's exchange of a plain or an overlapped round, shared inside the region
+        self.leader = LeaderExchange(run, self.exchange, self.planning, self.sharing, self.combiner, self.faults,
+                                     self.me, summed=self.summed, elastic=self.elastic, overlap=self.overlap,
+                                     slot_nbytes=lambda: self.update.codec.payload_nbytes())  # fmt: skip
+        # elastic overlapped rounds: the exchanges in flight, recorded when they arrive
+        self.in_flight = None
+        if self.overlap is not None and self.elastic:
+            self.in_flight = ExchangesInFlight(run, self.overlap, self.planning, self.exchange, self.update,
+                                               self.rollback)  # fmt: skip
+            self.overlap.share, self.overlap.observe_arrived = self.leader.share, self.in_flight.observe_arrived
         # the index in ``run.plans`` of the plan the round in progress runs, as a healing state gave it
         self.healed_round_plan: int | None = None
-        # this region's round overhead: its time outside the inner steps since its last exchange (that round's
-        # outer step, evaluation and checkpoint, this round's start; overlapped: the outer step and evaluation at
-        # the apply step), reported with its compute so that the plan loop plans each region's round less its
-        # own (a slower region's evaluation is not waited out by the faster ones)
-        self.round_overhead_s: float | None = None
-        self._evaluation_due = False  # (elastic plain rounds) the last round's evaluation, run after this quorum
-        self._exchange_end: float | None = None
-        self._overhead_tail = 0.0
+        # the rounds' checkpoints: when due, written, resumed, with this loop's components' state
+        self.checkpointing = RoundCheckpoints(
+            run, self.params, self.outer, self.codec, overlap=self.overlap, owners=self.owners, faults=self.faults,
+            planning=self.planning, exchange=self.exchange, label=(method.name, self.names[self.me]))  # fmt: skip
+        # evaluation and checkpoints where they hold no other region up, measured as this region's overhead
+        self.overhead = RoundOverhead(run, self.checkpointing, self.exchange, self.hooks, self.names[self.me],
+                                      eval_every_rounds=self.tr.eval_every_rounds, overlapped=self.overlap is not None,
+                                      elastic=self.elastic)  # fmt: skip
 
     @property
     def slot_nbytes(self) -> int:
@@ -154,57 +172,20 @@ class RoundLoop:
             self.run.telemetry.emit(record)
 
     # ---- the run ----------------------------------------------------------------------------------------
-    def _resume_at(self, round_index: int, saver) -> None:
-        """(elastic regions resumed together) Load the checkpoint of ``round_index``, the newest round every
-        resumed region holds, where this region loaded a newer one: a region that got further before the hosts
-        were lost steps back, so that no region is healed across rounds it never trained (a heal starts a fresh
-        AdamW: the run would part from the uninterrupted one)."""
-        run = self.run
-        if run.checkpoints.resume_from is None:  # its folder held none: it stays behind and heals at the next quorum
-            return
-        if round_index != run.rounds:
-            from .checkpoints import list_complete, verify
-
-            found = {r: (p, m) for r, p, m in list_complete(run.checkpoints.directory)}
-            if round_index not in found:  # none in common: this one is behind and heals at the next quorum
-                return
-            path, marker = found[round_index]
-            try:
-                verify(path, marker, saver.key)
-            except Exception as exc:  # noqa: BLE001 - DistCheckpointError/CheckpointError: one line
-                raise RunError(f"--resume: {exc}") from None
-            was = run.rounds
-            saver.restore(path)
-            run.clock.resume(run._cursor)
-            run._say(f"[{self.method.name}] region {self.names[self.me]}: resumed from round {round_index}, the "
-                     f"newest every resumed region holds (its own newest: {was})")  # fmt: skip
-        self.exchange.resumed_at_round()
-
     def run_loop(self) -> dict[str, Any]:
-        run, method, tr = self.run, self.method, self.tr
-        every, keep = run.checkpoints.cadence()
-        saver = None
-        if every > 0 or run.checkpoints.resume_from is not None:
-            saver = RunCheckpointer(run, self.params, self.outer, self.codec, run.checkpoints.fingerprint,
-                                    directory=run.checkpoints.directory, extra=self._checkpoint_state,
-                                    load_extra=self._load_checkpoint_state, overlap=self.overlap,
-                                    owners=self.owners)  # fmt: skip
-        if run.checkpoints.resume_from is None:  # (a resumed run plans from the profiles its checkpoint holds)
+        run, method, checkpointing = self.run, self.method, self.checkpointing
+        if not checkpointing.resumed:  # (a resumed run plans from the profiles its checkpoint holds)
             self.exchange.share_calibration(self.planning.calibrate())
         self.exchange.start()
-        if run.checkpoints.resume_from is not None:
-            saver.restore(Path(run.checkpoints.resume_from))
-            run.clock.resume(run._cursor)  # the clock goes on from the checkpoint's time
-            self.exchange.resumed()
-            run._say(f"[{method.name}] resumed from the checkpoint of round {run.rounds} "
-                     f"({run.checkpoints.resume_from})")  # fmt: skip
+        if checkpointing.resumed:
+            checkpointing.resume()
         first = True
         while True:
             # 1. who trains this round
             self.hooks.at("quorum", self.names[self.me], run.rounds + 1, rank=run.rank)
             view = self.exchange.open_round(first)
             if view.resume_round is not None:
-                self._resume_at(view.resume_round, saver)
+                checkpointing.resume_at(view.resume_round)
                 continue
             # elastic: the round's quorum, a round trip through the Lighthouse that every live region asks for as
             # its last exchange ends (so nobody waits there for a slower one's compute: that wait is in the exchange)
@@ -215,7 +196,7 @@ class RoundLoop:
             # (with no update: it trained nothing this round), and trains from the next round on
             joined_now = view.healed and self.overlap is not None
             if view.healed:  # the live state first (its plan loop too), then this round's news, as the others
-                self._evaluation_due = False  # (of the θ it held before: not the run's)
+                self.overhead.healed()
                 self.healed_round_plan = self.exchange.apply_healed(view.state)
                 if method.keeps_local_state:  # (its local state is of rounds the run went on without)
                     run.worker.load_global(self.params)
@@ -235,10 +216,8 @@ class RoundLoop:
             effects, new_faults = self.faults.at_round(r, view.members, run._now())
             for record in new_faults:
                 self.emit({"type": "fault", **{k: v for k, v in record.items() if k != "tokens_lost"}})
-            if self.me in effects.joined:  # back as a restarted process would be: fresh AdamW, empty residual
-                run.worker.reset_inner_state()  # (fresh AdamW and loss scaler)
-                if hasattr(self.codec, "reset_residual"):
-                    self.codec.reset_residual()
+            if self.me in effects.joined:  # back as a restarted process would be
+                self.inner.restart()
             run.worker.slowdown = (self.sc.regions[self.me].slowdown * self.faults.speed(self.me)
                                    * self.hooks.slowdown(self.names[self.me], r + 1))  # fmt: skip
             if effects.remake:
@@ -262,7 +241,7 @@ class RoundLoop:
                     members = self._adopt(header, r)
                 elif self.overlap is None:  # no round without its header: take part in the exchange (so the
                     # others are not held to the deadline) with nothing, vote no, and roll back with them
-                    result, _ = self._exchange(None, members, 0.0)
+                    result, _ = self.leader.plain(None, members, 0.0, self.overhead.s)
                     self.exchange.agreement.settled(not result.void, result.why, r + 1)
                     self.rollback.roll_back(r, {}, None, result.why or self.exchange.agreement.refusal or "no header")
                     continue
@@ -289,28 +268,27 @@ class RoundLoop:
                              overlapped=self.overlap is not None)  # fmt: skip
             steps = dict(zip(members, rs.steps))
             planned = {i: entries[i].batch * steps[i] * self.seq for i in members}
-            checkpoint_due = saver is not None and every > 0 and (run.rounds + 1) % every == 0  # after this round
-            last = run.tokens_done + rs.tokens >= run.stopping.token_cap  # (a time budget: known once the round is reported)
-            if self._evaluation_due:  # the last round's evaluation, after this round's quorum (see _end_of_round)
-                self._evaluation_due = False
-                run._evaluate(run._now())
+            checkpoint_due = checkpointing.due(run.rounds + 1)  # after this round
+            # the run's last round by its tokens (by a time budget: known once the round is reported)
+            last = run.tokens_done + rs.tokens >= run.stopping.token_cap
+            self.overhead.after_quorum()  # (the last round's evaluation)
             # 3. inner steps
-            self._in_round = True  # (until the round is counted: an exchange arriving now re-plans the next)
+            if self.in_flight is not None:  # (until the round is counted: an exchange arriving now re-plans the next)
+                self.in_flight.in_round = True
             run._mark("other")
             round_start = run._cursor
             once = effects.once.get(self.me, set())
             payload, split = None, None
             snapshot = self.rollback.snapshot() if self.elastic and self.overlap is None else None
             if self.me in members and (header is not None or not self.elastic or self.overlap is not None):
-                payload, split = self._local_phase(entries, steps, rs, members, plan, once, last or checkpoint_due)
+                payload, split = self.inner.train(entries, steps, rs, members, plan, once, last or checkpoint_due)
             run._mark("compute")
             # (overlapped: less the wait for the exchange that arrived at the apply step, its outer step and an
             # evaluation there: the region's own compute, which the plan loop re-plans from)
             compute_s = run._cursor - round_start - (self.overlap.apart_s if self.overlap is not None else 0.0)
             # (overlapped: with the outer step and an evaluation at the apply step, less the wait there)
             apart = self.overlap.apart_s - self.overlap.waited_s if self.overlap is not None else 0.0
-            self.round_overhead_s = self._overhead_tail + (round_start - quorum_end) + max(apart, 0.0)
-            self._overhead_tail = 0.0
+            overhead_s = self.overhead.measure(quorum_end, round_start, apart)
             self.hooks.at("send", self.names[self.me], r + 1, rank=run.rank)
             # 4. exchange over the members' leaders
             sent_before, wire_before = run.transport.wan_bytes, tx_bytes(run._iface)
@@ -318,14 +296,14 @@ class RoundLoop:
                 # the exchanges that arrived during this round: their rounds' records before the next exchange's
                 # quorum, where a region whose own exchange failed heals with the live state, records included
                 # (recorded after it, the writer healed there never had the round it healed over)
-                self._record_arrived(compute_s, 0.0)
+                self.in_flight.record_arrived(compute_s, 0.0)
             if self.overlap is not None:
-                result, comm_s = self._exchange_overlapped(payload, split, in_exchange, compute_s,
-                                                           quorum=not joined_now)  # fmt: skip
-                self._exchange_end = run._cursor
+                result, comm_s = self.leader.overlapped(payload, split, in_exchange, compute_s, overhead_s,
+                                                        quorum=not joined_now)  # fmt: skip
+                self.overhead.exchange_ended()
             else:
-                result, comm_s = self._exchange(payload, members, compute_s)
-                self._exchange_end = run._cursor
+                result, comm_s = self.leader.plain(payload, members, compute_s, overhead_s)
+                self.overhead.exchange_ended()
                 if self.elastic:
                     self.exchange.agreement.settled(not result.void, result.why, r + 1)
                 if result.void:  # the round's vote did not commit it: rolled back on every region, tried again
@@ -335,11 +313,12 @@ class RoundLoop:
             # 5. screen, combine, step (overlapped: the previous round's update, applied inside this round)
             outcome = self.update.apply(result, members, run.rounds + 1) if self.overlap is None else None
             run.rounds += 1
-            self._in_round = False
+            if self.in_flight is not None:
+                self.in_flight.in_round = False
             if self.overlap is not None:
                 run.tokens_done += rs.tokens  # (the update of these tokens is formed when the exchange arrives)
                 if self.elastic:  # (with what the plan loop measures it against when it arrives)
-                    self._planned_in_flight.append((planned, plan, steps, entries, run.rounds))
+                    self.in_flight.launched(planned, plan, steps, entries, run.rounds)
                 drained = run.stopping.spent(run.tokens_done) or checkpoint_due
                 if drained:
                     # the last round's exchange (nothing is left to hide it under), or one a checkpoint must not
@@ -347,13 +326,13 @@ class RoundLoop:
                     self.overlap.drain()
                     comm_s += self.overlap.take_waited()
                 if self.elastic:  # an exchange waited for since (drained): its record now
-                    self._record_arrived(compute_s, comm_s)
-                    self._agree_arrived_clocks()  # (with this round counted: the run ends with it)
+                    self.in_flight.record_arrived(compute_s, comm_s)
+                    self.in_flight.agree_clocks()  # (with this round counted: the run ends with it)
                     if run.stopping.time_up:  # the time budget is spent: the exchange in flight is the run's last
                         self.overlap.drain()
-                        self._record_arrived(compute_s, comm_s + self.overlap.take_waited())
-                        self._agree_arrived_clocks()
-                    self._end_of_round(tr, saver, every, keep, checkpoint_due)
+                        self.in_flight.record_arrived(compute_s, comm_s + self.overlap.take_waited())
+                        self.in_flight.agree_clocks()
+                    self.overhead.end_round(checkpoint_due)
                     continue
                 outcome = self._applied_meanwhile(members)
             lost = {i: planned[i] for i in outcome["lost"] if i in planned}
@@ -365,10 +344,11 @@ class RoundLoop:
             # 6. records, evaluation, checkpoint
             self.update.warn(outcome, run.rounds)
             if self.overlap is not None:  # (the leader) the exchange that arrived this round goes with the report
-                self._note_overlap_wire()
+                self.leader.note_overlap_wire()
             reports = self.exchange.end_round(result, members, outcome, lost, planned, compute_s, comm_s,
                                               payload=payload, split=split, sent_before=sent_before,
-                                              wire_before=wire_before, wire_after=wire_after)  # fmt: skip
+                                              wire_before=wire_before, wire_after=wire_after,
+                                              overhead_s=overhead_s)  # fmt: skip
             if self.overlap is not None:  # (static) measured and re-planned from the round's reports
                 self.planning.observe_reports(reports, members, steps, entries, drained)
             if self.elastic:  # the members' clocks came with the round's exchange (static: with its report)
@@ -376,106 +356,13 @@ class RoundLoop:
             if self.overlap is not None and run.stopping.time_up:  # the time budget is spent: the exchange in flight is
                 self.overlap.drain()  # the run's last (nothing is left to hide it under)
                 self.update.warn(self._applied_meanwhile(members), run.rounds)
-            self._end_of_round(tr, saver, every, keep, checkpoint_due)
+            self.overhead.end_round(checkpoint_due)
             # the round's buffers (the payloads, a dense sum, the update: several bytes per parameter on a
             # leader) are not held through the next round's compute peak
             del result, outcome, payload
         return self.exchange.finish()
 
-    def _end_of_round(self, tr, saver, every: int, keep: int, checkpoint_due: bool) -> None:
-        """Evaluation on its cadence (overlapped: when the update arrives), a checkpoint when due, test hooks."""
-        run = self.run
-        if self.overlap is None and run.evaluates and (run.rounds % tr.eval_every_rounds == 0
-                                                        or run.stopping.spent(run.tokens_done)):  # fmt: skip
-            if self.elastic and not (run.stopping.spent(run.tokens_done) or checkpoint_due):
-                # elastic: after the next round's quorum, which waits for every member. Run before it, a slower
-                # region's evaluation held every other region there; after it, it is this region's round
-                # overhead, which the plan gives the faster ones as inner steps. (The last round's, and one a
-                # checkpoint follows, at once: a resumed run has the records the uninterrupted one has.)
-                self._evaluation_due = True
-            else:
-                run._evaluate(run._now())
-        if checkpoint_due:
-            self.hooks.at("checkpoint", self.names[self.me], run.rounds, rank=run.rank)
-            run._save_checkpoint(saver, keep)
-        # the evaluation and the checkpoint are the round's "other" time, as in an overlapped round (unmarked, the
-        # next round's quorum or barrier booked them as a wait: an evaluation at a slow region's speed read as WAN
-        # or straggler idle)
-        run._mark("other")
-        if self._exchange_end is not None:  # (plain rounds) the round overhead's part after the exchange
-            tail = run._cursor - self._exchange_end - self.exchange.report_wait_s
-            self._overhead_tail, self._exchange_end = max(tail, 0.0), None
-        run._test_exit_point()
-
-    def _record_arrived(self, compute_s: float, comm_s: float) -> None:
-        """Elastic overlapped rounds: warnings and records of the exchanges that arrived (each labelled with
-        its own round). A region lost while its exchange was in flight is left out by the survivors, who
-        redo the exchange with the payloads they have; its tokens of that round are counted as lost. (The plan
-        loop measured each when it arrived: :meth:`observe_arrived`.)"""
-        for result, outcome, members in self.overlap.arrived:
-            planned = self._planned_in_flight.pop(0)[0]
-            number = self.run.rounds - len(self._planned_in_flight)
-            if outcome.get("void"):  # rolled back on every region: none of its tokens reached θ
-                self.run.tokens_done -= sum(planned.values())
-                self.rollback.roll_back(number - 1, planned, None, outcome["void"])
-                continue
-            lost = {i: planned[i] for i in outcome["lost"] if i in planned}
-            self.run.tokens_lost += sum(lost.values())
-            self.update.warn(outcome, number)
-            # the exchange's quorum and the round's trainers: one that trained the round and is not in the
-            # exchange (lost before its quorum) left in this round, the run's last included
-            members = sorted(set(members or outcome["took_part"]) | set(planned))
-            self.exchange.end_round(result, members, outcome, lost, planned, compute_s, comm_s,
-                                    round_number=number)  # fmt: skip
-            self._clocks_arrived.append([i.get("elapsed_s") for i in result.infos])  # (the clocks it carried)
-        self.overlap.arrived.clear()
-
-    def _agree_arrived_clocks(self) -> None:
-        """The time budget's decision from the clocks of the exchanges recorded this round, taken once the round
-        is counted (as a static round takes it), whenever their records were made."""
-        for clocks in self._clocks_arrived:
-            self.run.stopping.agree_elapsed(clocks)
-        self._clocks_arrived.clear()
-
     # ---- the parts of a round ----------------------------------------------------------------------------
-    def _local_phase(self, entries, steps, rs, members, plan, once, drains: bool):
-        """This region's inner steps and payload (a tuple of fragments when the last overlapped exchange
-        leaves in fragments); faults of this round applied to it."""
-        run, method = self.run, self.method
-        wp, h = entries[self.me], steps[self.me]
-        run.worker.follow_plan(wp)
-        lr_at = rs.lr_at(h, run.stopping.lr_tokens(run.plans), self.tr)
-        split = None
-        with poisoned(run.worker, "nan" in once):
-            if self.overlap is not None:
-                ov = self.overlap
-                if drains and not self.elastic:  # an exchange nothing hides (the last, one a checkpoint waits
-                    # for) leaves in fragments (elastic: one exchange, the quorum's)
-                    split = ov.tail_split(self.planning.planning_wan(members), self.kit.modeled_payload_nbytes,
-                                          round_compute_s([entries[i] for i in members], [steps[i] for i in members]))  # fmt: skip
-                apply_at = ov.apply_at(wp, h, self.planning.arrival_margin())
-                tail = ov.tail_send(split, wp, h, apply_at) if split is not None else None
-                payload, _ = method.local_phase_overlapped(run.worker, h, wp.batch, ov.start, apply_at, ov.arrive,
-                                                           self.codec, lr_at, tail)  # fmt: skip
-                if split is None:
-                    ov.prepare_next(payload, plan, [steps[i] for i in members], plan.exchange_s)
-            else:
-                payload, _ = method.local_phase(run.worker, h, wp.batch, self.params, self.codec, lr_at)
-        parts = payload if split is not None else (payload,)
-        if any(p is None for p in parts) and not optimizer_finite(run.worker.optimizer):
-            run.worker.optimizer.state.clear()  # one bad round must not poison the next ones
-        if "corrupt" in once:  # damage on the wire (the ``corrupt`` fault)
-            parts = tuple(corrupt_payload(p) if p is not None else None for p in parts)
-            payload = parts if split is not None else parts[0]
-        return payload, split
-
-    def _propose_next(self, quorum: list[int]) -> tuple[list[int], Plan, str]:
-        """(leader, overlapped elastic rounds) What this region proposes for the round that starts with the
-        members of the exchange's quorum now forming: (members, plan, why); shipped only by the maker."""
-        members = [i for i in quorum if not self.faults.away(i)]
-        self.planning.propose(members)
-        return members, self.planning.plan, self.planning.plan_reason
-
     def _adopt(self, header, round_index: int) -> list[int]:
         """Train the round as its header says (elastic): the maker's plan and exchange, whatever this region's
         own plan loop proposed (a proposal of its own made since, for a reason the header does not carry yet,
@@ -491,123 +378,10 @@ class RoundLoop:
         planning.use_exchange(header.exchange)
         return list(header.members)
 
-    def _info(self, payload: bytes | None, compute_s: float, members: list[int], reason: str | None) -> dict:
-        """What this leader tells the others with its payload (JSON)."""
-        run = self.run
-        info = {"region": self.me, "active": self.me in members, "compute_s": compute_s, "sent": payload is not None,
-                "rejected": reason,
-                "plan": self.planning.plan.digest() if self.planning.plan is not None else None}  # fmt: skip
-        if self.round_overhead_s is not None:
-            info["overhead_s"] = self.round_overhead_s
-        info.update(self.exchange.info_fields())
-        info.update(self.planning.wan.wire)
-        if self.elastic and run.stopping.timed:  # this region's clock, for the time budget's rule
-            info["elapsed_s"] = run._now()
-        return info
-
-    def _exchange(self, payload: bytes | None, members: list[int], compute_s: float) -> tuple[Exchanged, float]:
-        """The plain round's exchange on the leader, shared inside the region: (what arrived, comm seconds)."""
-        run = self.run
-        result = None
-        comm_start = run._cursor
-        if run.is_leader:
-            self.exchange.straggler_barrier(run.rounds + 1)
-            run._mark("straggler_wait")
-            comm_start = run._cursor
-            summed, reason = None, None
-            if self.summed:  # a sum mixes contributions before anyone could check one: the sender checks its own
-                reason = screen_payload(self.combiner, payload) if payload is not None else None
-                summed = self.combiner.reducible(payload if reason is None else None, device=run.device)
-            info = self._info(payload, compute_s, members, reason)
-            result = self.exchange.exchange(payload, summed, info, members)
-            if self.elastic:  # no barrier before the exchange (the quorum opened the round): the wait for the
-                # slowest member is inside it: the part its compute outlasted this region's, as a barrier books it
-                waited = wait_for_slowest_s(result.infos, compute_s + (self.round_overhead_s or 0.0))
-                run._mark("straggler_wait", until=min(run._now(), comm_start + waited))
-                comm_start = run._cursor
-            self.planning.note_wire(max(0.0, result.comm_s - (waited if self.elastic else 0.0)))
-        result = self._share(result)
-        run._mark("comm_wait")
-        return result, run._cursor - comm_start
-
-    def _exchange_overlapped(self, payload, split, members, compute_s: float,
-                             quorum: bool = True) -> tuple[Exchanged, float]:  # fmt: skip
-        """The overlapped round: the leader passes the barrier and launches the exchange (or its last
-        fragment); it arrives inside the next round. Returns the round's info exchange, done with it.
-        Elastic, the info carries this region's measured compute of the round and its wire time of the last
-        exchange that arrived."""
-        run, ov = self.run, self.overlap
-        comm_start = run._cursor
-        if run.is_leader:
-            self._note_overlap_wire()
-            self.exchange.straggler_barrier(run.rounds + 1)
-            run._mark("straggler_wait")
-            comm_start = run._cursor
-            since = time.perf_counter()
-            if self.elastic:  # this exchange's quorum now (the barrier), then the exchange on a thread
-                now = self.exchange.launch_quorum(self._propose_next) if quorum else list(members)
-                # the quorum waits for the slowest member, as the static barrier does: straggler_wait (it was
-                # booked as comm_wait, so overlapped elastic rounds showed their stragglers as WAN idle)
-                run._mark("straggler_wait")
-                comm_start = run._cursor
-                if not quorum:  # healed at this exchange's quorum: its next round starts with these members,
-                    self.exchange.launch_members = list(now)  # as the others' does (no quorum of its own)
-                summed, reason = None, None
-                if self.summed:
-                    reason = screen_payload(self.combiner, payload) if payload is not None else None
-                    summed = self.combiner.reducible(payload if reason is None else None)
-                trained = now if quorum else [i for i in now if i != self.me]  # (one healed now trained nothing)
-                info = self._info(payload, compute_s if quorum else 0.0, trained, reason)
-                number = run.rounds + 1  # (the thread's: this loop counts the round on meanwhile)
-                ov.launch_on_thread(lambda: self.exchange.exchange(payload, summed, info, now, number), now)
-            elif split is not None:  # the last fragment, launched as the others were; drained below
-                ov.tail.launch(split.fragments - 1, payload[-1])
-            else:
-                ov.launch(payload, since)
-        run._mark("comm_wait")
-        comm_s = run._cursor - comm_start + ov.take_waited()
-        return Exchanged(infos=[], payloads=None, summed=None, comm_s=comm_s, wan_bytes=0), comm_s
-
-    def _share(self, result: Exchanged | None) -> Exchanged:
-        """The leader's exchange result on every rank of the region, in slots of the round in progress."""
-        return self.sharing.share(result, self.slot_nbytes)
-
-    # ---- overlapped rounds: the plan loop measures each exchange that arrived ---------------------------
+    # ---- overlapped rounds: the updates applied inside the round ------------------------------------------
     def _applied_meanwhile(self, members: list[int]) -> dict[str, Any]:
         """The outcome of the updates the overlapped round applied (rejected or missed payloads; no lost tokens)."""
         return self.update.meanwhile(members, self.overlap.take_rejected(), self.overlap.take_dropped())
-
-    def observe_arrived(self, result: Exchanged, outcome: dict[str, Any]) -> None:
-        """Elastic overlapped rounds, every rank of every member, when an exchange arrives (at the apply step,
-        or drained): the plan loop measures it as a plain round's exchange (its infos carry each member's
-        compute of that round, under that round's plan, and its leader's wire time of the exchange before).
-        Here, before the next exchange's quorum, so that a region healed at that quorum receives the plan loop
-        as the others hold it when they launch. A re-plan is in force from the next round."""
-        k = len(self.overlap.arrived)
-        if k >= len(self._planned_in_flight):  # (an exchange this region launched nothing for: not measured)
-            return
-        _, plan, steps, entries, number = self._planned_in_flight[k]
-        self.planning.observe(result, outcome, steps, entries, plan=plan, wire_round=number - 1,
-                     after_round=self.run.rounds + (1 if self._in_round else 0))  # fmt: skip
-
-    def _note_overlap_wire(self) -> None:
-        """(leader) The wire time of the overlapped exchange that arrived (its launch to its arrival), for the
-        next report or info this leader sends."""
-        wire = self.overlap.take_wire() if self.run.is_leader else None
-        if wire is not None:
-            self.planning.note_wire(*wire)
-
-    # ---- checkpoint state of this loop (plain JSON; the same on every rank) --------------------------------
-    def _checkpoint_state(self) -> dict[str, Any]:
-        common = {"faults": self.faults.state_dict(), "plan_loop": self.planning.plan_state(),
-                  **self.exchange.checkpoint_state()}  # fmt: skip
-        return {"common": common, "rank0": self.exchange.checkpoint_state_rank0()}
-
-    def _load_checkpoint_state(self, state: dict[str, Any]) -> None:
-        self.faults.load_state_dict(state["common"]["faults"])
-        self.planning.load_plan_state(state["common"]["plan_loop"],
-                                      members_after_resume=self.exchange.planned_for_after_resume())  # fmt: skip
-        self.exchange.load_checkpoint_state(state)
 
 
 def run_rounds(run: RankRun) -> dict[str, Any]:
