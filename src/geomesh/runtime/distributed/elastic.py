@@ -22,11 +22,8 @@ a Gloo group reconfigured over the quorum's leaders, live recovery of a region t
    member dies or passes the deadline there, the survivors form a new quorum and exchange the payloads they
    already have (sharded: with a layout for the new quorum, so they own the lost member's shard): the lost
    region's tokens of this round are counted as lost. Then torchft commits the round (its step = rounds done).
-3. **Records** (:meth:`QuorumExchange.end_round`): ``round`` (members, lost tokens), ``leave`` and ``join``
-   events, spans. Every leader keeps the records. In a run folder that regions share, the leader of the
-   lowest-numbered live region writes ``events.jsonl`` (a leader that takes over rewrites the file) and, at the
-   end, ``summary.json``; a region whose folder is its own (one host per region, no shared folder) writes both
-   into it, so every host's folder shows the run.
+3. **Records** (:mod:`.round_records`): ``round`` (members, lost tokens), ``leave`` and ``join`` events, spans;
+   every leader keeps them, the writer writes ``events.jsonl`` and ``summary.json`` (:mod:`.records`).
 
 The run goes on while at least ``min_regions`` regions form a quorum, counting only regions whose headers
 authenticate (a region with another key is a quorum member for torchft, never one of the ``min_regions``);
@@ -34,8 +31,8 @@ with fewer, the quorum times out after ``--timeout`` seconds and the run stops w
 Faults, planning, screening, evaluation and checkpoints are the round loop's, as in a static run; with
 ``--checkpoint-every N`` each region writes its own checkpoint into ``DIR/checkpoints/<region>``.
 
-This file is long because the quorum, the round's header, its exchange, its vote and its records are one
-region's side of one elastic round; the agreement's rules themselves are pure, in :mod:`.agreement`.
+This file is long because the quorum, the round's header, its exchange and its vote are one region's side of one
+elastic round; the records of membership are :mod:`.round_records`', the agreement's pure rules :mod:`.agreement`.
 """
 
 from __future__ import annotations
@@ -54,11 +51,11 @@ from ..checkpoint_state import run_fingerprint
 from .agreement import RoundAgreement, RoundHeader, arrivals_digest, commit_decision, maker_of, vote
 from .elastic_state import RegionState
 from .records import RunRecords
-from .clock import record_spans
 from .deadline import MEASURED_ROUNDS, adaptive_deadline_s, deadline_history, setup_s
-from .exchange import Exchanged, RoundView, reported_overhead_s, round_idle
+from .exchange import Exchanged, RoundView
 from .layout import RegionLayout, region_layout
 from .membership import ExchangeFailed, Membership, RunFinished
+from .round_records import RoundRecords
 from .service import LIGHTHOUSE_ENV, MembershipError, group_store_host, join_timeout_s
 from .wan_shaper import WanShaper, ring_allgather_bytes, ring_allreduce_bytes
 
@@ -92,6 +89,8 @@ class QuorumExchange:
         self.state = RegionState(run, loop.params, loop.outer, loop.codec, loop.faults, loop.planning, self.records)
         # the round's agreement (agreement.py): its header, why this region refused one, the round's attempt
         self.agreement = RoundAgreement(self.job_hash, self.names, self.me)
+        # the records of who came and went, round by round (round_records.py)
+        self.history = RoundRecords(run, self.names, self.state, self.records, self.faults, self._emit)
         self.membership: Membership | None = None
         self.launch_members: list[int] | None = None  # overlapped: the members at the last exchange's quorum
         self.launch_head: dict[str, Any] | None = None  # ... and the next round's header, shipped at that quorum
@@ -258,7 +257,7 @@ class QuorumExchange:
         if ctrl["healed"]:
             raise RunError(f"region {self.names[self.me]} fell behind the others between two overlapped exchanges; "
                            f"restart it (it rejoins with the live state)")  # fmt: skip
-        self._restarted_in_place(ctrl["rejoined"])
+        self.history.restarted_in_place(ctrl["rejoined"], self.run.rounds + 1)
         self.launch_members = list(ctrl["members"])
         members, plan, reason = propose(self.launch_members)
         self.launch_head = self._ship_header(self.launch_members, members, plan, reason, self.run.rounds + 2)
@@ -359,8 +358,7 @@ class QuorumExchange:
 
     def members_known(self, view: RoundView, members: list[int]) -> None:
         """``leave``/``join`` records for the round's members (every leader alike)."""
-        self._restarted_in_place(view.rejoined)
-        self._membership_events(members)
+        self.history.members_known(view.rejoined, members, self.run.rounds + 1)
 
     def planned(self, plan, members: list[int], round_index: int, header: RoundHeader | None = None) -> None:
         agreed = {} if header is None else {"attempt": header.attempt, "maker": self.names[header.maker],
@@ -522,51 +520,14 @@ class QuorumExchange:
             return float(self.deadline_s)
         return float(min(self.deadline_s, base + self.shaper_s(members)))
 
-    # ---- 3. records ---------------------------------------------------------------------------------------
+    # ---- 3. records (round_records.py) --------------------------------------------------------------------
     def end_round(self, result: Exchanged, members: list[int], outcome: dict[str, Any], lost: dict[int, int],
                   planned: dict[int, int], compute_s: float, comm_s: float, round_number: int | None = None,
                   **_: Any) -> None:  # fmt: skip
-        run, names = self.run, self.names
-        number = run.rounds if round_number is None else round_number  # (overlapped: the exchange's own round)
-        infos = result.infos
-        took_part = outcome["took_part"]
-        for i in members:
-            if i not in took_part and i in planned:  # lost in the round (healed at its quorum: trained nothing)
-                lost[i] = planned[i]
-                if self.state.members is not None and i not in self.state.members:
-                    continue  # (overlapped: the next round's quorum, which formed before this exchange arrived)
-                self.state.stats["leaves"] += 1
-                self._emit({"type": "leave", "round": number, "time": run._now(), "region": names[i],
-                            "reason": "lost during the round's exchange", "tokens_lost": planned[i]})  # fmt: skip
-        self.state.members = [i for i in members if i in took_part or i not in planned]  # (healed now: still a member)
-        for i in range(self.n):
-            if i not in took_part:
-                self.state.stats["rounds_without"][names[i]] += 1
-        for i, t in lost.items():
-            self.state.stats["tokens_lost"][names[i]] += t
-        self.faults.count_lost(number - 1, lost)
-        for i in infos:
-            self.state.streams[names[i["region"]]] = i["stream"]
-        if run.is_leader:
-            for i in infos:
-                record_spans(run.telemetry, names[i["region"]], i["spans"])
-            run._mark("other")
-            t = run.ledger.totals
-            t["bytes_sent"] += result.wan_bytes * len(infos)
-            t["proxy_bytes_sent"] += self.loop.slot_nbytes * (len(took_part) - len(outcome["dropped"]))
-            t["comm_s"] += result.comm_s
-            run.ledger.round_idle.append(round_idle(infos))
-            self._emit({"type": "round", "round": number, "time": run._now(), "tokens": run.tokens_done,
-                        "members": [names[i] for i in took_part], "compute_s": [i["compute_s"] for i in infos],
-                        "overhead_s": [reported_overhead_s(i) for i in infos],
-                        "straggler_idle_frac": round_idle(infos),
-                        "exchange_s": result.comm_s, "bytes_sent": result.wan_bytes * len(infos),
-                        "tokens_lost": {names[i]: t for i, t in lost.items()},
-                        "deadline_s": self.last_deadline_s,
-                        "frames_rejected": self.round_rejections,
-                        **({"shard_owners": result.sharded["owners"]} if result.sharded else {})})  # fmt: skip
-            self.round_rejections = []
-            self.records.write_events(min(took_part) == self.me)
+        number = self.run.rounds if round_number is None else round_number  # (overlapped: the exchange's own round)
+        rejections, self.round_rejections = self.round_rejections, []  # (refused later: the next record's)
+        self.history.end_round(result, members, outcome, lost, planned, number, self.last_deadline_s, rejections,
+                               self.loop.slot_nbytes)  # fmt: skip
 
     # ---- the end ----------------------------------------------------------------------------------------
     # ---- resumed from checkpoints, together --------------------------------------------------------------
@@ -629,33 +590,6 @@ class QuorumExchange:
             if entry not in self.round_rejections:  # (the first round's startup wait repeats its header)
                 self.round_rejections.append(entry)
 
-    def _restarted_in_place(self, rejoined: list[int]) -> None:
-        """``leave`` and ``join`` records for regions that came back behind the others while still members: their
-        processes died and were restarted before any quorum formed without them (every leader, the rejoined
-        one included, records them at the same point of the same round, so their records stay the same)."""
-        run = self.run
-        for i in rejoined:
-            if self.state.members is None or i not in self.state.members:
-                continue  # a region absent from the last round: _membership_events records its join
-            self.state.stats["leaves"] += 1
-            self.state.stats["joins"] += 1
-            self._emit({"type": "leave", "round": run.rounds + 1, "time": run._now(), "region": self.names[i],
-                        "reason": "restarted (or fell behind) and healed before a quorum formed without it"})  # fmt: skip
-            self._emit({"type": "join", "round": run.rounds + 1, "time": run._now(), "region": self.names[i]})
-
-    def _membership_events(self, members: list[int]) -> None:
-        """``leave``/``join`` records when the quorum differs from the last round's."""
-        run = self.run
-        if self.state.members is not None:
-            for i in sorted(set(self.state.members) - set(members)):
-                self.state.stats["leaves"] += 1
-                self._emit({"type": "leave", "round": run.rounds + 1, "time": run._now(), "region": self.names[i],
-                            "reason": "not in the round's quorum (died, hung or late)"})  # fmt: skip
-            for i in sorted(set(members) - set(self.state.members)):
-                self.state.stats["joins"] += 1
-                self._emit({"type": "join", "round": run.rounds + 1, "time": run._now(), "region": self.names[i]})
-        self.state.members = list(members)
-
     # ---- this region's part of its checkpoint (RegionState) -------------------------------------------------
     def checkpoint_state(self) -> dict[str, Any]:
         return self.state.checkpoint_state()
@@ -683,9 +617,7 @@ class QuorumExchange:
                 checksums = {self.names[e["region"]]: e["crc"] for e in ends}
             except ExchangeFailed:
                 pass
-            for end in ends:
-                record_spans(run.telemetry, self.names[end["region"]], end.get("spans"))
-            self.records.write_events(min(final) == self.me)
+            self.history.ended(ends, final)
             # word for a region that arrives after the end (it stops at once, exit 0: board.py)
             self.board.post_finished({"round": run.rounds, "regions": [self.names[i] for i in final],
                                       "checksum": checksums.get(self.names[self.me])})  # fmt: skip
@@ -696,8 +628,7 @@ class QuorumExchange:
                                                   what="whether this region writes the summary")  # fmt: skip
         run.writes_summary = bool(writer)
         run.ledger.end(list(checksums.values()), run._now())
-        st = self.state.stats
-        loop = self.loop
+        loop, stats = self.loop, self.state.stats
         return {
             **run.ledger.exchange_fields(run.rounds, loop.planning.wire_nbytes, loop.kit.payload_nbytes,
                                          loop.kit.modeled_payload_nbytes, self.shaper_s(final),
@@ -708,14 +639,9 @@ class QuorumExchange:
             "world_size": None,
             "ranks_per_region": None,
             "elastic": {"min_regions": self.min_regions, "round_deadline_s": self.deadline_s,
-                        "round_deadline_mode": self.deadline_mode,
-                        "deadlines_s": [r.get("deadline_s") for r in self.records.records if r.get("type") == "round"],
-                        "regions_at_end": [self.names[i] for i in final], "leaves": st["leaves"],
-                        "joins": st["joins"], "rounds_without": st["rounds_without"],
-                        "rollbacks": int(run.telemetry.counters.get("rollbacks", 0)),
-                        "tokens_lost": st["tokens_lost"]},  # fmt: skip
-            "rounds_without": st["rounds_without"],
-            "tokens_lost": sum(st["tokens_lost"].values()),
+                        "round_deadline_mode": self.deadline_mode, **self.history.summary_fields(final)},
+            "rounds_without": stats["rounds_without"],
+            "tokens_lost": sum(stats["tokens_lost"].values()),
             "faults": self.faults.records,
             "param_checksums": checksums,
             "rejected_payloads": int(run.telemetry.counters.get("rejected_payloads", 0)),
