@@ -45,7 +45,7 @@ from ..checkpoint_state import run_fingerprint
 from .agreement import RoundAgreement, RoundHeader, arrivals_digest, commit_decision, vote
 from .elastic_state import RegionState
 from .records import RunRecords
-from .deadline import MEASURED_ROUNDS, adaptive_deadline_s, deadline_history, setup_s
+from .deadline import RoundDeadline, adaptive_deadline_s, deadline_history, setup_s
 from .exchange import Exchanged, RoundView
 from .layout import RegionLayout, region_layout
 from .membership import ExchangeFailed, Membership
@@ -71,10 +71,7 @@ class QuorumExchange:
         self.run, self.sc, self.method = run, loop.sc, loop.method
         self.names, self.n, self.me = loop.names, loop.n, loop.me
         self.min_regions = self.sc.reliability.min_regions
-        rel = self.sc.reliability
-        self.deadline_s = rel.round_deadline_s  # the fixed deadline; with adaptive deadlines their cap
-        self.deadline_mode = rel.round_deadline_mode
-        self.last_deadline_s = self.deadline_s  # what the last exchange was held to (its round record says it)
+        self.deadline = RoundDeadline(self.sc.reliability)  # how long an exchange waits for its slowest member
         self.job_hash = ckpt.fingerprint_hash(run_fingerprint(self.sc, self.method.name, run.seed, run.budget))
         self.faults = loop.faults
         self.records = RunRecords(run.out_dir, self.names[self.me], run.is_leader)
@@ -105,14 +102,14 @@ class QuorumExchange:
             self.records.claim_folder()
             rel, rtt_s = self.sc.reliability, max(max(row) for row in self.sc.wan_model().rtt_s)
             self.membership = self.quorum.connect(run.options.lighthouse or os.environ.get(LIGHTHOUSE_ENV),
-                                                  self.deadline_s, join_timeout_s(rel),
-                                                  setup_s(self.deadline_s, rtt_s))  # fmt: skip
+                                                  self.deadline.cap_s, join_timeout_s(rel),
+                                                  setup_s(self.deadline.cap_s, rtt_s))  # fmt: skip
             self._emit({"type": "run", "runtime": "distributed", "method": self.method.name, "scenario": self.sc.name,
                         "seed": run.seed, "tokens_budget": run.budget, "model": run.model_name,
                         "model_params": run.global_model.num_params(), "workers": self.names,
                         "backend": run.backend, "wan": run.options.wan, "elastic": True,
-                        "min_regions": self.min_regions, "round_deadline_s": self.deadline_s,
-                        "round_deadline_mode": self.deadline_mode})  # fmt: skip
+                        "min_regions": self.min_regions, "round_deadline_s": self.deadline.cap_s,
+                        "round_deadline_mode": self.deadline.mode})  # fmt: skip
         run.transport.barrier(None, what="the start barrier")
         run.clock.start()
         self.state.snapshot()  # θ as a region behind may ask for it at the first quorum
@@ -143,7 +140,7 @@ class QuorumExchange:
         from .heal import heal_timeout_s
 
         nbytes = 12 * sum(p.numel() for p in self.loop.params.values())  # θ, momentum and a margin, in fp32
-        return 2 * self.run.options.timeout_s + heal_timeout_s(nbytes) + self.deadline_s
+        return 2 * self.run.options.timeout_s + heal_timeout_s(nbytes) + self.deadline.cap_s
 
     def launch_quorum(self, propose) -> list[int]:
         """(leader, overlapped rounds) The quorum of the exchange about to leave: its members. The next round
@@ -225,7 +222,7 @@ class QuorumExchange:
                 exchange="", reason="overlapped exchange", maker=min(members))  # fmt: skip
         t0 = time.perf_counter()
         sent, sharded, infos, gathered = 0, None, [], None
-        deadline = self.last_deadline_s = self.round_deadline_s(members)
+        deadline = self.deadline.for_round(self.records.records, lambda: self.shaper_s(members))
         ok, why, arrived = header is not None, self.agreement.refusal or "it holds no header for the round", None
         group_intact = True
         try:
@@ -282,7 +279,7 @@ class QuorumExchange:
         if group_intact:  # (a region that refused the header votes no: the others learn it at once)
             try:
                 votes = m.all_gather_framed(vote(region=self.me, header=header, ok=ok, arrived=arrived, why=why),
-                                            timeout_s=self.last_deadline_s)  # fmt: skip
+                                            timeout_s=self.deadline.last_s)  # fmt: skip
                 if header is not None:
                     decided, why_not = commit_decision(votes, header, self.names)
             except ExchangeFailed as exc:
@@ -297,27 +294,12 @@ class QuorumExchange:
     def theta_changed(self) -> None:
         self.state.snapshot()
 
-    def round_deadline_s(self, members: list[int]) -> float:
-        """(leader) How long this round's exchange waits for its slowest member: ``round_deadline_s``, or with
-        ``round_deadline_mode: adaptive`` :func:`adaptive_deadline_s` of the recent round records' measured
-        compute (every leader keeps the same records, so every leader holds the exchange to the same deadline)
-        plus the WAN shaper's modeled hold, within the cap."""
-        if self.deadline_mode != "adaptive":
-            return float(self.deadline_s)
-        rel = self.sc.reliability
-        history = deadline_history(self.records.records)
-        base = adaptive_deadline_s(history, multiple=rel.round_deadline_multiple, floor_s=rel.round_deadline_floor_s,
-                                   cap_s=self.deadline_s, window=rel.round_deadline_window)  # fmt: skip
-        if len(history) < MEASURED_ROUNDS:
-            return float(self.deadline_s)
-        return float(min(self.deadline_s, base + self.shaper_s(members)))
-
     # ---- 3. records (round_records.py) ------------------------------------------------------------------------
     def end_round(self, result: Exchanged, members: list[int], outcome: dict[str, Any], lost: dict[int, int],
                   planned: dict[int, int], compute_s: float, comm_s: float, round_number: int | None = None,
                   **_: Any) -> None:  # fmt: skip
         number = self.run.rounds if round_number is None else round_number  # (overlapped: the exchange's own round)
-        self.history.end_round(result, members, outcome, lost, planned, number, self.last_deadline_s,
+        self.history.end_round(result, members, outcome, lost, planned, number, self.deadline.last_s,
                                self.quorum.take_rejections(), self.loop.slot_nbytes)  # fmt: skip
 
     # ---- resumed from checkpoints, together --------------------------------------------------------------
@@ -396,8 +378,8 @@ class QuorumExchange:
             "shard_bits": loop.sharded.bits if loop.sharded is not None else None,
             "world_size": None,
             "ranks_per_region": None,
-            "elastic": {"min_regions": self.min_regions, "round_deadline_s": self.deadline_s,
-                        "round_deadline_mode": self.deadline_mode, **self.history.summary_fields(final)},
+            "elastic": {"min_regions": self.min_regions, "round_deadline_s": self.deadline.cap_s,
+                        "round_deadline_mode": self.deadline.mode, **self.history.summary_fields(final)},
             "rounds_without": stats["rounds_without"],
             "tokens_lost": sum(stats["tokens_lost"].values()),
             "faults": self.faults.records,
