@@ -1,13 +1,14 @@
-"""The adaptive round deadline (``reliability.round_deadline_mode: adaptive``): how long an elastic exchange
-waits for a member, from the recent rounds' measured work. Pure: every leader computes it from the same round
-records (which a healed region receives too), so the leaders agree. And how long a quorum's group set-up waits
-for a member (:func:`setup_s`), which is not the deadline: the members of a quorum meet within round trips."""
+"""The round deadline: how long an elastic exchange waits for a member (:class:`RoundDeadline`), fixed or adaptive
+(``reliability.round_deadline_mode: adaptive``: from the recent rounds' measured work). Pure: every leader
+computes it from the same round records (which a healed region receives too), so the leaders agree. And how long a
+quorum's group set-up waits for a member (:func:`setup_s`), which is not the deadline: the members of a quorum
+meet within round trips."""
 
 from __future__ import annotations
 
 import itertools
 import statistics
-from typing import Any
+from typing import Any, Callable
 
 from .exchange import round_work_s
 
@@ -56,3 +57,33 @@ def deadline_history(records: list[dict[str, Any]]) -> list[float]:
             if times:
                 out.append(max(times))
     return out
+
+
+class RoundDeadline:
+    """The round deadline of one elastic region's exchanges, from ``reliability``: ``cap_s`` the fixed deadline
+    (with adaptive deadlines their cap), ``mode`` which, ``last_s`` what the last exchange was held to (its round
+    record and its commit vote say it)."""
+
+    def __init__(self, reliability: Any):
+        self.rel = reliability
+        self.cap_s, self.mode = reliability.round_deadline_s, reliability.round_deadline_mode
+        self.last_s = self.cap_s
+
+    def for_round(self, records: list[dict[str, Any]], shaper_s: Callable[[], float]) -> float:
+        """(leader) How long this round's exchange waits for its slowest member: ``round_deadline_s``, or with
+        ``round_deadline_mode: adaptive`` :func:`adaptive_deadline_s` of the recent round ``records``' measured
+        compute (every leader keeps the same records, so every leader holds the exchange to the same deadline)
+        plus the WAN shaper's modeled hold (``shaper_s()``), within the cap. It is :attr:`last_s` from now on."""
+        self.last_s = self._deadline_s(records, shaper_s)
+        return self.last_s
+
+    def _deadline_s(self, records: list[dict[str, Any]], shaper_s: Callable[[], float]) -> float:
+        if self.mode != "adaptive":
+            return float(self.cap_s)
+        rel = self.rel
+        history = deadline_history(records)
+        base = adaptive_deadline_s(history, multiple=rel.round_deadline_multiple, floor_s=rel.round_deadline_floor_s,
+                                   cap_s=self.cap_s, window=rel.round_deadline_window)  # fmt: skip
+        if len(history) < MEASURED_ROUNDS:
+            return float(self.cap_s)
+        return float(min(self.cap_s, base + shaper_s()))

@@ -78,6 +78,12 @@ class RegionState:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.healed_state = state  # applied by the main thread (and shared with the region's ranks)
 
+    def take_healed(self) -> dict | None:
+        """What torchft's recovery received at the last quorum (None: nothing), taken: the next quorum starts
+        without it."""
+        taken, self.healed_state = self.healed_state, None
+        return taken
+
     def apply_healed(self, state: dict[str, Any]) -> int | None:
         run = self.run
         with torch.no_grad():  # whole tensors; a sharded θ takes each rank's shard of them
