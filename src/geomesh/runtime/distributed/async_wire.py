@@ -21,7 +21,7 @@ import torch
 
 from ..faults import corrupt_payload
 from .frames import HEAD_NBYTES, Context, Opened, Rejected, frame_nbytes, open_frame, run_trust, seal
-from .heal import _tensor_layout
+from .heal import tensor_layout
 
 PUSH, PULL = "async-push", "async-pull"
 JSON_SLACK = 1024  # what the numbers of a message (tokens, seconds, counts) may add to its template's JSON
@@ -78,7 +78,7 @@ def _checked(kind: str, body: Any, like: dict[str, torch.Tensor]) -> dict[str, A
     if tensors is None and kind == PUSH:  # a signed "no update": the region's steps went non-finite
         return body
     want = {k: ("torch.float32", tuple(v.shape)) for k, v in like.items()}
-    if not isinstance(tensors, dict) or _tensor_layout(tensors) != {f"/{k}": v for k, v in want.items()}:
+    if not isinstance(tensors, dict) or tensor_layout(tensors) != {f"/{k}": v for k, v in want.items()}:
         return Rejected(f"{kind} tensors that are not θ's names, dtypes and shapes")
     if not all(bool(torch.isfinite(t).all()) for t in tensors.values()):
         return Rejected(f"non-finite {kind} tensors")

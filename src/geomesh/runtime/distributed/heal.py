@@ -96,18 +96,19 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
     return bytes(buf)
 
 
-def _tensor_layout(obj: Any, path: str = "") -> dict[str, tuple[str, tuple[int, ...]]]:
-    """Every tensor in a nested state, by its path: (dtype, shape)."""
+def tensor_layout(obj: Any, path: str = "") -> dict[str, tuple[str, tuple[int, ...]]]:
+    """Every tensor in a nested state, by its path: (dtype, shape). What a received state (a heal's, an
+    asynchronous push's) must match before any of it is used."""
     out: dict[str, tuple[str, tuple[int, ...]]] = {}
     if isinstance(obj, torch.Tensor):
         t = obj.full_tensor() if hasattr(obj, "full_tensor") else obj
         out[path] = (str(t.dtype), tuple(t.shape))
     elif isinstance(obj, dict):
         for k, v in obj.items():
-            out.update(_tensor_layout(v, f"{path}/{k}"))
+            out.update(tensor_layout(v, f"{path}/{k}"))
     elif isinstance(obj, (list, tuple)):
         for i, v in enumerate(obj):
-            out.update(_tensor_layout(v, f"{path}/{i}"))
+            out.update(tensor_layout(v, f"{path}/{i}"))
     return out
 
 
@@ -274,7 +275,7 @@ class HealTransport(CheckpointTransport):
             mine = None
         if mine is None:
             return 64 << 30, None
-        layout = _tensor_layout(mine)
+        layout = tensor_layout(mine)
         nbytes = 0
         for dtype, shape in layout.values():
             numel = 1
@@ -337,7 +338,7 @@ class HealTransport(CheckpointTransport):
         if isinstance(opened, Rejected):
             raise HealError(f"the state from {metadata} was refused: {opened.reason}")
         if layout is not None:  # every tensor this region holds must come, as this region holds it
-            theirs = _tensor_layout(opened.obj)
+            theirs = tensor_layout(opened.obj)
             odd = sorted((path, want, theirs.get(path)) for path, want in layout.items()
                          if theirs.get(path) != want)[:3]  # fmt: skip
             if odd:
