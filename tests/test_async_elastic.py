@@ -70,6 +70,17 @@ def slowed_launch(tmp_path, small_corpus, slowed: list[int], hook: dict[str, str
     return start(argv, tag, out, extra_env=hook), out, tag
 
 
+def lose_hung_region(proc, out, tag: str, region: str, rank: int, round_number: int) -> str:
+    """Kill ``region`` (its one rank), hung at the send of its cycle ``round_number``, and wait for the launch to
+    end (no process of the tag outlives it): the launch's stderr."""
+    try:
+        kill_hung_region(tag, out, proc, region, [rank], "send", round_number)
+        return proc.communicate(timeout=300)[1]
+    finally:
+        proc.kill()
+        kill_all(tag)
+
+
 @pytest.mark.waits
 def test_a_region_lost_mid_run_is_waited_for_below_min_regions_and_started_again_it_rejoins(tmp_path, small_corpus):
     """Region r2-t4 is lost at a known point (trained its second cycle, its push not sent: it hangs there and is
@@ -120,12 +131,7 @@ def test_a_region_lost_mid_run_leaves_the_others_going_at_min_regions(tmp_path, 
     and the two that finished hold the server's θ."""
     proc, out, tag = slowed_launch(tmp_path, small_corpus, [0, 1], hang_at("r2-t4", "send", 2), min_regions=2,
                                    tokens=15000)  # (the two slowed ones spend it alone)
-    try:
-        kill_hung_region(tag, out, proc, "r2-t4", [2], "send", 2)
-        _, stderr = proc.communicate(timeout=300)
-    finally:
-        proc.kill()
-        kill_all(tag)
+    stderr = lose_hung_region(proc, out, tag, "r2-t4", 2, 2)
     assert proc.returncode == 0, stderr[-3000:]
     assert "warning: region r2-t4 was lost" in stderr
     summary = json.loads((out / "summary.json").read_text())
@@ -139,12 +145,7 @@ def test_when_the_servers_region_dies_the_others_stop_with_one_line(tmp_path, sm
     """The parameter server's region is lost (hung after its first cycle, then killed): θ lived only there, so
     each other region stops at its next push with one ``error:`` line that says so, and the launch fails."""
     proc, out, tag = slowed_launch(tmp_path, small_corpus, [1, 2], hang_at("r0-h100", "send", 1))
-    try:
-        kill_hung_region(tag, out, proc, "r0-h100", [0], "send", 1)
-        _, stderr = proc.communicate(timeout=300)
-    finally:
-        proc.kill()
-        kill_all(tag)
+    lose_hung_region(proc, out, tag, "r0-h100", 0, 1)
     assert proc.returncode == 1 and not (out / "summary.json").exists()
     for k, name in ((1, "r1-a100"), (2, "r2-t4")):
         errors = [line for line in (out / "logs" / f"rank{k}.log").read_text().splitlines() if "error" in line]
